@@ -1,0 +1,125 @@
+"""The `plan` command: argv -> request -> pipeline -> render. No planning logic lives here.
+
+Exit codes: 0 ok, 2 bad input (one line on stderr), 3 nothing fits. ``--debug`` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Sequence
+
+from planner.errors import EXIT_BAD_INPUT, BadInput, PlanError
+
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises BadInput (one line, exit 2) instead of printing usage and exiting."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise BadInput(f"{self.prog}: {message}")
+
+
+def _profile_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="plan profile", description="Profile a model file layer by layer.")
+    p.add_argument("model", help="the model file (defines build_model() and sample_batch())")
+    p.add_argument("--batch-size", type=_positive_int, default=1, help="samples in the profiled batch (default 1)")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16", help="dtype of parameters and activations (default bf16)")
+    p.add_argument("--meta", action="store_true", help="profile on fake tensors even if the model fits in memory (no timings)")
+    p.add_argument("--no-time", action="store_true", help="skip measuring forward/backward seconds")
+    p.add_argument("--repeats", type=_positive_int, default=3, help="timed iterations; the median is kept (default 3)")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON on stdout")
+    p.add_argument("-o", "--output", help="also write the profile JSON to this file")
+    p.add_argument("--force", action="store_true", help="overwrite the -o file if it exists")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def cmd_profile(argv: Sequence[str]) -> int:
+    args = _profile_parser().parse_args(argv)
+    from planner import schema
+    from planner.model_file import load_model_file
+    from planner.profile import profile_model
+    from planner.report.profile_table import render_profile
+
+    handle = load_model_file(args.model)
+    profile = profile_model(
+        handle,
+        batch_size=args.batch_size,
+        dtype=args.dtype,
+        force_meta=args.meta,
+        measure=not args.no_time,
+        repeats=args.repeats,
+    )
+    if args.output:
+        schema.write_new_file(args.output, profile.to_json(), force=args.force)
+    if args.json:
+        print(profile.to_json())
+    else:
+        render_profile(profile)
+    return 0
+
+
+def _gpus_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="plan gpus", description="List the hardware catalogue.")
+    p.add_argument("--json", action="store_true", help="print the catalogue as JSON")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def cmd_gpus(argv: Sequence[str]) -> int:
+    args = _gpus_parser().parse_args(argv)
+    from planner.report.gpus_table import render_gpus
+
+    render_gpus(as_json=args.json)
+    return 0
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+    "profile": cmd_profile,
+    "gpus": cmd_gpus,
+}
+
+USAGE = """usage: plan COMMAND ...
+
+commands:
+  plan profile MODEL.py [--batch-size B] [--json]   per-layer parameters, FLOPs, memory and time
+  plan gpus                                         the hardware catalogue (--gpu names)
+
+Run `plan COMMAND --help` for the options of each."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else EXIT_BAD_INPUT
+    command = COMMANDS.get(argv[0])
+    try:
+        if command is None:
+            raise BadInput(f"plan: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}")
+        return command(argv[1:])
+    except PlanError as exc:
+        if debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""ModelProfile: what the profiler knows about a model, the input of the search.
+
+All FLOPs and bytes are for the profiled batch (`batch_size` samples); divide by it for per-sample
+figures (the `per_sample` helpers do). Times are seconds on the device that measured them, or None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import networkx as nx
+
+from planner import schema
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One schedulable block, in execution order."""
+
+    index: int
+    name: str
+    """Qualified name of the block (``transformer.h.3``), or of its first module when merged."""
+    modules: tuple[str, ...]
+    """The modules this layer is made of (parameter-free neighbours are merged in)."""
+    kind: str
+    """Identical layers (same module types, parameter shapes and measured costs) share a kind."""
+    num_params: int
+    param_bytes: int
+    fwd_flops: int
+    bwd_flops: int
+    activation_bytes: int
+    """Bytes of tensors this layer saves for backward (deduplicated by storage, parameters excluded)."""
+    output_bytes: int
+    """Bytes of the tensors that cross a pipeline cut right after this layer."""
+    cut_after_ok: bool
+    """Whether a pipeline stage may end after this layer (one tensor or a known tuple crosses)."""
+    fwd_s: Optional[float] = None
+    bwd_s: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class ProfileTotals:
+    num_params: int
+    param_bytes: int
+    fwd_flops: int
+    bwd_flops: int
+    activation_bytes: int
+    fwd_s: Optional[float]
+    bwd_s: Optional[float]
+
+
+@dataclass(frozen=True)
+class Edge:
+    """A tensor produced by layer `src` and consumed by layer `dst` (src < dst)."""
+
+    src: int
+    dst: int
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    SCHEMA = "planner.ModelProfile"
+    VERSION = 1
+
+    model_name: str
+    source_sha256: str
+    batch_size: int
+    dtype: str
+    mode: str
+    """``materialized`` (real tensors, timed on `device`) or ``meta`` (fake tensors, no timings)."""
+    device: str
+    input_shapes: dict[str, tuple[int, ...]]
+    seq_len: Optional[int]
+    layers: tuple[LayerProfile, ...]
+    edges: tuple[Edge, ...]
+    totals: ProfileTotals
+    uncounted_ops: tuple[str, ...] = ()
+    """Ops that ran but have no FLOP formula (their FLOPs count as 0)."""
+    warnings: tuple[str, ...] = ()
+    profile_s: float = 0.0
+    schema: str = field(default="planner.ModelProfile")
+    version: int = field(default=1)
+
+    # -- derived views ------------------------------------------------------------------------
+    @property
+    def num_params(self) -> int:
+        return self.totals.num_params
+
+    @property
+    def timed(self) -> bool:
+        return all(layer.fwd_s is not None for layer in self.layers)
+
+    def kinds(self) -> dict[str, list[int]]:
+        """Kind -> indices of the layers of that kind, in order."""
+        out: dict[str, list[int]] = {}
+        for layer in self.layers:
+            out.setdefault(layer.kind, []).append(layer.index)
+        return out
+
+    def per_sample(self, value: float) -> float:
+        return value / self.batch_size
+
+    def graph(self) -> nx.DiGraph:
+        """Layers as nodes (with their profile as attributes), tensors between them as edges."""
+        g = nx.DiGraph()
+        for layer in self.layers:
+            g.add_node(layer.index, name=layer.name, kind=layer.kind)
+        for e in self.edges:
+            if g.has_edge(e.src, e.dst):
+                g[e.src][e.dst]["num_bytes"] += e.num_bytes
+            else:
+                g.add_edge(e.src, e.dst, num_bytes=e.num_bytes)
+        return g
+
+    def cut_points(self) -> list[int]:
+        """Indices i such that a pipeline stage may end after layer i."""
+        return [layer.index for layer in self.layers[:-1] if layer.cut_after_ok]
+
+    # -- JSON ---------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return schema.dumps(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "profile") -> "ModelProfile":
+        return schema.from_jsonable(cls, data, source=source)
+
+    @classmethod
+    def load(cls, path) -> "ModelProfile":
+        return schema.load_json_file(cls, path)
