@@ -1,0 +1,85 @@
+"""FLOP formulas: torch's `flop_counter` registry, plus the ops it misses, plus op triage.
+
+`torch.utils.flop_counter` counts matmuls, convolutions and the CUDA attention kernels (one
+multiply-add = 2 FLOPs, forward and backward). On CPU tensors (real or fake) attention dispatches
+to ``_scaled_dot_product_flash_attention_for_cpu``, which it does not count: registered here with
+the same formula as the other SDPA kernels (2 matmuls forward, 4 backward-equivalent; causal
+masking not discounted, as in Megatron's and PaLM's MFU accounting).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import (
+    flop_registry,
+    register_flop_formula,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
+
+aten = torch.ops.aten
+
+
+def _register_missing() -> None:
+    fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if fwd is not None and fwd not in flop_registry:
+
+        @register_flop_formula(fwd)
+        def _cpu_flash_fwd(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+            return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    if bwd is not None and bwd not in flop_registry:
+
+        @register_flop_formula(bwd)
+        def _cpu_flash_bwd(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+            return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+_register_missing()
+
+# Ops without a formula that are cheap by nature (memory-bound: elementwise, normalisation,
+# reductions, data movement). They are not reported as "uncounted"; anything else is.
+_CHEAP_PREFIXES = (
+    "_to_copy", "copy", "clone", "empty", "zeros", "ones", "full", "fill", "arange", "lift",
+    "detach", "alias", "view", "_unsafe_view", "reshape", "expand", "t", "transpose", "permute",
+    "squeeze", "unsqueeze", "slice", "select", "split", "unbind", "chunk", "cat", "stack",
+    "index", "gather", "scatter", "embedding", "masked_fill", "where", "tril", "triu",
+    "native_layer_norm", "native_batch_norm", "_native_batch_norm", "batch_norm", "layer_norm",
+    "_fused_rms_norm", "rms_norm", "_softmax", "_log_softmax", "softmax", "native_dropout",
+    "dropout", "bernoulli", "rand", "nll_loss", "mse_loss", "sum", "mean", "var", "std", "amax",
+    "max", "min", "argmax", "cumsum", "sort", "topk", "sigmoid", "tanh", "relu", "threshold",
+    "gelu", "silu", "hardtanh", "leaky_relu", "elu", "neg", "rsqrt", "sqrt", "pow", "exp", "log",
+    "abs", "sign", "clamp", "div", "mul", "add", "sub", "rsub", "eq", "ne", "lt", "le", "gt", "ge",
+    "logical", "bitwise", "any", "all", "isnan", "isinf", "max_pool", "avg_pool",
+    "adaptive_avg_pool", "adaptive_max_pool", "_adaptive_avg_pool", "upsample", "pad",
+    "constant_pad", "new_", "as_strided", "_reshape_alias", "repeat", "roll", "flip", "cos", "sin",
+    "reciprocal", "_local_scalar_dense", "sym_", "_assert", "scalar_tensor", "zero_", "normal",
+    "uniform", "floor", "ceil", "round", "trunc", "frac", "fmod", "remainder", "maximum",
+    "minimum", "lerp", "addcmul", "addcdiv", "_unsafe_index", "im2col", "col2im", "unfold",
+    "_foreach", "linalg_vector_norm", "norm", "erf", "logsumexp", "_safe_softmax", "_log_softmax",
+    "masked_scatter", "index_put", "polar", "view_as_real", "view_as_complex", "complex",
+    "_efficientzerotensor", "device", "layout", "dim", "size", "stride", "numel", "is_", "ones_like", "zeros_like", "empty_like", "full_like", "new_zeros",
+)
+
+
+def op_name(func) -> str:
+    return func.overloadpacket.__name__
+
+
+def formula_for(func):
+    """The FLOP formula for an aten op overload, or None."""
+    return flop_registry.get(func.overloadpacket)
+
+
+def is_cheap(func) -> bool:
+    if torch.Tag.pointwise in getattr(func, "tags", ()) or getattr(func, "is_view", False):
+        return True
+    name = op_name(func).strip("_")
+    return name in _CHEAP_EXACT or name.startswith(_CHEAP_LONG)
+
+
+_CHEAP_NAMES = tuple(p.strip("_") for p in _CHEAP_PREFIXES)
+# Short names match exactly ("t" must not swallow "tensordot"), longer ones as prefixes.
+_CHEAP_EXACT = frozenset(p for p in _CHEAP_NAMES if len(p) < 4)
+_CHEAP_LONG = tuple(p for p in _CHEAP_NAMES if len(p) >= 4)

@@ -1,0 +1,278 @@
+"""profile_model: ModelHandle -> ModelProfile.
+
+1. Build the model as fake tensors (free, any size) and trace one step: FLOPs, saved bytes, flows.
+2. If it fits in RAM (and --meta was not asked), build it for real, trace again on real tensors
+   and, when asked, time each unit. Otherwise keep the fake trace: no timings.
+3. Group units into layers, attribute parameters, find the tensors crossing each cut, and mark
+   identical layers as one kind.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+
+from planner.errors import BadInput
+from planner.model_file import ModelHandle
+from planner.profile import materialize as mat
+from planner.profile.layers import Unit, find_units, group_units, has_params
+from planner.profile.timing import time_units
+from planner.profile.trace import BEFORE_ANY, TraceResult, run_trace, storage_key
+from planner.profile.types import Edge, LayerProfile, ModelProfile, ProfileTotals
+
+FAKE_ERRORS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+
+
+def _input_shapes(inputs: Any) -> dict[str, tuple[int, ...]]:
+    if isinstance(inputs, torch.Tensor):
+        items = [("input", inputs)]
+    elif isinstance(inputs, dict):
+        items = list(inputs.items())
+    else:
+        items = [(f"arg{i}", t) for i, t in enumerate(inputs)]
+    return {k: tuple(v.shape) for k, v in items if isinstance(v, torch.Tensor)}
+
+
+def _seq_len(inputs: Any) -> int | None:
+    """The sequence length: the second dim of the first 2-D integer input (token ids), if any."""
+    values = inputs.values() if isinstance(inputs, dict) else ([inputs] if isinstance(inputs, torch.Tensor) else inputs)
+    for t in values:
+        if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point():
+            return int(t.shape[1])
+    return None
+
+
+def _trace_fake(handle: ModelHandle, dtype: torch.dtype, inputs: Any, targets: Any):
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = mat.build_fake(handle, dtype, fake_mode)
+    units = find_units(model)
+    with fake_mode:
+        f_inputs, f_targets = mat.fake_batch(inputs, fake_mode), mat.fake_batch(targets, fake_mode)
+        trace = run_trace(handle, model, units, f_inputs, f_targets)
+    return model, units, trace
+
+
+def _is_fake_failure(exc: BaseException) -> bool:
+    while exc is not None:
+        if isinstance(exc, FAKE_ERRORS):
+            return True
+        exc = exc.__cause__
+    return False
+
+
+def profile_model(
+    handle: ModelHandle,
+    *,
+    batch_size: int = 1,
+    dtype: str = "bf16",
+    force_meta: bool = False,
+    measure: bool = True,
+    repeats: int = 3,
+) -> ModelProfile:
+    start = time.perf_counter()
+    tdtype = mat.torch_dtype(dtype)
+    inputs, targets = handle.sample_batch(batch_size)
+    inputs, targets = mat.cast_floats(inputs, tdtype), mat.cast_floats(targets, tdtype)
+    warnings: list[str] = []
+
+    fake_error: BaseException | None = None
+    try:
+        model, units, trace = _trace_fake(handle, tdtype, inputs, targets)
+        activation_bytes = sum(trace.saved_bytes.values())
+        num_params = sum(p.numel() for p in model.parameters())
+    except BadInput as exc:
+        if not _is_fake_failure(exc):
+            raise
+        fake_error = exc
+        with torch.device("meta"):
+            num_params = sum(p.numel() for p in handle.build_model().parameters())
+        activation_bytes = 0
+
+    need = mat.materialised_bytes_estimate(num_params, tdtype, activation_bytes)
+    avail = mat.available_ram_bytes()
+    fits = need < mat.RAM_SHARE * avail
+    if fake_error is not None and (force_meta or not fits):
+        raise BadInput(
+            f"{handle.path}: cannot profile on fake tensors (the forward depends on tensor values: "
+            f"{fake_error.__cause__}) and the model is too large to run for real"
+        ) from fake_error
+    mode, device = "meta", "fake"
+    if fake_error is not None:
+        warnings.append("the forward depends on tensor values; profiled on real tensors instead of fake ones")
+    if not force_meta and fits:
+        model = mat.build_materialised(handle, tdtype)
+        units = find_units(model)
+        trace = run_trace(handle, model, units, inputs, targets)
+        mode, device = "materialized", "cpu"
+    elif not force_meta:
+        warnings.append(
+            f"materialising needs about {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available: "
+            "profiled on fake tensors, no timings"
+        )
+    fwd_s = bwd_s = None
+    if mode == "materialized" and measure:
+        first = trace.order[0] if trace.order else 0
+        fwd_s, bwd_s = time_units(handle, model, units, first, inputs, targets, repeats)
+
+    layers, edges = _assemble(model, units, trace, fwd_s, bwd_s, warnings)
+    totals = ProfileTotals(
+        num_params=sum(lp.num_params for lp in layers),
+        param_bytes=sum(lp.param_bytes for lp in layers),
+        fwd_flops=sum(lp.fwd_flops for lp in layers),
+        bwd_flops=sum(lp.bwd_flops for lp in layers),
+        activation_bytes=sum(lp.activation_bytes for lp in layers),
+        fwd_s=sum(lp.fwd_s for lp in layers) if fwd_s is not None else None,
+        bwd_s=sum(lp.bwd_s for lp in layers) if bwd_s is not None else None,
+    )
+    uncounted = tuple(f"{name} (x{n})" for name, n in sorted(trace.uncounted_ops.items()))
+    if uncounted:
+        warnings.append(f"{len(uncounted)} op(s) have no FLOP formula and count as 0: " + ", ".join(uncounted))
+    return ModelProfile(
+        model_name=handle.name,
+        source_sha256=handle.source_sha256,
+        batch_size=batch_size,
+        dtype=dtype,
+        mode=mode,
+        device=device,
+        input_shapes=_input_shapes(inputs),
+        seq_len=_seq_len(inputs),
+        layers=tuple(layers),
+        edges=tuple(edges),
+        totals=totals,
+        uncounted_ops=uncounted,
+        warnings=tuple(warnings),
+        profile_s=round(time.perf_counter() - start, 3),
+    )
+
+
+def _assemble(
+    model: torch.nn.Module,
+    units: list[Unit],
+    trace: TraceResult,
+    fwd_s: list[float] | None,
+    bwd_s: list[float] | None,
+    warnings: list[str],
+) -> tuple[list[LayerProfile], list[Edge]]:
+    order = list(trace.order)
+    if not order:
+        raise BadInput("the model's forward called none of its submodules; nothing to profile")
+    unused = [units[i].name for i in range(len(units)) if i not in order]
+    if unused:
+        warnings.append(f"modules never called in forward (their parameters join the last layer): {', '.join(unused)}")
+    ordered = [units[i] for i in order]
+    groups = group_units(ordered)
+    # unit index -> layer index; glue before any unit belongs to the first layer
+    layer_of = {order[pos]: li for li, g in enumerate(groups) for pos in g}
+    layer_of[BEFORE_ANY] = 0
+    num_layers = len(groups)
+
+    # Parameters: owned by the first layer (in execution order) whose modules hold them; loose
+    # ones (owned by no unit) by the layer that first used them; unused ones by the last layer.
+    params = {storage_key(p): p for p in model.parameters()}
+    param_layer: dict[int, int] = {}
+    for li, g in enumerate(groups):
+        for pos in g:
+            for p in ordered[pos].module.parameters():
+                param_layer.setdefault(storage_key(p), li)
+    for key, unit in trace.loose_param_use.items():
+        param_layer.setdefault(key, layer_of[unit])
+    for key in params:
+        if key not in param_layer:
+            param_layer[key] = num_layers - 1
+    num_params = [0] * num_layers
+    param_bytes = [0] * num_layers
+    for key, li in param_layer.items():
+        num_params[li] += params[key].numel()
+        param_bytes[li] += params[key].numel() * params[key].element_size()
+
+    def per_layer(counter) -> list[int]:
+        out = [0] * num_layers
+        for unit, v in counter.items():
+            out[layer_of.get(unit, num_layers - 1)] += int(v)
+        return out
+
+    fwd_flops, bwd_flops = per_layer(trace.fwd_flops), per_layer(trace.bwd_flops)
+    saved = per_layer(trace.saved_bytes)
+
+    # Tensors crossing each cut, and the layer graph's edges.
+    crossing = [0] * num_layers
+    crossing_count = [0] * num_layers
+    edge_bytes: dict[tuple[int, int], int] = {}
+    for flow in trace.flows:
+        src = layer_of.get(flow.creator, num_layers - 1)
+        dsts = {layer_of.get(c, num_layers - 1) for c in flow.consumers} - {src}
+        later = [d for d in dsts if d > src]
+        if not later:
+            continue
+        for d in later:
+            edge_bytes[(src, d)] = edge_bytes.get((src, d), 0) + flow.num_bytes
+        for cut in range(src, max(later)):
+            crossing[cut] += flow.num_bytes
+            crossing_count[cut] += 1
+
+    def seconds(values: list[float] | None, li: int) -> float | None:
+        if values is None:
+            return None
+        return sum(values[order[pos]] for pos in groups[li])
+
+    # A layer is named after its first module with parameters (the others are merged into it).
+    mains = [next((pos for pos in g if has_params(ordered[pos].module)), g[0]) for g in groups]
+    sigs = [_signature(ordered, g, fwd_flops[li], bwd_flops[li], saved[li]) for li, g in enumerate(groups)]
+    kinds = _kind_names(sigs, [type(ordered[pos].module).__name__ for pos in mains])
+    layers = []
+    for li, g in enumerate(groups):
+        names = tuple(ordered[pos].name for pos in g)
+        main = ordered[mains[li]].name
+        layers.append(
+            LayerProfile(
+                index=li,
+                name=main,
+                modules=names,
+                kind=kinds[li],
+                num_params=num_params[li],
+                param_bytes=param_bytes[li],
+                fwd_flops=fwd_flops[li],
+                bwd_flops=bwd_flops[li],
+                activation_bytes=saved[li],
+                output_bytes=crossing[li] if li < num_layers - 1 else 0,
+                cut_after_ok=li < num_layers - 1 and crossing_count[li] > 0,
+                fwd_s=seconds(fwd_s, li),
+                bwd_s=seconds(bwd_s, li),
+            )
+        )
+    edges = [Edge(src=s, dst=d, num_bytes=b) for (s, d), b in sorted(edge_bytes.items())]
+    return layers, edges
+
+
+def _signature(ordered: list[Unit], group: list[int], *costs: int) -> tuple:
+    parts = []
+    for pos in group:
+        m = ordered[pos].module
+        parts.append(
+            (
+                tuple(type(x).__name__ for x in m.modules()),
+                tuple((n, tuple(p.shape), str(p.dtype)) for n, p in m.named_parameters()),
+            )
+        )
+    return (tuple(parts), costs)
+
+
+def _kind_names(sigs: list[tuple], class_names: list[str]) -> list[str]:
+    """Name each distinct signature by its class; a second signature of a class gets ':2', etc."""
+    names: dict[tuple, str] = {}
+    per_class: dict[str, int] = {}
+    out = []
+    for sig, cls in zip(sigs, class_names):
+        if sig not in names:
+            per_class[cls] = per_class.get(cls, 0) + 1
+            names[sig] = cls if per_class[cls] == 1 else f"{cls}:{per_class[cls]}"
+        out.append(names[sig])
+    return out

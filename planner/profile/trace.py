@@ -1,0 +1,203 @@
+"""One instrumented training step (forward, loss, backward) that measures every unit.
+
+Attribution: a forward op belongs to the unit whose forward is running, or, between units, to the
+last unit that ran (glue after the first unit, such as a residual or position-id computation,
+belongs to it; glue before any unit to the first one). A backward op belongs to the unit whose
+outputs last received their gradient (a multi-grad hook on each unit's outputs).
+
+Per unit it records:
+- FLOPs, forward and backward, with torch's formula registry (flops.py), via a dispatch mode;
+- bytes saved for backward, through `saved_tensors_hooks`: each storage counted once (views of it
+  too), parameters and buffers excluded, and charged to the unit that created the storage. So a
+  block's output, saved by the next block's first norm, is charged to the block that made it:
+  stacked blocks come out identical (each owns one such tensor, as in Korthikanti et al.'s count),
+  and a tensor shared by all blocks (RoPE's cos/sin) is charged once, to where it was made;
+- the tensors it creates and who consumes them, so that a pipeline cut's crossing tensors are known.
+Works on real tensors and under FakeTensorMode alike (the mode sees the same ops in both).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from planner.model_file import ModelHandle
+from planner.profile.flops import formula_for, is_cheap, op_name
+from planner.profile.layers import Unit
+
+BEFORE_ANY = -1  # segment of glue that runs before the first unit
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+
+@dataclass
+class TensorFlow:
+    creator: int
+    num_bytes: int
+    consumers: set[int] = field(default_factory=set)
+
+
+@dataclass
+class TraceResult:
+    order: list[int]
+    """Unit indices in the order of their first call."""
+    fwd_flops: Counter
+    bwd_flops: Counter
+    saved_bytes: Counter
+    flows: list[TensorFlow]
+    loose_param_use: dict[int, int]
+    """Storage key of a parameter owned by no unit -> first unit whose ops used it."""
+    uncounted_ops: Counter
+    outputs: Any = None
+
+
+class _Segments:
+    """Which unit is running, in forward and in backward."""
+
+    def __init__(self) -> None:
+        self.stack: list[int] = []
+        self.last = BEFORE_ANY
+        self.backward = False
+        self.bwd_unit = BEFORE_ANY
+
+    def current(self) -> int:
+        if self.backward:
+            return self.bwd_unit
+        return self.stack[-1] if self.stack else self.last
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, seg: _Segments, param_keys: set[int], loose_keys: set[int]) -> None:
+        super().__init__()
+        self.seg = seg
+        self.param_keys = param_keys
+        self.loose_keys = loose_keys
+        self.fwd_flops: Counter = Counter()
+        self.bwd_flops: Counter = Counter()
+        self.uncounted: Counter = Counter()
+        self.ids: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.flows: list[TensorFlow] = []
+        self.loose_use: dict[int, int] = {}
+        self.storage_creator: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        seg = self.seg.current()
+        formula = formula_for(func)
+        if formula is not None:
+            flops = int(formula(*args, **kwargs, out_val=out))
+            (self.bwd_flops if self.seg.backward else self.fwd_flops)[seg] += flops
+        elif not is_cheap(func):
+            self.uncounted[op_name(func)] += 1
+        if not self.seg.backward:
+            self._track(seg, args, kwargs, out)
+        return out
+
+    def _track(self, seg: int, args, kwargs, out) -> None:
+        inputs = tensors_in((args, kwargs))
+        input_storages = {storage_key(t) for t in inputs}
+        for t in tensors_in(out):
+            key = storage_key(t)
+            if key in input_storages:  # a view or an in-place result: the storage keeps its maker
+                self.storage_creator.setdefault(key, seg)
+            else:  # a new storage (its address may be a freed one's: overwrite)
+                self.storage_creator[key] = seg
+        for t in inputs:
+            tid = self.ids.get(t)
+            if tid is not None:
+                flow = self.flows[tid]
+                if seg != flow.creator:
+                    flow.consumers.add(seg)
+            elif self.loose_keys:
+                key = storage_key(t)
+                if key in self.loose_keys and key not in self.loose_use:
+                    self.loose_use[key] = seg
+        for t in tensors_in(out):
+            if t not in self.ids:
+                self.ids[t] = len(self.flows)
+                self.flows.append(TensorFlow(seg, t.numel() * t.element_size()))
+
+
+def run_trace(
+    handle: ModelHandle,
+    model: torch.nn.Module,
+    units: list[Unit],
+    inputs: Any,
+    targets: Any,
+) -> TraceResult:
+    """One forward + loss + backward of `model` on the batch, instrumented per unit."""
+    seg = _Segments()
+    order: list[int] = []
+    param_keys = {storage_key(p) for p in model.parameters()} | {storage_key(b) for b in model.buffers()}
+    owned = {storage_key(p) for u in units for p in u.module.parameters()}
+    loose = {storage_key(p) for p in model.parameters()} - owned
+    saved: Counter = Counter()
+    seen_storages: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key not in param_keys and key not in seen_storages:
+            seen_storages.add(key)
+            saved[recorder.storage_creator.get(key, seg.current())] += t.untyped_storage().nbytes()
+        return t
+
+    def make_hooks(index: int):
+        def pre(module, args):
+            if index not in order:
+                order.append(index)
+            seg.stack.append(index)
+
+        def post(module, args, output):
+            seg.stack.pop()
+            seg.last = index
+            outs = [t for t in tensors_in(output) if t.requires_grad]
+            if outs:
+
+                def entered_backward(_grad) -> None:
+                    seg.bwd_unit = index
+
+                register_multi_grad_hook(outs, entered_backward, mode="any")
+
+        return pre, post
+
+    handles = []
+    for i, unit in enumerate(units):
+        pre, post = make_hooks(i)
+        handles.append(unit.module.register_forward_pre_hook(pre))
+        handles.append(unit.module.register_forward_hook(post))
+    recorder = _Recorder(seg, param_keys, loose)
+    try:
+        with recorder:
+            with saved_tensors_hooks(pack, lambda t: t):
+                outputs = handle.forward(model, inputs)
+                loss = handle.loss(outputs, targets)
+            seg.backward = True
+            seg.bwd_unit = seg.last
+            if loss.requires_grad:
+                loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return TraceResult(
+        order=order,
+        fwd_flops=recorder.fwd_flops,
+        bwd_flops=recorder.bwd_flops,
+        saved_bytes=saved,
+        flows=recorder.flows,
+        loose_param_use=recorder.loose_use,
+        uncounted_ops=recorder.uncounted,
+    )
