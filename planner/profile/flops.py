@@ -53,7 +53,7 @@ _CHEAP_PREFIXES = (
     "abs", "sign", "clamp", "div", "mul", "add", "sub", "rsub", "eq", "ne", "lt", "le", "gt", "ge",
     "logical", "bitwise", "any", "all", "isnan", "isinf", "max_pool", "avg_pool",
     "adaptive_avg_pool", "adaptive_max_pool", "_adaptive_avg_pool", "upsample", "pad",
-    "constant_pad", "new_", "as_strided", "_reshape_alias", "repeat", "roll", "flip", "cos", "sin",
+    "constant_pad", "new_ones", "new_empty", "new_full", "as_strided", "_reshape_alias", "repeat", "roll", "flip", "cos", "sin",
     "reciprocal", "_local_scalar_dense", "sym_", "_assert", "scalar_tensor", "zero_", "normal",
     "uniform", "floor", "ceil", "round", "trunc", "frac", "fmod", "remainder", "maximum",
     "minimum", "lerp", "addcmul", "addcdiv", "_unsafe_index", "im2col", "col2im", "unfold",

@@ -107,12 +107,14 @@ def profile_model(
     mode, device = "meta", "fake"
     if fake_error is not None:
         warnings.append("the forward depends on tensor values; profiled on real tensors instead of fake ones")
-    if not force_meta and fits:
+    # Materialise only to measure time (a real trace gives the same FLOPs and bytes as the fake
+    # one, tests/unit check it) or when the fake trace failed.
+    if not force_meta and fits and (measure or fake_error is not None):
         model = mat.build_materialised(handle, tdtype)
         units = find_units(model)
-        trace = run_trace(handle, model, units, inputs, targets)
+        trace = run_trace(handle, model, units, inputs, targets)  # doubles as the timing warm-up
         mode, device = "materialized", "cpu"
-    elif not force_meta:
+    elif measure and not force_meta:
         warnings.append(
             f"materialising needs about {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available: "
             "profiled on fake tensors, no timings"

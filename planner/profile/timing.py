@@ -1,8 +1,9 @@
 """Forward and backward seconds per unit, measured on the local device.
 
 The same attribution as trace.py, with timestamps instead of a dispatch mode (which would slow
-every op): the clock is charged to the running unit at each unit boundary. One warm-up step, then
-`repeats` timed steps; the median per unit is kept (CPU timings vary 3-10% step to step).
+every op): the clock is charged to the running unit at each unit boundary. The caller has run one
+step already (the trace, as warm-up); `repeats` timed steps follow and the median per unit is kept
+(CPU timings vary 3-10% step to step).
 Boundaries are exact on the CPU, where ops run synchronously; on CUDA the device is synchronised
 at each boundary.
 """
@@ -70,7 +71,7 @@ def time_units(
         handles.append(unit.module.register_forward_pre_hook(pre))
         handles.append(unit.module.register_forward_hook(post))
     try:
-        for step in range(repeats + 1):
+        for _ in range(repeats):
             model.zero_grad(set_to_none=True)
             clock = _Clock(len(units), sync)
             clock_ref[:] = [clock]
@@ -82,8 +83,7 @@ def time_units(
             clock.backward = True
             loss.backward()
             clock.switch(clock.unit)
-            if step > 0:
-                runs.append(clock)
+            runs.append(clock)
     finally:
         for h in handles:
             h.remove()

@@ -1,0 +1,25 @@
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+# Keep CPU timings and thread pools small and repeatable on the 2-core CI machine.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    """Write a model file (dedented source) and return its path; examples/ is importable from it."""
+
+    def write(source: str, name: str = "model.py") -> Path:
+        path = tmp_path / name
+        header = f"import sys\nsys.path.insert(0, {str(EXAMPLES)!r})\n"
+        path.write_text(header + textwrap.dedent(source))
+        return path
+
+    return write
