@@ -62,8 +62,13 @@ class ModelHandle:
                 with torch.device(device):
                     model = self.module.build_model()
         except Exception as exc:  # noqa: BLE001 - any user error is reported, not raised
+            hint = (
+                " (build_model() ran under torch.device('meta'), where tensors have no values: "
+                "avoid .item() and value-dependent code while building)"
+                if str(device) == "meta" else ""
+            )
             raise BadInput(
-                f"{self.path}: build_model() raised {_describe(exc)}{_where(exc, self.path)}"
+                f"{self.path}: build_model() raised {_describe(exc)}{_where(exc, self.path)}{hint}"
             ) from exc
         if not isinstance(model, torch.nn.Module):
             raise BadInput(
@@ -109,15 +114,18 @@ class ModelHandle:
         fn: Callable = self.module.loss_fn if self.has_loss_fn else default_loss
         try:
             loss = fn(outputs, targets)
-        except BadInput:
-            raise
+        except BadInput as exc:
+            if str(self.path) in str(exc):
+                raise
+            raise BadInput(f"{self.path}: {exc}") from exc
         except Exception as exc:  # noqa: BLE001
             who = "loss_fn" if self.has_loss_fn else "the default loss"
             raise BadInput(
                 f"{self.path}: {who} raised {_describe(exc)}{_where(exc, self.path)}"
             ) from exc
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise BadInput(f"{self.path}: loss_fn must return a scalar tensor, got {type(loss).__name__}")
+            got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise BadInput(f"{self.path}: loss_fn must return a scalar tensor, got {got}")
         return loss
 
     def forward(self, model: torch.nn.Module, inputs: Any) -> Any:
@@ -177,8 +185,9 @@ def load_model_file(path: str | Path) -> ModelHandle:
     source = path.read_bytes()
     try:
         compile(source, str(path), "exec")
-    except SyntaxError as exc:
-        raise BadInput(f"{path}:{exc.lineno}: syntax error: {exc.msg}") from exc
+    except SyntaxError as exc:  # lineno is None for some errors (null bytes)
+        where = f":{exc.lineno}" if exc.lineno else ""
+        raise BadInput(f"{path}{where}: syntax error: {exc.msg}") from exc
     except ValueError as exc:  # e.g. null bytes
         raise BadInput(f"{path}: not a Python source file ({exc})") from exc
 

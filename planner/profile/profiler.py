@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -54,9 +55,17 @@ def _trace_fake(handle: ModelHandle, dtype: torch.dtype, inputs: Any, targets: A
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = mat.build_fake(handle, dtype, fake_mode)
     units = find_units(model)
-    with fake_mode:
-        f_inputs, f_targets = mat.fake_batch(inputs, fake_mode), mat.fake_batch(targets, fake_mode)
-        trace = run_trace(handle, model, units, f_inputs, f_targets)
+    # FakeTensorMode logs a full traceback when an op fails (e.g. a batch the forward rejects);
+    # the user gets our one-line error instead. (Set after import: torch resets it at import.)
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        with fake_mode:
+            f_inputs, f_targets = mat.fake_batch(inputs, fake_mode), mat.fake_batch(targets, fake_mode)
+            trace = run_trace(handle, model, units, f_inputs, f_targets)
+    finally:
+        fake_log.setLevel(level)
     return model, units, trace
 
 

@@ -67,14 +67,22 @@ def _gpt_file(model_file, attn: str, dropout: float, b: int, s: int, h: int, a: 
 
 
 def test_block_activations_match_korthikanti(model_file):
-    """Unfused attention with dropout, 16-bit: sbh(34 + 5as/h) (Korthikanti et al. 2022, Table 2)."""
+    """Unfused attention with dropout, 16-bit: sbh(34 + 5as/h) (Korthikanti et al. 2022, Table 2).
+
+    On the CPU, dropout saves its mask in the input's dtype (2 bytes at bf16), not as CUDA's 1-byte
+    mask: the two masks per block (sbh and as^2b elements) then count twice, which gives exactly
+    sbh(36 + 6as/h). Within 15% of the paper at this shape (as/h = 4), exact against the CPU form.
+    """
     b, s, h, a = 2, 128, 256, 8
     profile = _profile(_gpt_file(model_file, "math", 0.1, b, s, h, a), batch_size=b)
     blocks = [layer for layer in profile.layers if layer.kind == "Block"]
     assert len(blocks) == 3
-    expected = s * b * h * (34 + 5 * a * s / h)
+    paper = s * b * h * (34 + 5 * a * s / h)
+    cpu_masks = s * b * h * (36 + 6 * a * s / h)
     for block in blocks:
-        assert abs(block.activation_bytes - expected) / expected < 0.15, (block.activation_bytes, expected)
+        assert abs(block.activation_bytes - paper) / paper < 0.15, (block.activation_bytes, paper)
+        # + LayerNorm statistics (2 x fp32 per row, 2 norms): 16 bytes per position
+        assert abs(block.activation_bytes - cpu_masks) <= 16 * s * b, (block.activation_bytes, cpu_masks)
 
 
 def test_flash_attention_block_drops_the_quadratic_term(model_file):

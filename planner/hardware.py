@@ -1,0 +1,381 @@
+"""The hardware catalogue: GPU specs read from YAML data files, and the Cluster a plan targets.
+
+A GPU file (packaged ones live in ``profiles/``; ``profiles/README.md`` shows a full example)::
+
+    name: h100-sxm-80gb               # catalogue key, the --gpu name (default: the file name)
+    display_name: NVIDIA H100 SXM5 80GB
+    vendor: NVIDIA
+    peak_tflops:                      # DENSE TFLOP/s per dtype (no 2:4 sparsity); any of
+      bf16: 989.4                     #   bf16, fp16, fp8, tf32, fp32 (fp32 = without tensor
+      fp16: 989.4                     #   cores); leave a dtype out when the GPU lacks it
+      fp32: 66.9
+    memory_gb: 80                     # decimal GB, as datasheets give it
+    hbm_bandwidth_GBps: 3350          # device memory bandwidth
+    intra_node_bandwidth_GBps: 450    # per GPU, per direction (NVLink, xGMI or PCIe)
+    intra_node_peer_bandwidth_GBps: 64  # optional: direct link between two GPUs (mesh parts)
+    intra_node_latency_us: 8          # optional (default 10)
+    inter_node_bandwidth_GBps: 50     # per GPU, per direction (its share of the node's NICs)
+    inter_node_latency_us: 15         # optional (default 20)
+    gpus_per_node: 8
+    tdp_w: 700                        # optional
+    sources:                          # optional: field (or peak_tflops.<dtype>) -> where from
+      memory_gb: NVIDIA H100 datasheet
+    uncertain: [inter_node_latency_us]  # optional: fields that are estimates
+
+Users add GPUs with files of their own, in ``$PLAN_GPU_DIR``, in
+``~/.config/parallel-planner/gpus/`` (``$XDG_CONFIG_HOME`` respected), or by passing a file path
+as the GPU name. A user file with a packaged name replaces the packaged entry. ``cpu`` is the
+local CPU, measured by a microbenchmark (``planner.local_device``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+import profiles
+from planner.errors import BadInput
+
+DTYPES = ("bf16", "fp16", "fp8", "tf32", "fp32")
+_DTYPE_ALIASES = {
+    "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
+    "float8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
+}
+DEFAULT_INTRA_LATENCY_US = 10.0
+DEFAULT_INTER_LATENCY_US = 20.0
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+# YAML key -> (GPUSpec field, required). Units convert by the key's suffix: _gb/_GBps x 1e9, _us / 1e6.
+_SCALARS: dict[str, tuple[str, bool]] = {
+    "memory_gb": ("memory_bytes", True),
+    "hbm_bandwidth_GBps": ("hbm_bandwidth_Bps", True),
+    "intra_node_bandwidth_GBps": ("intra_node_bandwidth_Bps", True),
+    "intra_node_peer_bandwidth_GBps": ("intra_node_peer_bandwidth_Bps", False),
+    "intra_node_latency_us": ("intra_node_latency_s", False),
+    "inter_node_bandwidth_GBps": ("inter_node_bandwidth_Bps", True),
+    "inter_node_latency_us": ("inter_node_latency_s", False),
+    "gpus_per_node": ("gpus_per_node", True),
+    "tdp_w": ("tdp_w", False),
+}
+
+
+def _to_si(key: str, value: float) -> float:
+    if key.endswith(("_gb", "_GBps")):
+        return float(value) * 1e9
+    if key.endswith("_us"):
+        return float(value) / 1e6
+    return float(value)
+
+
+_TEXTS = ("name", "display_name", "vendor")
+KNOWN_KEYS = (*_TEXTS, "peak_tflops", *_SCALARS, "sources", "uncertain")
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator: peaks, memory and links, all in SI units (FLOP/s, bytes, B/s, s)."""
+
+    name: str
+    """Catalogue key, the ``--gpu`` name: ``h100-sxm-80gb``."""
+    display_name: str
+    vendor: str
+    peak_flops: dict[str, float]
+    """Dense FLOP/s (not TFLOP/s) per dtype: bf16, fp16, fp8, tf32, fp32 (fp32 = no tensor cores)."""
+    memory_bytes: int
+    hbm_bandwidth_Bps: float
+    intra_node_bandwidth_Bps: float
+    """Per GPU, per direction, to the other GPUs of its node together."""
+    intra_node_latency_s: float
+    inter_node_bandwidth_Bps: float
+    """Per GPU, per direction: its share of the node's network."""
+    inter_node_latency_s: float
+    gpus_per_node: int
+    tdp_w: float | None
+    sources: dict[str, str]
+    """Field (``peak_flops.tf32`` for one dtype) -> where the number comes from."""
+    origin: str
+    """``packaged``, the path of a user file, or ``measured`` (the local CPU)."""
+    intra_node_peer_bandwidth_Bps: float | None = None
+    """Direct link between two GPUs where GPUs are meshed (MI300X xGMI); None behind a switch."""
+    uncertain: tuple[str, ...] = ()
+    """Fields whose value is an estimate (rule of thumb, assumption, not re-read)."""
+
+    def peak(self, dtype: str) -> float:
+        """Dense peak FLOP/s for `dtype` (``bf16``, ``torch.bfloat16``, ``float32`` ...)."""
+        key = str(dtype).lower().removeprefix("torch.")
+        key = _DTYPE_ALIASES.get(key, key)
+        if key not in self.peak_flops:
+            have = ", ".join(sorted(self.peak_flops))
+            raise BadInput(f"{self.name} ({self.display_name}) has no {key} peak; it has: {have}")
+        return self.peak_flops[key]
+
+    @property
+    def memory_gb(self) -> float:
+        return self.memory_bytes / 1e9
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """`num_gpus` GPUs of one type in nodes of `gpus_per_node` (whole nodes only)."""
+
+    gpu: GPUSpec
+    num_gpus: int
+    gpus_per_node: int
+
+    def __post_init__(self) -> None:
+        n, per = self.num_gpus, self.gpus_per_node
+        assert 1 <= per <= n and n % per == 0, f"num_gpus({n}) is not whole nodes of {per}"
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_gpus // self.gpus_per_node
+
+    def spans_nodes(self, group_size: int) -> bool:
+        """Whether a group of `group_size` consecutive ranks must leave its node."""
+        return group_size > self.gpus_per_node
+
+    def bandwidth_Bps(self, group_size: int, spans_nodes: bool) -> float:
+        """Per-GPU, per-direction bandwidth of the link a collective over `group_size` GPUs uses."""
+        assert group_size >= 1, f"group_size({group_size}) < 1"
+        if spans_nodes or self.spans_nodes(group_size):
+            return self.gpu.inter_node_bandwidth_Bps
+        peer = self.gpu.intra_node_peer_bandwidth_Bps
+        if peer is not None and group_size > 1:
+            return min(self.gpu.intra_node_bandwidth_Bps, peer * (group_size - 1))
+        return self.gpu.intra_node_bandwidth_Bps
+
+    def latency_s(self, group_size: int, spans_nodes: bool) -> float:
+        """Per-message latency of the link a collective over `group_size` GPUs uses."""
+        if spans_nodes or self.spans_nodes(group_size):
+            return self.gpu.inter_node_latency_s
+        return self.gpu.intra_node_latency_s
+
+    def describe(self) -> str:
+        nodes = "1 node" if self.num_nodes == 1 else f"{self.num_nodes} nodes"
+        return f"{self.num_gpus} x {self.gpu.display_name} ({nodes} of {self.gpus_per_node})"
+
+
+# -- parsing ------------------------------------------------------------------------------------
+def _fail(where: str, message: str) -> BadInput:
+    return BadInput(f"{where}: {message}")
+
+
+def _positive(where: str, key: str, value: Any, *, integer: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value <= 0 or (integer and value != int(value)):
+        kind = "a positive whole number" if integer else "a positive number"
+        raise _fail(where, f"field '{key}' must be {kind}, got {value!r}")
+    return value
+
+
+def parse_gpu(data: Any, *, where: str, default_name: str, origin: str) -> GPUSpec:
+    """Validate one parsed GPU file and convert it to SI units; BadInput naming `where` and the field."""
+    if data is None:
+        raise _fail(where, "empty file; expected GPU fields (see profiles/README.md)")
+    if not isinstance(data, dict):
+        raise _fail(where, f"expected a mapping of fields, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(KNOWN_KEYS))
+    if unknown:
+        raise _fail(where, f"unknown field '{unknown[0]}'; fields are: {', '.join(KNOWN_KEYS)}")
+    for key in _TEXTS:
+        if key in data and not isinstance(data[key], str):
+            raise _fail(where, f"field '{key}' must be text, got {data[key]!r}")
+    name = data.get("name", default_name)
+    if not _NAME_RE.match(name) or name == "cpu":
+        why = "is reserved for the local CPU" if name == "cpu" else "must be lower-case letters, digits, '.', '-', '_'"
+        field_name = "field 'name'" if "name" in data else "the name (from the file name)"
+        raise _fail(where, f"{field_name}: {name!r} {why}")
+
+    peaks = data.get("peak_tflops")
+    if peaks is None:
+        raise _fail(where, "missing field 'peak_tflops' (dense TFLOP/s per dtype)")
+    if not isinstance(peaks, dict) or not peaks:
+        raise _fail(where, f"field 'peak_tflops' must map dtypes ({', '.join(DTYPES)}) to TFLOP/s")
+    peak_flops: dict[str, float] = {}
+    for dtype, tflops in peaks.items():
+        if dtype not in DTYPES:
+            raise _fail(where, f"field 'peak_tflops': unknown dtype {dtype!r}; dtypes are: {', '.join(DTYPES)}")
+        peak_flops[dtype] = float(_positive(where, f"peak_tflops.{dtype}", tflops)) * 1e12
+
+    values: dict[str, Any] = {}
+    for key, (attr, required) in _SCALARS.items():
+        if data.get(key) is None:
+            if required:
+                raise _fail(where, f"missing field '{key}'")
+            continue
+        number = _positive(where, key, data[key], integer=key == "gpus_per_node")
+        values[attr] = int(number) if key == "gpus_per_node" else _to_si(key, number)
+    values["memory_bytes"] = int(round(values["memory_bytes"]))
+
+    sources, uncertain = _parse_sources(data, where, origin)
+    defaults = {"intra_node_latency_us": DEFAULT_INTRA_LATENCY_US, "inter_node_latency_us": DEFAULT_INTER_LATENCY_US}
+    for key, default_us in defaults.items():
+        attr = _SCALARS[key][0]
+        if attr not in values:
+            values[attr] = _to_si(key, default_us)
+            sources[attr] = f"default {default_us:g} us (not in the file), rule of thumb"
+            uncertain.append(attr)
+    return GPUSpec(
+        name=name,
+        display_name=data.get("display_name", name),
+        vendor=data.get("vendor", "unknown"),
+        peak_flops=peak_flops,
+        tdp_w=values.pop("tdp_w", None),
+        sources=sources,
+        origin=origin,
+        uncertain=tuple(uncertain),
+        **values,
+    )
+
+
+def _spec_key(where: str, key: str, context: str = "sources") -> str:
+    """A YAML field name (``memory_gb``, ``peak_tflops.tf32``) -> the GPUSpec field it sets."""
+    head, _, dtype = key.partition(".")
+    if head == "peak_tflops" and (not dtype or dtype in DTYPES):
+        return "peak_flops" + (f".{dtype}" if dtype else "")
+    if head in _SCALARS and not dtype:
+        return _SCALARS[head][0]
+    raise _fail(where, f"field '{context}' names unknown field {key!r}")
+
+
+def _parse_sources(data: dict, where: str, origin: str) -> tuple[dict[str, str], list[str]]:
+    raw = data.get("sources") or {}
+    if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
+        raise _fail(where, "field 'sources' must map field names to text")
+    sources = {_spec_key(where, str(k)): v for k, v in raw.items()}
+    if origin != "packaged":  # packaged files must cite every number (a test checks)
+        for key in ("peak_tflops", *_SCALARS):
+            if data.get(key) is not None:
+                sources.setdefault(_spec_key(where, key), f"user file {origin}")
+    listed = data.get("uncertain") or []
+    if not isinstance(listed, list):
+        raise _fail(where, "field 'uncertain' must be a list of field names")
+    return sources, [_spec_key(where, str(k), "uncertain") for k in listed]
+
+
+def load_gpu_file(path: str | Path) -> GPUSpec:
+    """Read one user GPU file (the format in this module's docstring)."""
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadInput(f"{path}: no such GPU file") from None
+    except OSError as exc:
+        raise BadInput(f"{path}: cannot read: {exc.strerror}") from None
+    return parse_gpu(_load_yaml(text, str(path)), where=str(path), default_name=path.stem.lower(), origin=str(path))
+
+
+def _load_yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "syntax error"
+        raise BadInput(f"{where}{line}: not valid YAML: {problem}") from None
+
+
+# -- the catalogue ------------------------------------------------------------------------------
+def user_gpu_dirs() -> list[Path]:
+    """Directories searched for user GPU files, later ones winning: config dir, then $PLAN_GPU_DIR."""
+    config = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    dirs = [config / "parallel-planner" / "gpus"]
+    env = os.environ.get("PLAN_GPU_DIR")
+    if env:
+        if not Path(env).expanduser().is_dir():
+            raise BadInput(f"PLAN_GPU_DIR={env}: no such directory")
+        dirs.append(Path(env).expanduser())
+    return [d for d in dirs if d.is_dir()]
+
+
+_PACKAGED: dict[str, GPUSpec] = {}
+
+
+def _packaged() -> dict[str, GPUSpec]:
+    if not _PACKAGED:
+        for key in profiles.packaged_names():
+            where = f"profiles/{key}{profiles.SUFFIX}"
+            data = _load_yaml(profiles.read_packaged(key), where)
+            _PACKAGED[key] = parse_gpu(data, where=where, default_name=key, origin="packaged")
+    return dict(_PACKAGED)
+
+
+def load_catalogue() -> dict[str, GPUSpec]:
+    """Packaged GPUs, then user files (a user file replaces a packaged GPU of the same name)."""
+    catalogue = _packaged()
+    for directory in user_gpu_dirs():
+        seen: dict[str, Path] = {}
+        for path in sorted([*directory.glob("*.yaml"), *directory.glob("*.yml")]):
+            spec = load_gpu_file(path)
+            if spec.name in seen:
+                raise BadInput(f"{path}: GPU {spec.name!r} is already defined in {seen[spec.name]}")
+            seen[spec.name] = path
+            catalogue[spec.name] = spec
+    return dict(sorted(catalogue.items()))
+
+
+def _suggest(name: str, names: list[str]) -> list[str]:
+    """Names that contain `name` (ignoring dashes), else the closest by difflib."""
+    bare = name.replace("-", "").replace("_", "")
+    partial = [n for n in names if bare and bare in n.replace("-", "")]
+    return partial[:4] or difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+
+
+def get_gpu(name: str | GPUSpec) -> GPUSpec:
+    """A GPU by catalogue name, ``cpu`` (the measured local CPU), or a path to a GPU ``.yaml`` file."""
+    if isinstance(name, GPUSpec):
+        return name
+    key = str(name).strip()
+    if key.lower() == "cpu":
+        from planner.local_device import measure_local_cpu
+
+        return measure_local_cpu()
+    if key.endswith((".yaml", ".yml")) or os.sep in key:
+        return load_gpu_file(key)
+    catalogue = load_catalogue()
+    if key.lower() in catalogue:
+        return catalogue[key.lower()]
+    names = [*catalogue, "cpu"]
+    hint = _suggest(key.lower(), names)
+    did_you_mean = f"did you mean {' or '.join(hint)}? " if hint else ""
+    raise BadInput(
+        f"unknown GPU {key!r}; {did_you_mean}known: {', '.join(names)} "
+        f"(`plan gpus` lists them; add your own as a YAML file in $PLAN_GPU_DIR)"
+    )
+
+
+def make_cluster(gpu: str | GPUSpec, num_gpus: int, gpus_per_node: int | None = None) -> Cluster:
+    """`num_gpus` of `gpu` in whole nodes; `gpus_per_node` defaults to the GPU's typical node.
+
+    Fewer GPUs than a node holds make one partial node. The measured local CPU is one host: its
+    cores are shared by the `num_gpus` processes (``planner.local_device.share_host``).
+    """
+    spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    for label, value in (("number of GPUs", num_gpus), ("GPUs per node", gpus_per_node)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise BadInput(f"{label} must be a whole number of at least 1, got {value!r}")
+    if spec.origin == "measured":
+        from planner.local_device import share_host
+
+        spec = share_host(spec, num_gpus)
+        gpus_per_node = gpus_per_node or num_gpus
+    per_node = min(gpus_per_node or spec.gpus_per_node, num_gpus)
+    if num_gpus % per_node:
+        raise BadInput(
+            f"{num_gpus} GPUs do not fill whole nodes of {per_node} ({spec.name}); "
+            f"use a multiple of {per_node} or set the GPUs per node"
+        )
+    return Cluster(gpu=spec, num_gpus=num_gpus, gpus_per_node=per_node)
+
+
+__all__ = [
+    "DTYPES", "GPUSpec", "Cluster", "load_catalogue", "load_gpu_file", "get_gpu", "make_cluster",
+    "parse_gpu", "user_gpu_dirs",
+]

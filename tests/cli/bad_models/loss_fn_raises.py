@@ -1,0 +1,15 @@
+"""Bad model file: loss_fn() raises."""
+
+import torch
+
+
+def build_model():
+    return torch.nn.Linear(4, 2)
+
+
+def sample_batch(batch_size):
+    return torch.randn(batch_size, 4), torch.randint(0, 2, (batch_size,))
+
+
+def loss_fn(outputs, targets):
+    raise NotImplementedError("TODO: write the contrastive loss")

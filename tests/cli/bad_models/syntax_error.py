@@ -1,0 +1,11 @@
+"""Bad model file: a syntax error on line 6 (a missing colon)."""
+
+import torch
+
+
+def build_model()
+    return torch.nn.Linear(4, 2)
+
+
+def sample_batch(batch_size):
+    return torch.randn(batch_size, 4), torch.randint(0, 2, (batch_size,))
