@@ -15,11 +15,10 @@ import time
 from typing import Any
 
 import torch
-from torch.autograd.graph import register_multi_grad_hook
 
 from planner.model_file import ModelHandle
 from planner.profile.layers import Unit
-from planner.profile.trace import BEFORE_ANY, tensors_in
+from planner.profile.trace import BEFORE_ANY, watch_units
 
 
 class _Clock:
@@ -52,41 +51,26 @@ def time_units(
     device = next(model.parameters()).device if next(model.parameters(), None) is not None else None
     sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
     runs: list[_Clock] = []
-    clock_ref: list[_Clock] = []
+    clock = _Clock(len(units), sync)
 
-    def make_hooks(index: int):
-        def pre(module, args):
-            clock_ref[0].switch(index)
+    def switch(index: int) -> None:
+        clock.switch(index)
 
-        def post(module, args, output):
-            outs = [t for t in tensors_in(output) if t.requires_grad]
-            if outs:
-                register_multi_grad_hook(outs, lambda _g: clock_ref[0].switch(index), mode="any")
-
-        return pre, post
-
-    handles = []
-    for i, unit in enumerate(units):
-        pre, post = make_hooks(i)
-        handles.append(unit.module.register_forward_pre_hook(pre))
-        handles.append(unit.module.register_forward_hook(post))
     try:
-        for _ in range(repeats):
-            model.zero_grad(set_to_none=True)
-            clock = _Clock(len(units), sync)
-            clock_ref[:] = [clock]
-            clock.unit = first_unit  # glue before the first unit is charged to it
-            clock.t = time.perf_counter()
-            outputs = handle.forward(model, inputs)
-            loss = handle.loss(outputs, targets)
-            clock.switch(clock.unit)  # close the forward's last interval
-            clock.backward = True
-            loss.backward()
-            clock.switch(clock.unit)
-            runs.append(clock)
+        with watch_units(units, switch, None, switch):
+            for _ in range(repeats):
+                model.zero_grad(set_to_none=True)
+                clock = _Clock(len(units), sync)
+                clock.unit = first_unit  # glue before the first unit is charged to it
+                clock.t = time.perf_counter()
+                outputs = handle.forward(model, inputs)
+                loss = handle.loss(outputs, targets)
+                clock.switch(clock.unit)  # close the forward's last interval
+                clock.backward = True
+                loss.backward()
+                clock.switch(clock.unit)
+                runs.append(clock)
     finally:
-        for h in handles:
-            h.remove()
         model.zero_grad(set_to_none=True)
     fwd = [statistics.median(r.fwd[i] for r in runs) for i in range(len(units))]
     bwd = [statistics.median(r.bwd[i] for r in runs) for i in range(len(units))]

@@ -19,8 +19,9 @@ Works on real tensors and under FakeTensorMode alike (the mode sees the same ops
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
@@ -132,6 +133,41 @@ class _Recorder(TorchDispatchMode):
                 self.flows.append(TensorFlow(seg, t.numel() * t.element_size()))
 
 
+@contextmanager
+def watch_units(
+    units: list[Unit],
+    enter: Callable[[int], None],
+    leave: Callable[[int], None] | None,
+    backward: Callable[[int], None],
+) -> Iterator[None]:
+    """Call enter(i)/leave(i) around unit i's forward, and backward(i) when its outputs' first
+    gradient arrives (the start of its backward)."""
+
+    def hooks(index: int):
+        def pre(module, args):
+            enter(index)
+
+        def post(module, args, output):
+            if leave is not None:
+                leave(index)
+            outs = [t for t in tensors_in(output) if t.requires_grad]
+            if outs:
+                register_multi_grad_hook(outs, lambda _grad: backward(index), mode="any")
+
+        return pre, post
+
+    handles = []
+    try:
+        for i, unit in enumerate(units):
+            pre, post = hooks(i)
+            handles.append(unit.module.register_forward_pre_hook(pre))
+            handles.append(unit.module.register_forward_hook(post))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def run_trace(
     handle: ModelHandle,
     model: torch.nn.Module,
@@ -155,43 +191,27 @@ def run_trace(
             saved[recorder.storage_creator.get(key, seg.current())] += t.untyped_storage().nbytes()
         return t
 
-    def make_hooks(index: int):
-        def pre(module, args):
-            if index not in order:
-                order.append(index)
-            seg.stack.append(index)
+    def enter(index: int) -> None:
+        if index not in order:
+            order.append(index)
+        seg.stack.append(index)
 
-        def post(module, args, output):
-            seg.stack.pop()
-            seg.last = index
-            outs = [t for t in tensors_in(output) if t.requires_grad]
-            if outs:
+    def leave(index: int) -> None:
+        seg.stack.pop()
+        seg.last = index
 
-                def entered_backward(_grad) -> None:
-                    seg.bwd_unit = index
+    def entered_backward(index: int) -> None:
+        seg.bwd_unit = index
 
-                register_multi_grad_hook(outs, entered_backward, mode="any")
-
-        return pre, post
-
-    handles = []
-    for i, unit in enumerate(units):
-        pre, post = make_hooks(i)
-        handles.append(unit.module.register_forward_pre_hook(pre))
-        handles.append(unit.module.register_forward_hook(post))
     recorder = _Recorder(seg, param_keys, loose)
-    try:
-        with recorder:
-            with saved_tensors_hooks(pack, lambda t: t):
-                outputs = handle.forward(model, inputs)
-                loss = handle.loss(outputs, targets)
-            seg.backward = True
-            seg.bwd_unit = seg.last
-            if loss.requires_grad:
-                loss.backward()
-    finally:
-        for h in handles:
-            h.remove()
+    with watch_units(units, enter, leave, entered_backward), recorder:
+        with saved_tensors_hooks(pack, lambda t: t):
+            outputs = handle.forward(model, inputs)
+            loss = handle.loss(outputs, targets)
+        seg.backward = True
+        seg.bwd_unit = seg.last
+        if loss.requires_grad:
+            loss.backward()
     return TraceResult(
         order=order,
         fwd_flops=recorder.fwd_flops,
