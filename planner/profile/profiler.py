@@ -210,8 +210,17 @@ def _assemble(
             out[layer_of.get(unit, num_layers - 1)] += int(v)
         return out
 
-    fwd_flops, bwd_flops = per_layer(trace.fwd_flops), per_layer(trace.bwd_flops)
+    fwd_flops, bwd_flops = per_layer(trace.fwd.flops), per_layer(trace.bwd.flops)
     saved = per_layer(trace.saved_bytes)
+    extra = {
+        "activation_matmul_bytes": per_layer(trace.saved_matmul_bytes),
+        "fwd_matmul_io_bytes": per_layer(trace.fwd.matmul_io_bytes),
+        "fwd_other_io_bytes": per_layer(trace.fwd.other_io_bytes),
+        "bwd_matmul_io_bytes": per_layer(trace.bwd.matmul_io_bytes),
+        "bwd_other_io_bytes": per_layer(trace.bwd.other_io_bytes),
+        "fwd_ops": per_layer(trace.fwd.ops),
+        "bwd_ops": per_layer(trace.bwd.ops),
+    }
 
     # Tensors crossing each cut, and the layer graph's edges.
     crossing = [0] * num_layers
@@ -257,6 +266,7 @@ def _assemble(
                 cut_after_ok=li < num_layers - 1 and crossing_count[li] > 0,
                 fwd_s=seconds(fwd_s, li),
                 bwd_s=seconds(bwd_s, li),
+                **{k: v[li] for k, v in extra.items()},
             )
         )
     edges = [Edge(src=s, dst=d, num_bytes=b) for (s, d), b in sorted(edge_bytes.items())]

@@ -55,9 +55,11 @@ class TensorFlow:
 class TraceResult:
     order: list[int]
     """Unit indices in the order of their first call."""
-    fwd_flops: Counter
-    bwd_flops: Counter
+    fwd: PhaseCosts
+    bwd: PhaseCosts
     saved_bytes: Counter
+    saved_matmul_bytes: Counter
+    """The part of saved_bytes made by matmul-like ops (what selective recompute keeps)."""
     flows: list[TensorFlow]
     loose_param_use: dict[int, int]
     """Storage key of a parameter owned by no unit -> first unit whose ops used it."""
@@ -80,32 +82,61 @@ class _Segments:
         return self.stack[-1] if self.stack else self.last
 
 
+@dataclass
+class PhaseCosts:
+    """Per unit, for one phase (forward or backward): what the ops cost."""
+
+    flops: Counter = field(default_factory=Counter)
+    matmul_io_bytes: Counter = field(default_factory=Counter)
+    """Bytes read and written by ops with a FLOP formula (matmuls, convolutions, attention)."""
+    other_io_bytes: Counter = field(default_factory=Counter)
+    """Bytes read and written by the other ops (elementwise, norms, copies): memory-bound work.
+    Parameters read by them are left out (an embedding reads rows, not its whole table)."""
+    ops: Counter = field(default_factory=Counter)
+    """Ops that move data (views excluded): each costs a kernel launch on a GPU."""
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, seg: _Segments, param_keys: set[int], loose_keys: set[int]) -> None:
         super().__init__()
         self.seg = seg
         self.param_keys = param_keys
         self.loose_keys = loose_keys
-        self.fwd_flops: Counter = Counter()
-        self.bwd_flops: Counter = Counter()
+        self.fwd = PhaseCosts()
+        self.bwd = PhaseCosts()
         self.uncounted: Counter = Counter()
         self.ids: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.flows: list[TensorFlow] = []
         self.loose_use: dict[int, int] = {}
         self.storage_creator: dict[int, int] = {}
+        self.matmul_storages: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func.namespace == "prim":  # metadata queries (prim.device) that fake tensors answer
+            return out
         seg = self.seg.current()
+        costs = self.bwd if self.seg.backward else self.fwd
         formula = formula_for(func)
         if formula is not None:
-            flops = int(formula(*args, **kwargs, out_val=out))
-            (self.bwd_flops if self.seg.backward else self.fwd_flops)[seg] += flops
-        elif not is_cheap(func):
-            self.uncounted[op_name(func)] += 1
+            costs.flops[seg] += int(formula(*args, **kwargs, out_val=out))
+            costs.matmul_io_bytes[seg] += sum(map(_nbytes, tensors_in((args, kwargs, out))))
+            costs.ops[seg] += 1
+        elif not getattr(func, "is_view", False):
+            if not is_cheap(func):
+                self.uncounted[op_name(func)] += 1
+            ins = [t for t in tensors_in((args, kwargs)) if storage_key(t) not in self.param_keys]
+            costs.other_io_bytes[seg] += sum(map(_nbytes, ins)) + sum(map(_nbytes, tensors_in(out)))
+            costs.ops[seg] += 1
         if not self.seg.backward:
             self._track(seg, args, kwargs, out)
+            if formula is not None:
+                self.matmul_storages.update(storage_key(t) for t in tensors_in(out))
         return out
 
     def _track(self, seg: int, args, kwargs, out) -> None:
@@ -130,7 +161,7 @@ class _Recorder(TorchDispatchMode):
         for t in tensors_in(out):
             if t not in self.ids:
                 self.ids[t] = len(self.flows)
-                self.flows.append(TensorFlow(seg, t.numel() * t.element_size()))
+                self.flows.append(TensorFlow(seg, _nbytes(t)))
 
 
 @contextmanager
@@ -182,13 +213,17 @@ def run_trace(
     owned = {storage_key(p) for u in units for p in u.module.parameters()}
     loose = {storage_key(p) for p in model.parameters()} - owned
     saved: Counter = Counter()
+    saved_matmul: Counter = Counter()
     seen_storages: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = storage_key(t)
         if key not in param_keys and key not in seen_storages:
             seen_storages.add(key)
-            saved[recorder.storage_creator.get(key, seg.current())] += t.untyped_storage().nbytes()
+            unit = recorder.storage_creator.get(key, seg.current())
+            saved[unit] += t.untyped_storage().nbytes()
+            if key in recorder.matmul_storages:
+                saved_matmul[unit] += t.untyped_storage().nbytes()
         return t
 
     def enter(index: int) -> None:
@@ -214,9 +249,10 @@ def run_trace(
             loss.backward()
     return TraceResult(
         order=order,
-        fwd_flops=recorder.fwd_flops,
-        bwd_flops=recorder.bwd_flops,
+        fwd=recorder.fwd,
+        bwd=recorder.bwd,
         saved_bytes=saved,
+        saved_matmul_bytes=saved_matmul,
         flows=recorder.flows,
         loose_param_use=recorder.loose_use,
         uncounted_ops=recorder.uncounted,

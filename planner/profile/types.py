@@ -37,6 +37,34 @@ class LayerProfile:
     """Whether a pipeline stage may end after this layer (one tensor or a known tuple crosses)."""
     fwd_s: Optional[float] = None
     bwd_s: Optional[float] = None
+    # -- what the cost model needs beyond the headline figures --------------------------------
+    activation_matmul_bytes: int = 0
+    """The part of activation_bytes made by matmul-like ops: what selective recompute keeps."""
+    fwd_matmul_io_bytes: int = 0
+    """Bytes read and written by the forward's matmul-like ops (their arithmetic intensity)."""
+    fwd_other_io_bytes: int = 0
+    """Bytes read and written by the forward's other ops: memory-bound work."""
+    bwd_matmul_io_bytes: int = 0
+    bwd_other_io_bytes: int = 0
+    fwd_ops: int = 0
+    """Ops that move data in the forward (each a kernel launch on a GPU); bwd_ops likewise."""
+    bwd_ops: int = 0
+    tp: Optional["TPInfo"] = None
+    """How tensor parallelism splits this layer, or None when it cannot."""
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    """Megatron-style tensor parallelism of a layer (column-wise then row-wise Linear pairs)."""
+
+    colwise: tuple[str, ...]
+    rowwise: tuple[str, ...]
+    sharded_params: int
+    """Parameters divided by the TP degree (the rest, norms and row-wise biases, are replicated)."""
+    allreduce_bytes: int
+    """Bytes all-reduced per forward (the row-wise outputs, for the profiled batch); as many in backward."""
+    divisors: tuple[int, ...]
+    """The TP degree must divide each (head counts, sharded feature sizes)."""
 
 
 @dataclass(frozen=True)
