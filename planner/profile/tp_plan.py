@@ -97,19 +97,12 @@ def _pairs(linears: dict[str, nn.Linear], col: list[str], row: list[str]) -> tup
 
 
 def _hf_patterns(model: nn.Module) -> dict[str, str]:
-    """The model's Hugging Face TP plan (pattern -> style), base-model plans under both prefixes."""
+    """The model's Hugging Face TP plan (pattern -> style): its own, then its config's base plan."""
     plans: dict[str, str] = {}
-    full = getattr(model, "_tp_plan", None)
-    if isinstance(full, dict):
-        plans.update({k: v for k, v in full.items() if isinstance(v, str)})
-    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
-    prefix = getattr(model, "base_model_prefix", "")
-    if isinstance(base, dict):
-        for k, v in base.items():
-            if isinstance(v, str):
-                plans.setdefault(k, v)
-                if prefix and hasattr(model, prefix):
-                    plans.setdefault(f"{prefix}.{k}", v)
+    config = getattr(model, "config", None)
+    for plan in (getattr(model, "_tp_plan", None), getattr(config, "base_model_tp_plan", None)):
+        if isinstance(plan, dict):
+            plans.update({k: v for k, v in plan.items() if isinstance(v, str) and k not in plans})
     return plans
 
 
@@ -119,13 +112,15 @@ def _hf_rule(layer: nn.Module, model: nn.Module, layer_name: str) -> tuple[list[
     if not plans:
         return None
     regexes = [(re.compile(re.escape(p).replace(r"\*", r"[^.]+")), s) for p, s in plans.items()]
-    prefix = getattr(model, "base_model_prefix", "") + "."
-    col, row, named_any = [], [], False
+    prefix = getattr(model, "base_model_prefix", "")
+    col: list[str] = []
+    row: list[str] = []
+    named_any = False
     for sub, module in layer.named_modules():
         if not sub:
             continue
         full = f"{layer_name}.{sub}" if layer_name else sub
-        names = {full, full.removeprefix(prefix) if prefix != "." else full}
+        names = {full, full.removeprefix(f"{prefix}.")} if prefix else {full}
         style = next((s for rx, s in regexes for n in names if rx.fullmatch(n)), None)
         if style is None:
             continue
@@ -136,7 +131,8 @@ def _hf_rule(layer: nn.Module, model: nn.Module, layer_name: str) -> tuple[list[
 
 
 def _structure_rule(layer: nn.Module) -> tuple[list[str], list[str]]:
-    col, row = [], []
+    col: list[str] = []
+    row: list[str] = []
     for parent_name, parent in layer.named_modules():
         kids = [(n, m) for n, m in parent.named_children() if isinstance(m, nn.Linear)]
         linear_params = sum(p.numel() for _, m in kids for p in m.parameters())
@@ -155,7 +151,8 @@ def _names_rule(linears: dict[str, nn.Linear]) -> tuple[list[str], list[str]]:
     by_parent: dict[str, list[str]] = {}
     for name in linears:
         by_parent.setdefault(_parent(name), []).append(name)
-    col, row = [], []
+    col: list[str] = []
+    row: list[str] = []
     for kids in by_parent.values():
         last = [n.rpartition(".")[2] for n in kids]
         if all(x in COLWISE_NAMES or x in ROWWISE_NAMES for x in last):

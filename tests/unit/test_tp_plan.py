@@ -32,7 +32,8 @@ def test_llama_decoder_layer():
     layer = model.layers[1]
     plan = find_tp_plan(layer, model)  # the name is looked up in the model
     assert plan is not None and plan.source == "names"
-    assert plan.colwise == ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+    attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    assert plan.colwise == (*attn, "mlp.gate_proj", "mlp.up_proj")
     assert plan.rowwise == ("self_attn.o_proj", "mlp.down_proj")
     assert {model.cfg.n_heads, model.cfg.n_kv_heads} <= set(plan.divisors)
     assert plan.legal(1) and plan.legal(2) and not plan.legal(3)
