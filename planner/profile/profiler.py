@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -27,7 +28,8 @@ from planner.profile import materialize as mat
 from planner.profile.layers import Unit, find_units, group_units, has_params
 from planner.profile.timing import time_units
 from planner.profile.trace import BEFORE_ANY, TraceResult, run_trace, storage_key
-from planner.profile.types import Edge, LayerProfile, ModelProfile, ProfileTotals
+from planner.profile.tp_plan import find_tp_plan, tp_param_count
+from planner.profile.types import Edge, LayerProfile, ModelProfile, ProfileTotals, TPInfo
 
 FAKE_ERRORS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 
@@ -161,6 +163,7 @@ def profile_model(
         uncounted_ops=uncounted,
         warnings=tuple(warnings),
         profile_s=round(time.perf_counter() - start, 3),
+        num_threads=torch.get_num_threads() if fwd_s is not None else None,
     )
 
 
@@ -270,7 +273,34 @@ def _assemble(
             )
         )
     edges = [Edge(src=s, dst=d, num_bytes=b) for (s, d), b in sorted(edge_bytes.items())]
+    for li, pos in enumerate(mains):
+        layers[li] = replace(layers[li], tp=_tp_info(model, ordered[pos], layers[li].num_params, trace.io_bytes))
     return layers, edges
+
+
+def _tp_info(model: torch.nn.Module, unit: Unit, num_params: int, io_bytes: dict[int, tuple[int, int]]) -> TPInfo | None:
+    """How tensor parallelism splits the layer whose main module is `unit`.
+
+    Blocks: their column/row-wise Linear pairs (tp_plan.py), one all-reduce per row-wise output.
+    A layer that is a single Embedding or Linear (token embedding, LM head) is vocabulary-parallel,
+    as in Megatron-LM and torchtitan: the embedding's output is all-reduced in forward, the head's
+    input gradient in backward.
+    """
+    m = unit.module
+    ins, outs = io_bytes.get(id(m), (0, 0))
+    if isinstance(m, torch.nn.Embedding):
+        return TPInfo((), ("",), min(num_params, m.weight.numel()), outs, (m.num_embeddings,), required=False)
+    if isinstance(m, torch.nn.Linear):
+        return TPInfo(("",), (), num_params, ins, (m.out_features,), required=False)
+    plan = find_tp_plan(m, model, unit.name)
+    if plan is None:
+        return None
+    subs = dict(m.named_modules())
+    allreduce = sum(io_bytes.get(id(subs[name]), (0, 0))[1] for name in plan.rowwise)
+    return TPInfo(
+        plan.colwise, plan.rowwise, min(num_params, tp_param_count(m, plan)), allreduce,
+        tuple(sorted(set(plan.divisors) | set(plan.sizes))),
+    )
 
 
 def _signature(ordered: list[Unit], group: list[int], *costs: int) -> tuple:

@@ -64,7 +64,8 @@ class TraceResult:
     loose_param_use: dict[int, int]
     """Storage key of a parameter owned by no unit -> first unit whose ops used it."""
     uncounted_ops: Counter
-    outputs: Any = None
+    io_bytes: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """id(module) of each nn.Linear / nn.Embedding -> (input bytes, output bytes) summed over calls."""
 
 
 class _Segments:
@@ -239,7 +240,7 @@ def run_trace(
         seg.bwd_unit = index
 
     recorder = _Recorder(seg, param_keys, loose)
-    with watch_units(units, enter, leave, entered_backward), recorder:
+    with watch_units(units, enter, leave, entered_backward), linear_io(model) as io_bytes, recorder:
         with saved_tensors_hooks(pack, lambda t: t):
             outputs = handle.forward(model, inputs)
             loss = handle.loss(outputs, targets)
@@ -256,4 +257,29 @@ def run_trace(
         flows=recorder.flows,
         loose_param_use=recorder.loose_use,
         uncounted_ops=recorder.uncounted,
+        io_bytes=io_bytes,
     )
+
+
+@contextmanager
+def linear_io(model: torch.nn.Module) -> Iterator[dict[int, tuple[int, int]]]:
+    """id(module) -> (input bytes, output bytes), summed over the forward calls of every
+    nn.Linear and nn.Embedding: what tensor parallelism would communicate around them."""
+    io_bytes: dict[int, tuple[int, int]] = {}
+
+    def record(module, args, output) -> None:
+        ins = sum(_nbytes(t) for t in tensors_in(args) if t.is_floating_point())
+        outs = sum(_nbytes(t) for t in tensors_in(output))
+        a, b = io_bytes.get(id(module), (0, 0))
+        io_bytes[id(module)] = (a + ins, b + outs)
+
+    handles = [
+        m.register_forward_hook(record)
+        for m in model.modules()
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))
+    ]
+    try:
+        yield io_bytes
+    finally:
+        for h in handles:
+            h.remove()

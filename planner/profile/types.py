@@ -65,6 +65,12 @@ class TPInfo:
     """Bytes all-reduced per forward (the row-wise outputs, for the profiled batch); as many in backward."""
     divisors: tuple[int, ...]
     """The TP degree must divide each (head counts, sharded feature sizes)."""
+    required: bool = True
+    """False for a vocabulary-parallel embedding or head: with a TP degree that does not divide the
+    vocabulary it is replicated instead, where a block that cannot be split rules the degree out."""
+
+    def legal(self, tp: int) -> bool:
+        return all(d % tp == 0 for d in self.divisors)
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,8 @@ class ModelProfile:
     """Ops that ran but have no FLOP formula (their FLOPs count as 0)."""
     warnings: tuple[str, ...] = ()
     profile_s: float = 0.0
+    num_threads: Optional[int] = None
+    """torch's intra-op threads when the times were measured (None: not timed)."""
     schema: str = field(default="planner.ModelProfile")
     version: int = field(default=1)
 
