@@ -1,0 +1,60 @@
+"""Collective and point-to-point times: the alpha-beta model.
+
+A collective over n ranks costs latency * ceil(log2 n) (tree-like startup, as NCCL's double
+binary trees) plus its bus volume over the link's achievable bandwidth (ring algorithms:
+all-reduce moves 2(n-1)/n of the buffer per rank, all-gather and reduce-scatter (n-1)/n of the
+gathered size). Thakur, Rabenseifner & Gropp 2005; NCCL's nccl-tests "bus bandwidth" definition.
+Each cost is affine in the bytes (`Affine`), so the ILP can use it as a linear expression.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from planner.cost.constants import LINK_EFFICIENCY
+
+
+@dataclass(frozen=True)
+class Link:
+    """The link a group's traffic crosses: per-GPU per-direction bandwidth and latency."""
+
+    bandwidth_Bps: float
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class Affine:
+    """seconds = fixed_s + per_byte_s * bytes."""
+
+    fixed_s: float
+    per_byte_s: float
+
+    def __call__(self, nbytes: float) -> float:
+        return self.fixed_s + self.per_byte_s * nbytes
+
+
+NONE = Affine(0.0, 0.0)
+
+
+def _coef(volume: float, n: int, link: Link) -> Affine:
+    if n <= 1:
+        return NONE
+    startup = link.latency_s * math.ceil(math.log2(n))
+    return Affine(startup, volume / (link.bandwidth_Bps * LINK_EFFICIENCY))
+
+
+def allreduce(n: int, link: Link) -> Affine:
+    return _coef(2 * (n - 1) / n, n, link)
+
+
+def allgather(n: int, link: Link) -> Affine:
+    """Applied to the size of the gathered (full) buffer. Reduce-scatter costs the same."""
+    return _coef((n - 1) / n, n, link)
+
+
+reduce_scatter = allgather
+
+
+def p2p(link: Link) -> Affine:
+    return Affine(link.latency_s, 1 / (link.bandwidth_Bps * LINK_EFFICIENCY))

@@ -1,0 +1,43 @@
+"""Compute time of a layer on one device: a roofline, or the local measurement.
+
+For a GPU, each phase (forward, backward) of a layer costs
+    max(matmul FLOPs / (peak x MATMUL_EFFICIENCY), matmul bytes / (HBM x MEMORY_EFFICIENCY))
+  + other bytes / (HBM x MEMORY_EFFICIENCY),
+at least ops x OP_OVERHEAD_S (launch-bound when kernels are tiny). The FLOPs and bytes come from
+the profile (measured per op), so the same formula covers GEMM-heavy transformers and
+bandwidth-heavy CNNs, and the balance of each GPU (FLOP/s against HBM bandwidth) shows.
+
+When the target is the local CPU and the profile was timed on it, the measured seconds are used,
+scaled to the micro-batch and to the threads each process gets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.cost.constants import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, OP_OVERHEAD_S
+from planner.hardware import GPUSpec
+
+
+@dataclass(frozen=True)
+class Work:
+    """One phase of one layer for one micro-batch on one device (already divided by TP)."""
+
+    flops: float
+    matmul_bytes: float
+    other_bytes: float
+    ops: int
+
+    def scaled(self, factor: float) -> "Work":
+        return Work(self.flops * factor, self.matmul_bytes * factor, self.other_bytes * factor, self.ops)
+
+
+def roofline_s(work: Work, gpu: GPUSpec, dtype: str) -> float:
+    peak = gpu.peak(dtype)
+    hbm = gpu.hbm_bandwidth_Bps * MEMORY_EFFICIENCY
+    matmul = max(work.flops / (peak * MATMUL_EFFICIENCY), work.matmul_bytes / hbm)
+    return max(matmul + work.other_bytes / hbm, work.ops * OP_OVERHEAD_S)
+
+
+def memory_bound_s(nbytes: float, gpu: GPUSpec) -> float:
+    return nbytes / (gpu.hbm_bandwidth_Bps * MEMORY_EFFICIENCY)

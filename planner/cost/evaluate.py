@@ -1,0 +1,120 @@
+"""Evaluate one complete assignment: stages (contiguous atom ranges) and a recompute choice per
+atom. This is the cost model's single source of figures: the ILP optimises the same expressions
+(search/partition.py), the exhaustive search in the tests minimises this function, and every
+number a plan reports comes from here.
+
+Per pipeline rank i (holding stages i, i+p, ... when interleaved), for one micro-batch:
+    T_i = sum over its atoms (fwd + bwd + recompute extra) + pipeline sends per stage
+          (ZeRO-3: at least the per-micro-batch all-gathers (x2) and reduce-scatter of each atom,
+          overlapped with compute as FSDP prefetches; the last reduce-scatter is exposed)
+Step = pipeline(T) + max_i (exposed gradient sync_i + parameter all-gather_i + optimizer_i), with
+    exposed sync_i = max(last bucket, sync_i - one micro-batch backward of rank i)
+Memory_i = (1 + fragmentation) x (weights + grads + optimizer state (each / dp per ZeRO stage)
+           + in-flight_i x kept activations + working set [+ ZeRO-3 gathered layers]) + reserve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.cost.constants import FRAGMENTATION
+from planner.cost.pipeline import pipeline_s
+from planner.cost.stage_costs import StageCosts
+
+
+@dataclass(frozen=True)
+class DeviceFigures:
+    rank: int
+    atoms: tuple[int, ...]
+    time_per_microbatch_s: float
+    compute_s: float
+    recompute_s: float
+    tp_comm_s: float
+    p2p_s: float
+    sync_s: float
+    """Exposed gradient sync, parameter all-gather and optimizer step after the pipeline."""
+    weights_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    reserve_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes + self.reserve_bytes
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    step_time_s: float
+    pipeline_s: float
+    devices: tuple[DeviceFigures, ...]
+    fits: bool
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(d.total_bytes for d in self.devices)
+
+
+def device_of(stage: int, pp: int) -> int:
+    return stage % pp
+
+
+def evaluate(costs: StageCosts, bounds: list[int], choice: list[int]) -> Evaluation:
+    """`bounds`: S+1 atom indices (stage s holds atoms bounds[s]:bounds[s+1]); `choice`: 0/1/2 per
+    atom (none/selective/full recompute)."""
+    cand = costs.cand
+    p, dp, zero = cand.pp, cand.dp, cand.zero
+    assert len(bounds) == cand.num_stages + 1, f"bounds({len(bounds)}) != stages({cand.num_stages}) + 1"
+    per_device: list[list[int]] = [[] for _ in range(p)]
+    for s in range(cand.num_stages):
+        per_device[device_of(s, p)].extend(range(bounds[s], bounds[s + 1]))
+    stages_per_device = cand.num_stages // p
+    devices = []
+    for i, atom_ids in enumerate(per_device):
+        atoms = [costs.atoms[a] for a in atom_ids]
+        compute = sum(a.fwd_s + a.bwd_s - a.tp_comm_s for a in atoms)
+        recompute = sum(a.extra_s[choice[k]] for a, k in zip(atoms, atom_ids))
+        tp_comm = sum(a.tp_comm_s for a in atoms)
+        p2p = costs.p2p_s * stages_per_device
+        t = compute + recompute + tp_comm + p2p
+        params = sum(a.params for a in atoms)
+        w, g, o = costs.weight_bytes, costs.grad_bytes, costs.optim_bytes
+        if zero == 3:  # per atom: all-gather for forward and backward, reduce-scatter of grads
+            per_atom = 2 * costs.dp_param_gather.fixed_s + costs.dp_grad.fixed_s
+            per_byte = 2 * costs.dp_param_gather.per_byte_s * w + costs.dp_grad.per_byte_s * g
+            t = max(t, per_atom * len(atoms) + per_byte * params)
+            sync = costs.dp_tail_s if dp > 1 else 0.0
+        else:
+            one_backward = sum(a.bwd_s for a in atoms)
+            sync = max(costs.dp_tail_s, costs.dp_grad(params * g) - one_backward, 0.0) if dp > 1 else 0.0
+            if zero >= 1:
+                sync += costs.dp_param_gather(params * w)
+        sync += costs.optimizer_s_per_param * params
+        weights = params * w / (dp if zero >= 3 else 1) + costs.zero3_gather_bytes
+        grads = params * g / (dp if zero >= 2 else 1)
+        optim = params * o / (dp if zero >= 1 else 1)
+        kept = sum(a.act_bytes[choice[k]] for a, k in zip(atoms, atom_ids))
+        activations = costs.inflight[i] * kept + costs.working_bytes
+        reserve = costs.reserve_fixed_bytes + FRAGMENTATION * (weights + grads + optim + activations)
+        devices.append(
+            DeviceFigures(
+                rank=i,
+                atoms=tuple(atom_ids),
+                time_per_microbatch_s=t,
+                compute_s=compute,
+                recompute_s=recompute,
+                tp_comm_s=tp_comm,
+                p2p_s=p2p,
+                sync_s=sync,
+                weights_bytes=weights,
+                grads_bytes=grads,
+                optimizer_bytes=optim,
+                activations_bytes=activations,
+                reserve_bytes=reserve,
+            )
+        )
+    pipe = pipeline_s([d.time_per_microbatch_s for d in devices], cand)
+    step = pipe + max(d.sync_s for d in devices)
+    fits = all(d.total_bytes <= costs.limit_bytes for d in devices)
+    return Evaluation(step_time_s=step, pipeline_s=pipe, devices=tuple(devices), fits=fits)

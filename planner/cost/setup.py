@@ -1,0 +1,70 @@
+"""What the cost model is asked about: the training setup and one candidate configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Training:
+    precision: str
+    """bf16/fp16: mixed precision (16-bit weights, gradients and activations, fp32 master weights
+    and optimizer state); fp32: everything in fp32."""
+    optimizer: str
+    global_batch: int
+    memory_limit_bytes: int
+    """Usable memory per device (the GPU's memory, or --memory-limit)."""
+
+    def bytes_per_param(self) -> tuple[int, int, int]:
+        """(weights, gradients, optimizer state) bytes per parameter before any sharding.
+
+        Mixed precision with AdamW: 2 + 2 + 12 (fp32 master copy, momentum, variance: ZeRO paper,
+        Rajbhandari et al. 2020, Sec. 3.1, K = 12); SGD with momentum: 2 + 2 + 8 (master copy,
+        momentum). fp32: AdamW 4 + 4 + 8, SGD 4 + 4 + 4.
+        """
+        mixed = self.precision != "fp32"
+        w = g = 2 if mixed else 4
+        opt = {"adamw": 8, "sgd": 4}[self.optimizer] + (4 if mixed else 0)
+        return w, g, opt
+
+    def optimizer_traffic_per_param(self) -> int:
+        """HBM bytes an optimizer step reads and writes per parameter (a memory-bound kernel):
+        AdamW reads the gradient, master weight, momentum and variance and writes all but the
+        gradient back, plus the 16-bit weight copy; SGD likewise without the variance."""
+        w, g, opt = self.bytes_per_param()
+        return g + 2 * opt + (w if self.precision != "fp32" else 0)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the discrete search space."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    num_microbatches: int
+    zero: int
+    """0: plain data parallel (DDP); 1: optimizer state sharded; 2: + gradients; 3: + parameters
+    (FSDP full sharding)."""
+    schedule: str
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved 1F1B); 1 otherwise."""
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def label(self) -> str:
+        sched = self.schedule if self.pp > 1 else "no pipeline"
+        if self.schedule == "interleaved" and self.pp > 1:
+            sched += f" x{self.virtual_stages}"
+        return (
+            f"dp={self.dp} tp={self.tp} pp={self.pp} · micro-batch {self.micro_batch} x "
+            f"{self.num_microbatches} · {sched} · ZeRO-{self.zero}"
+        )

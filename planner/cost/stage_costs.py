@@ -1,0 +1,237 @@
+"""Per-candidate cost tables: what each schedulable unit ("atom") costs on one device.
+
+An atom is a run of layers between two valid pipeline cuts (usually one layer). For a candidate
+(tp, pp, dp, micro-batch, ZeRO, schedule) every atom gets, per micro-batch on one device: forward
+and backward seconds with its tensor-parallel communication, the extra seconds and the kept
+activation bytes of each recompute choice, and the parameters it puts on the device. The ILP and
+the evaluator both read these tables, so the plan they choose and the figures they report agree.
+
+Recompute choices (per atom):
+- none: keep everything the forward saved;
+- selective: keep what matmul-like ops produced and the atom's input, recompute the rest (the
+  memory-bound ops: norms, activations, softmax, dropout) in backward: PyTorch's selective
+  activation checkpointing with a "save matmuls" policy (torchtitan's `selective op` AC);
+- full: keep only the atom's input, recompute its whole forward (Chen et al. 2016).
+Tensor parallel is Megatron-style with sequence parallelism: a sharded layer's activations and
+its memory-bound work are divided by tp too (Korthikanti et al. 2022: sbh(34/t + 5as/ht)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.cost import comm
+from planner.cost.compute import Work, memory_bound_s, roofline_s
+from planner.cost.constants import DDP_BUCKET_BYTES, RESERVE_CPU_BYTES, RESERVE_GPU_BYTES
+from planner.cost.pipeline import inflight_per_device
+from planner.cost.setup import Candidate, Training
+from planner.cost.topology import Links, links
+from planner.hardware import Cluster
+from planner.profile.types import LayerProfile, ModelProfile
+
+NONE, SELECTIVE, FULL = range(3)
+
+
+@dataclass(frozen=True)
+class AtomCost:
+    first: int
+    last: int
+    fwd_s: float
+    bwd_s: float
+    tp_comm_s: float
+    """Part of fwd_s + bwd_s spent in tensor-parallel collectives."""
+    extra_s: tuple[float, float, float]
+    """Recompute time added per micro-batch, by choice (none, selective, full)."""
+    act_bytes: tuple[float, float, float]
+    """Activation bytes kept per micro-batch, by choice."""
+    params: float
+    """Parameters on the device before ZeRO sharding (after tensor parallelism)."""
+    out_bytes: float
+    """Bytes a pipeline cut after this atom sends per micro-batch, per device."""
+    cut_ok: bool
+
+    def signature(self) -> tuple:
+        return (self.fwd_s, self.bwd_s, self.extra_s, self.act_bytes, self.params, self.out_bytes)
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Everything the partitioner needs for one candidate."""
+
+    cand: Candidate
+    atoms: tuple[AtomCost, ...]
+    inflight: tuple[float, ...]
+    """Per pipeline rank: how many micro-batches' activations of its layers it holds at peak."""
+    weight_bytes: int
+    grad_bytes: int
+    optim_bytes: int
+    working_bytes: float
+    """Backward working set: one atom's activations and their gradients (held on every device)."""
+    zero3_gather_bytes: float
+    """ZeRO-3: gathered parameters of the two largest atoms (current + prefetched)."""
+    reserve_fixed_bytes: int
+    limit_bytes: int
+    p2p_s: float
+    """Pipeline sends per stage per micro-batch: the activation forward, its gradient backward."""
+    dp_grad: comm.Affine
+    """ZeRO-0: all-reduce of the gradients; 1-2: reduce-scatter; 3: per micro-batch (below)."""
+    dp_param_gather: comm.Affine
+    """ZeRO-1/2: the all-gather of updated parameters after the step; ZeRO-3: per gather."""
+    optimizer_s_per_param: float
+    dp_tail_s: float
+    """The gradient sync that cannot overlap the backward: the last bucket's (DDP's 25 MB)."""
+    links: Links
+    model_flops_per_step: float
+    """Model FLOPs (forward + backward, no recompute) of one step over the whole cluster."""
+
+    @property
+    def num_devices(self) -> int:
+        return self.cand.pp
+
+
+def _scale(profile: ModelProfile, micro_batch: int) -> float:
+    return micro_batch / profile.batch_size
+
+
+def _shard(layer: LayerProfile, tp: int) -> int:
+    return tp if layer.tp is not None and tp > 1 and layer.tp.legal(tp) else 1
+
+
+def _layer_costs(
+    layer: LayerProfile,
+    input_bytes: float,
+    profile: ModelProfile,
+    cluster: Cluster,
+    training: Training,
+    cand: Candidate,
+    tp_link: comm.Link,
+    cpu_factor: float | None,
+) -> tuple[float, float, float, tuple[float, float, float], tuple[float, float, float], float]:
+    """(fwd_s, bwd_s, tp_comm_s, extra_s, act_bytes, params) of one layer, per micro-batch."""
+    scale = _scale(profile, cand.micro_batch)
+    shard = _shard(layer, cand.tp)
+    gpu = cluster.gpu
+    fwd_work = Work(layer.fwd_flops, layer.fwd_matmul_io_bytes, layer.fwd_other_io_bytes, layer.fwd_ops)
+    bwd_work = Work(layer.bwd_flops, layer.bwd_matmul_io_bytes, layer.bwd_other_io_bytes, layer.bwd_ops)
+    fwd_work, bwd_work = fwd_work.scaled(scale / shard), bwd_work.scaled(scale / shard)
+    if cpu_factor is not None and layer.fwd_s is not None and layer.bwd_s is not None:
+        fwd = layer.fwd_s * scale * cpu_factor / shard
+        bwd = layer.bwd_s * scale * cpu_factor / shard
+        roof = roofline_s(fwd_work, gpu, training.precision)
+        other_share = memory_bound_s(fwd_work.other_bytes, gpu) / roof if roof > 0 else 0.0
+        sel_extra = fwd * min(1.0, other_share)
+    else:
+        fwd = roofline_s(fwd_work, gpu, training.precision)
+        bwd = roofline_s(bwd_work, gpu, training.precision)
+        sel_extra = memory_bound_s(fwd_work.other_bytes, gpu)
+    tp_fwd = tp_bwd = 0.0
+    if shard > 1:
+        ar = comm.allreduce(shard, tp_link)
+        volume = layer.tp.allreduce_bytes * scale
+        tp_fwd = ar(volume) if layer.tp.rowwise else 0.0
+        tp_bwd = ar(volume) if layer.tp.colwise else 0.0
+    fwd += tp_fwd
+    bwd += tp_bwd
+    act = layer.activation_bytes * scale / shard
+    kept_inputs = input_bytes * scale / shard
+    act_sel = min(act, layer.activation_matmul_bytes * scale / shard + kept_inputs)
+    act_full = min(act, kept_inputs)
+    sharded = layer.tp.sharded_params if shard > 1 and layer.tp is not None else 0
+    params = layer.num_params - sharded + sharded / shard
+    return fwd, bwd, tp_fwd + tp_bwd, (0.0, sel_extra, fwd), (act, act_sel, act_full), params
+
+
+def atoms_of(profile: ModelProfile) -> list[tuple[int, int]]:
+    """Layer ranges [first, last] between valid pipeline cuts."""
+    out, start = [], 0
+    for layer in profile.layers:
+        if layer.cut_after_ok or layer.index == len(profile.layers) - 1:
+            out.append((start, layer.index))
+            start = layer.index + 1
+    return out
+
+
+def atom_table(
+    profile: ModelProfile,
+    cluster: Cluster,
+    training: Training,
+    tp: int,
+    micro_batch: int,
+    cpu_factor: float | None = None,
+) -> tuple[AtomCost, ...]:
+    """Per-atom costs for a TP degree and micro-batch (what the other choices do not change).
+    `cpu_factor`: use the profile's measured seconds, times this."""
+    probe = Candidate(tp, 1, 1, micro_batch, 1, 0, "1f1b")
+    tp_link = links(cluster, probe).tp
+    layers = profile.layers
+    per_layer = []
+    for layer in layers:
+        input_bytes = layers[layer.index - 1].output_bytes if layer.index > 0 else 0
+        per_layer.append(_layer_costs(layer, input_bytes, profile, cluster, training, probe, tp_link, cpu_factor))
+    scale = _scale(profile, micro_batch)
+    atoms = []
+    for first, last in atoms_of(profile):
+        rows = per_layer[first : last + 1]
+        act = tuple(sum(r[4][k] for r in rows) for k in range(3))
+        # Recomputing an atom keeps its own input only (the first layer's), not each layer's.
+        act = (act[0], act[1], rows[0][4][FULL])
+        last_layer = layers[last]
+        out_shard = tp if tp > 1 and last_layer.tp is not None else 1
+        atoms.append(
+            AtomCost(
+                first=first,
+                last=last,
+                fwd_s=sum(r[0] for r in rows),
+                bwd_s=sum(r[1] for r in rows),
+                tp_comm_s=sum(r[2] for r in rows),
+                extra_s=tuple(sum(r[3][k] for r in rows) for k in range(3)),
+                act_bytes=act,
+                params=sum(r[5] for r in rows),
+                out_bytes=last_layer.output_bytes * scale / out_shard,
+                cut_ok=last_layer.cut_after_ok,
+            )
+        )
+    return tuple(atoms)
+
+
+def stage_costs(
+    profile: ModelProfile,
+    cluster: Cluster,
+    training: Training,
+    cand: Candidate,
+    cpu_factor: float | None = None,
+    atoms: tuple[AtomCost, ...] | None = None,
+) -> StageCosts:
+    """The cost tables of `cand` (`atoms`: its atom_table, when the caller has it already)."""
+    lk = links(cluster, cand)
+    layers = profile.layers
+    if atoms is None:
+        atoms = atom_table(profile, cluster, training, cand.tp, cand.micro_batch, cpu_factor)
+    w, g, o = training.bytes_per_param()
+    max_act = max(a.act_bytes[NONE] for a in atoms)
+    max_params = sorted((a.params for a in atoms), reverse=True)[:2]
+    cut_bytes = max((a.out_bytes for a in atoms if a.cut_ok), default=0.0)
+    on_gpu = cluster.gpu.origin != "measured"
+    dp_grad = (comm.allreduce if cand.zero == 0 else comm.reduce_scatter)(cand.dp, lk.dp)
+    model_flops = sum(l.fwd_flops + l.bwd_flops for l in layers) * training.global_batch / profile.batch_size
+    return StageCosts(
+        cand=cand,
+        atoms=atoms,
+        inflight=inflight_per_device(cand),
+        weight_bytes=w,
+        grad_bytes=g,
+        optim_bytes=o,
+        working_bytes=2 * max_act,
+        zero3_gather_bytes=sum(max_params) * w if cand.zero == 3 else 0.0,
+        reserve_fixed_bytes=RESERVE_GPU_BYTES if on_gpu else RESERVE_CPU_BYTES,
+        limit_bytes=training.memory_limit_bytes,
+        p2p_s=2 * comm.p2p(lk.pp)(cut_bytes) if cand.pp > 1 else 0.0,
+        dp_grad=dp_grad,
+        dp_param_gather=comm.allgather(cand.dp, lk.dp) if cand.zero >= 1 else comm.NONE,
+        optimizer_s_per_param=memory_bound_s(training.optimizer_traffic_per_param(), cluster.gpu)
+        / (cand.dp if cand.zero >= 1 else 1),
+        dp_tail_s=dp_grad(DDP_BUCKET_BYTES) if cand.dp > 1 else 0.0,
+        links=lk,
+        model_flops_per_step=model_flops,
+    )
+

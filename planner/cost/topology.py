@@ -1,0 +1,44 @@
+"""Which link each parallel group's traffic crosses.
+
+Ranks are laid out tensor-parallel first, then data-parallel, then pipeline (Megatron-LM's
+default order, tp fastest): a TP group is `tp` consecutive ranks, a DP group strides by `tp`,
+pipeline neighbours are `tp * dp` ranks apart. A group that cannot stay inside one node uses the
+inter-node network, whose per-GPU bandwidth is then its bottleneck (NCCL rings across nodes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.cost.comm import Link
+from planner.cost.setup import Candidate
+from planner.hardware import Cluster
+
+
+@dataclass(frozen=True)
+class Links:
+    tp: Link
+    dp: Link
+    pp: Link
+    tp_spans_nodes: bool
+    dp_spans_nodes: bool
+    pp_spans_nodes: bool
+
+
+def _link(cluster: Cluster, group_size: int, spans: bool) -> Link:
+    return Link(cluster.bandwidth_Bps(group_size, spans), cluster.latency_s(group_size, spans))
+
+
+def links(cluster: Cluster, cand: Candidate) -> Links:
+    per_node = cluster.gpus_per_node
+    tp_spans = cand.tp > per_node
+    dp_spans = cand.tp * cand.dp > per_node
+    pp_spans = cand.pp > 1 and cand.tp * cand.dp >= per_node
+    return Links(
+        tp=_link(cluster, cand.tp, tp_spans),
+        dp=_link(cluster, cand.dp, dp_spans),
+        pp=_link(cluster, 2, pp_spans),
+        tp_spans_nodes=tp_spans,
+        dp_spans_nodes=dp_spans,
+        pp_spans_nodes=pp_spans,
+    )

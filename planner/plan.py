@@ -1,0 +1,156 @@
+"""Plan: the search's output and the runtime's input. Versioned JSON (schema planner.Plan)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from planner import schema
+
+
+@dataclass(frozen=True)
+class Parallel:
+    dp: int
+    tp: int
+    pp: int
+    micro_batch: int
+    num_microbatches: int
+    zero: int
+    """0: DDP; 1: optimizer state sharded (FSDP2 would shard more: see README); 2: + gradients;
+    3: + parameters (FSDP2 fully_shard)."""
+    schedule: str
+    """gpipe | 1f1b | interleaved (ignored when pp == 1)."""
+    virtual_stages: int
+    recompute: str
+    """none | selective | full | mixed (per layer: see stages[].recompute_layers)."""
+    sequence_parallel: bool
+
+    def one_line(self) -> str:
+        sched = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": f"interleaved 1F1B x{self.virtual_stages}"}
+        parts = [
+            f"dp={self.dp} tp={self.tp} pp={self.pp}",
+            f"micro-batch {self.micro_batch} x {self.num_microbatches}",
+        ]
+        if self.pp > 1:
+            parts.append(sched[self.schedule])
+        parts += [f"ZeRO-{self.zero}", f"recompute: {self.recompute}"]
+        return " · ".join(parts)
+
+
+@dataclass(frozen=True)
+class MemoryBytes:
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    reserve: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline rank: its layers (in chunks when interleaved) and what it costs."""
+
+    rank: int
+    layers: tuple[str, ...]
+    chunks: tuple[tuple[str, ...], ...]
+    recompute_layers: tuple[str, ...]
+    """Layers recomputed in full (torch.utils.checkpoint)."""
+    selective_layers: tuple[str, ...]
+    """Layers with selective recompute (matmul outputs kept, the rest recomputed)."""
+    memory_bytes: MemoryBytes
+    time_per_microbatch_s: float
+
+
+@dataclass(frozen=True)
+class Predicted:
+    step_time_s: float
+    samples_per_s: float
+    tokens_per_s: Optional[float]
+    model_tflops_per_gpu: float
+    mfu: float
+    peak_memory_bytes: int
+    bubble_s: float
+    breakdown_s: dict[str, float]
+    """Where the bottleneck rank's step goes: compute, recompute, tp_comm, pp_comm, bubble, sync."""
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    gpu: str
+    display_name: str
+    num_gpus: int
+    gpus_per_node: int
+    memory_limit_bytes: int
+    peak_flops: float
+    """Dense peak FLOP/s per GPU at the plan's precision (the MFU denominator)."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    path: str
+    source_sha256: str
+    num_params: int
+    seq_len: Optional[int]
+    layer_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TrainingInfo:
+    precision: str
+    optimizer: str
+    global_batch: int
+
+
+@dataclass(frozen=True)
+class SolverInfo:
+    status: str
+    seconds: float
+    candidates: int
+    pruned: int
+    ilps_solved: int
+
+
+@dataclass(frozen=True)
+class Alternative:
+    plan: str
+    step_time_s: float
+    peak_memory_bytes: int
+    fits: bool
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    SCHEMA = "planner.Plan"
+    VERSION = 1
+
+    parallel: Parallel
+    stages: tuple[Stage, ...]
+    predicted: Predicted
+    cluster: ClusterInfo
+    model: ModelInfo
+    training: TrainingInfo
+    solver: SolverInfo
+    binding: str
+    """What limits this plan, in words."""
+    explanation: tuple[str, ...]
+    alternatives: tuple[Alternative, ...]
+    data_parallel: Optional[Alternative]
+    """Plain data parallelism on the same cluster, for comparison (fits=False: it does not fit)."""
+    assumptions: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    schema: str = field(default="planner.Plan")
+    version: int = field(default=1)
+
+    def to_json(self) -> str:
+        return schema.dumps(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "plan") -> "Plan":
+        return schema.from_jsonable(cls, data, source=source)
+
+    @classmethod
+    def load(cls, path) -> "Plan":
+        return schema.load_json_file(cls, path)

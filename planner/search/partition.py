@@ -1,0 +1,237 @@
+r"""The ILP: split atoms into contiguous pipeline stages and choose recompute, for one candidate.
+
+Atoms 0..A-1 (layers between valid cuts) come in segments g: runs of n_g identical atoms starting
+at a_g (a transformer: embedding, N blocks, norm, head = 4 segments). Identical atoms share
+variables: the ILP decides how many of each segment each stage takes, not which.
+
+Stages s = 0..S-1 (S = pp x virtual stages); stage s runs on rank i(s) = s mod pp.
+
+Variables
+    u_sg in {0, 1}            boundary s (the end of stage s) lies in segment g
+    o_sg in Z, [u, n_g u]     ... at this offset:  E_s = sum_g (a_g u_sg + o_sg)
+    w_gs = n_g sum_{h>g} u_sh + o_sg     atoms of segment g in stages <= s (w_{g,S-1} = n_g)
+    c_gs = w_gs - w_g,s-1     atoms of segment g in stage s
+    q_gi, f_gi in Z>=0        atoms of segment g on rank i selectively / fully recomputed
+                              (q + f <= sum of c_gs over the rank's stages s)
+    T_i >= 0                  time per micro-batch of rank i;  M >= T_i
+    X_i >= 0                  exposed gradient sync of rank i;  U >= sync_i
+Constraints
+    [Place]      sum_g u_sg = 1;  s + 1 <= E_s <= A - (S - 1 - s)
+    [Order]      E_s >= E_{s-1} + 1                           every stage non-empty
+    [Recompute]  q_gi + f_gi <= sum_{s on i} c_gs   (or = for a fixed choice)
+    [Time]       T_i >= sum_g (sum_{s on i} c_gs t_g + q_gi dq_g + f_gi df_g) + p2p  (t = fwd + bwd)
+                 T_i >= ZeRO-3 gathers(atoms_i, params_i)                         (ZeRO-3 only)
+                 M >= T_i
+    [Memory]     (1 + frag)(params_i (w/z3 + g/z2 + o/z1) + infl_i (sum c act0 - q(act0 - act1)
+                 - f(act0 - act2)) + working + gathered) + reserve <= limit        for each rank i
+    [Sync]       X_i >= tail,  X_i >= grad_sync(params_i) - backward_i;
+                 U >= X_i + param_gather(params_i) + optimizer(params_i)   (ZeRO-3: tail + optimizer)
+Objective
+    minimise  m M + (sum_i T_i - M) / v + U          (= evaluate()'s step time, cost/pipeline.py)
+    [Cutoff]     objective <= the K-th best plan found so far, when the search gives one
+
+Solved with HiGHS through PuLP, under a time limit; the status is reported as it is.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pulp
+
+from planner.cost.constants import FRAGMENTATION
+from planner.cost.stage_costs import FULL, NONE, SELECTIVE, StageCosts
+
+GIB = 2**30
+# Relative optimality gap: plans within 0.1% of the optimum count as optimal (HiGHS default 1e-4).
+MIP_GAP = 1e-3
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: int
+    count: int
+
+
+@dataclass(frozen=True)
+class PartitionResult:
+    status: str
+    """optimal | feasible (time limit hit with a solution) | infeasible | not solved (time limit)."""
+    bounds: tuple[int, ...] | None
+    choice: tuple[int, ...] | None
+    objective_s: float | None
+    seconds: float
+
+
+def segments_of(costs: StageCosts) -> list[Segment]:
+    out: list[Segment] = []
+    for i, atom in enumerate(costs.atoms):
+        if out and costs.atoms[out[-1].start].signature() == atom.signature():
+            out[-1] = Segment(out[-1].start, out[-1].count + 1)
+        else:
+            out.append(Segment(i, 1))
+    return out
+
+
+def solve_partition(
+    costs: StageCosts,
+    recompute: str | None = None,
+    time_limit_s: float = 10.0,
+    cutoff_s: float | None = None,
+) -> PartitionResult:
+    """Optimal stages and recompute for `costs`. `recompute`: fix every atom to this choice.
+    `cutoff_s`: only solutions faster than this are wanted (infeasible otherwise), which lets the
+    solver drop a candidate as soon as its LP bound is worse."""
+    start = time.perf_counter()
+    cand = costs.cand
+    S, p = cand.num_stages, cand.pp
+    A = len(costs.atoms)
+    if S > A:
+        return PartitionResult("infeasible", None, None, None, time.perf_counter() - start)
+    v = cand.virtual_stages if cand.schedule == "interleaved" else 1
+    segs = segments_of(costs)
+    prob = pulp.LpProblem("partition", pulp.LpMinimize)
+
+    # -- [Order] and [Place]: where each stage boundary falls ------------------------------
+    # Boundary s lies in segment g (a_g < E_s <= a_g + n_g) when u_sg = 1, at offset o_sg.
+    E: dict[int, object] = {}
+    u: dict[tuple[int, int], object] = {}
+    o: dict[tuple[int, int], object] = {}
+    for s in range(S - 1):
+        lo, hi = s + 1, A - (S - 1 - s)
+        inside = [g for g, seg in enumerate(segs) if seg.start < hi and seg.start + seg.count >= lo]
+        for g in inside:
+            seg = segs[g]
+            u[s, g] = pulp.LpVariable(f"u_{s}_{g}", cat="Binary")
+            o[s, g] = pulp.LpVariable(f"o_{s}_{g}", 0, seg.count, cat="Integer")
+            prob += o[s, g] >= u[s, g]
+            prob += o[s, g] <= seg.count * u[s, g]
+        prob += pulp.lpSum(u[s, g] for g in inside) == 1, f"place_{s}"
+        E[s] = pulp.lpSum(segs[g].start * u[s, g] + o[s, g] for g in inside)
+        prob += E[s] >= lo
+        prob += E[s] <= hi
+    for s in range(1, S - 1):
+        prob += E[s] >= E[s - 1] + 1, f"order_{s}"
+    # atoms of segment g in stages <= s: all of it when the boundary lies in a later segment
+    w: dict[tuple[int, int], object] = {}
+    for g, seg in enumerate(segs):
+        for s in range(S - 1):
+            later = [u[s, h] for h in range(g + 1, len(segs)) if (s, h) in u]
+            w[g, s] = seg.count * pulp.lpSum(later) + (o[s, g] if (s, g) in o else 0)
+        w[g, S - 1] = seg.count
+
+    def count(g: int, s: int):
+        return w[g, s] - (w[g, s - 1] if s > 0 else 0)
+
+    # -- [Recompute]: counts per rank (its chunks' atoms of a segment are interchangeable) ----
+    q: dict[tuple[int, int], object] = {}
+    f: dict[tuple[int, int], object] = {}
+    for g, seg in enumerate(segs):
+        for i in range(p):
+            c = pulp.lpSum(count(g, s) for s in range(i, S, p))
+            if recompute == "selective":
+                q[g, i], f[g, i] = c, 0
+            elif recompute == "full":
+                q[g, i], f[g, i] = 0, c
+            elif recompute == "none":
+                q[g, i] = f[g, i] = 0
+            else:
+                q[g, i] = pulp.LpVariable(f"q_{g}_{i}", 0, seg.count, cat="Integer")
+                f[g, i] = pulp.LpVariable(f"f_{g}_{i}", 0, seg.count, cat="Integer")
+                prob += q[g, i] + f[g, i] <= c, f"recompute_{g}_{i}"
+
+    # -- per-rank sums ----------------------------------------------------------------------
+    def rank_sum(i: int, per_atom) -> object:
+        terms = []
+        for g, seg in enumerate(segs):
+            atom = costs.atoms[seg.start]
+            base = per_atom(atom, NONE)
+            terms.append(pulp.lpSum(count(g, s) for s in range(i, S, p)) * base)
+            terms.append(q[g, i] * (per_atom(atom, SELECTIVE) - base))
+            terms.append(f[g, i] * (per_atom(atom, FULL) - base))
+        return pulp.lpSum(terms)
+
+    step_time = lambda atom, k: atom.fwd_s + atom.bwd_s + atom.extra_s[k]  # noqa: E731
+    backward = lambda atom, k: atom.bwd_s  # noqa: E731
+    params_of = lambda atom, k: atom.params  # noqa: E731
+    kept = lambda atom, k: atom.act_bytes[k]  # noqa: E731
+    one = lambda atom, k: 1  # noqa: E731
+
+    M = pulp.LpVariable("M", 0)
+    U = pulp.LpVariable("U", 0)
+    T = {}
+    w_b, g_b, o_b = costs.weight_bytes, costs.grad_bytes, costs.optim_bytes
+    dp, zero = cand.dp, cand.zero
+    per_param_bytes = w_b / (dp if zero >= 3 else 1) + g_b / (dp if zero >= 2 else 1) + o_b / (dp if zero >= 1 else 1)
+    for i in range(p):
+        T[i] = pulp.LpVariable(f"T_{i}", 0)
+        params = rank_sum(i, params_of)
+        # [Time]
+        prob += T[i] >= rank_sum(i, step_time) + costs.p2p_s * (S // p), f"time_{i}"
+        if zero == 3:  # one all-gather (x2) and reduce-scatter per atom, each with its latency
+            per_atom = 2 * costs.dp_param_gather.fixed_s + costs.dp_grad.fixed_s
+            per_param = 2 * costs.dp_param_gather.per_byte_s * w_b + costs.dp_grad.per_byte_s * g_b
+            prob += T[i] >= per_atom * rank_sum(i, one) + per_param * params, f"zero3_{i}"
+        prob += M >= T[i]
+        # [Memory]
+        memory = (
+            params * per_param_bytes
+            + costs.inflight[i] * rank_sum(i, kept)
+            + costs.working_bytes
+            + costs.zero3_gather_bytes
+        )
+        # in GiB: byte-sized coefficients next to second-sized ones hurt the solver's tolerances
+        prob += ((1 + FRAGMENTATION) * memory + costs.reserve_fixed_bytes) * (1 / GIB) <= costs.limit_bytes / GIB, f"memory_{i}"
+        # [Sync]
+        sync = costs.optimizer_s_per_param * params
+        if zero == 3 and dp > 1:
+            sync = sync + costs.dp_tail_s
+        if zero < 3:
+            if dp > 1:
+                X = pulp.LpVariable(f"X_{i}", 0)
+                prob += X >= costs.dp_tail_s
+                prob += X >= costs.dp_grad.fixed_s + costs.dp_grad.per_byte_s * g_b * params - rank_sum(i, backward)
+                sync = sync + X
+            if zero >= 1:
+                sync = sync + costs.dp_param_gather.fixed_s + costs.dp_param_gather.per_byte_s * w_b * params
+        prob += U >= sync, f"sync_{i}"
+
+    m = cand.num_microbatches
+    objective = m * M + (pulp.lpSum(T.values()) - M) * (1.0 / v) + U
+    prob += objective
+    if cutoff_s is not None:
+        prob += objective <= cutoff_s, "cutoff"
+
+    solver = pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=MIP_GAP)
+    prob.solve(solver)
+    elapsed = time.perf_counter() - start
+    status = _status(prob)
+    if status in ("infeasible", "not solved"):
+        return PartitionResult(status, None, None, None, elapsed)
+
+    bounds = [0] + [int(round(pulp.value(E[s]))) for s in range(S - 1)] + [A]
+    choice = [NONE] * A
+    for g, seg in enumerate(segs):
+        for i in range(p):
+            nf = int(round(pulp.value(f[g, i]) or 0))
+            nq = int(round(pulp.value(q[g, i]) or 0))
+            ids = [
+                a
+                for s in range(i, S, p)
+                for a in range(max(bounds[s], seg.start), min(bounds[s + 1], seg.start + seg.count))
+            ]
+            for k, atom in enumerate(ids):
+                choice[atom] = FULL if k < nf else SELECTIVE if k < nf + nq else NONE
+    return PartitionResult(status, tuple(bounds), tuple(choice), pulp.value(prob.objective), elapsed)
+
+
+def _status(prob: pulp.LpProblem) -> str:
+    """PuLP says "Optimal" after a time limit that found a feasible point: read sol_status too."""
+    if prob.status == pulp.LpStatusOptimal:
+        return "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "feasible"
+    if prob.status == pulp.LpStatusInfeasible:
+        return "infeasible"
+    if prob.sol_status in (pulp.LpSolutionIntegerFeasible, pulp.LpSolutionOptimal):
+        return "feasible"
+    return "not solved"

@@ -1,0 +1,238 @@
+"""The search: enumerate candidates, prune by bounds, solve an ILP for each survivor, rank.
+
+Candidates are solved in order of their time lower bound; the search stops once the bound of the
+next one exceeds the K-th best distinct strategy found, so hopeless ones never reach the solver.
+For each survivor the ILP (partition.py) places layers into stages and picks recompute; every
+figure reported is re-evaluated from the chosen assignment (cost/evaluate.py).
+
+Recompute: the ILP is first solved without recompute; only when that fails or leaves less than
+RECOMPUTE_HEADROOM of the memory free (where recomputing a layer could buy a better split) is the
+full problem, with recompute per layer, solved as well.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from planner.cost.evaluate import Evaluation, evaluate
+from planner.cost.setup import Candidate, Training
+from planner.cost.stage_costs import FULL, StageCosts, atom_table, atoms_of, stage_costs
+from planner.hardware import Cluster
+from planner.profile.types import ModelProfile
+from planner.search.partition import PartitionResult, solve_partition
+from planner.search.space import Fixed, SpaceStats, candidates, memory_lower_bound, time_lower_bound
+
+RECOMPUTE_HEADROOM = 0.15
+ILP_TIME_LIMIT_S = 2.0
+SEARCH_BUDGET_S = 20.0
+# Plans within this share of each other's step time count as equal: the simpler one wins
+# (fewer model splits, lower ZeRO stage), the field's rule of thumb.
+TIE = 0.01
+DEBUG = bool(os.environ.get("PLAN_DEBUG"))
+
+
+@dataclass(frozen=True)
+class Scored:
+    cand: Candidate
+    costs: StageCosts
+    partition: PartitionResult
+    evaluation: Evaluation
+
+    @property
+    def step_time_s(self) -> float:
+        return self.evaluation.step_time_s
+
+    @property
+    def shape(self) -> tuple:
+        return _shape(self.cand)
+
+
+def _shape(c: Candidate) -> tuple:
+    return (c.dp, c.tp, c.pp, c.schedule if c.pp > 1 else "")
+
+
+def _simplicity(c: Candidate) -> tuple:
+    return (c.tp * c.pp, c.zero, c.virtual_stages, -c.micro_batch)
+
+
+def _better(a: Scored, b: Scored) -> bool:
+    """Faster by more than TIE, or as fast and simpler."""
+    if a.step_time_s < b.step_time_s * (1 - TIE):
+        return True
+    if b.step_time_s < a.step_time_s * (1 - TIE):
+        return False
+    return _simplicity(a.cand) < _simplicity(b.cand)
+
+
+def _rank(plans) -> list[Scored]:
+    """Fastest first; plans within TIE of the fastest are ordered simplest first."""
+    plans = sorted(plans, key=lambda s: s.step_time_s)
+    if not plans:
+        return plans
+    fastest = plans[0].step_time_s
+    near = sorted((s for s in plans if s.step_time_s <= fastest * (1 + TIE)), key=lambda s: _simplicity(s.cand))
+    return near + [s for s in plans if s.step_time_s > fastest * (1 + TIE)]
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Scored]
+    """The best plan of each distinct shape (dp, tp, pp, schedule), fastest first."""
+    data_parallel: Scored | None
+    """Plain data parallelism (tp = pp = 1, ZeRO-0), when it fits."""
+    data_parallel_need_bytes: float | None
+    """When it does not fit: the least memory per GPU it needs (any micro-batch, full recompute)."""
+    min_need_bytes: float | None
+    """When nothing fits: the least memory per GPU any candidate needs, and which."""
+    min_need_cand: Candidate | None
+    stats: SpaceStats
+    pruned_memory: int = 0
+    pruned_time: int = 0
+    ilps: int = 0
+    solver_s: float = 0.0
+    seconds: float = 0.0
+    statuses: dict[str, int] = field(default_factory=dict)
+    budget_hit: bool = False
+
+    @property
+    def best(self) -> Scored | None:
+        return self.ranked[0] if self.ranked else None
+
+    @property
+    def status(self) -> str:
+        if not self.ranked:
+            return "infeasible"
+        if self.budget_hit or self.statuses.get("feasible"):
+            return "feasible (time limit)"
+        return "optimal"
+
+
+class _Solver:
+    def __init__(self, result: SearchResult, fixed: Fixed) -> None:
+        self.result = result
+        self.fixed = fixed
+
+    def _solve(self, costs: StageCosts, recompute: str | None, cutoff_s: float | None) -> PartitionResult:
+        part = solve_partition(costs, recompute=recompute, time_limit_s=ILP_TIME_LIMIT_S, cutoff_s=cutoff_s)
+        if DEBUG:
+            print(f"  ilp {part.seconds:6.2f}s {part.status:10s} {recompute} {costs.cand.label()}")
+        r = self.result
+        r.ilps += 1
+        r.solver_s += part.seconds
+        r.statuses[part.status] = r.statuses.get(part.status, 0) + 1
+        return part
+
+    def score(self, costs: StageCosts, cutoff_s: float | None = None) -> Scored | None:
+        """The candidate's best plan, or None when nothing fits (or nothing beats `cutoff_s`)."""
+        if self.fixed.recompute is not None:
+            part = self._solve(costs, self.fixed.recompute, cutoff_s)
+        else:
+            part = self._solve(costs, "none", cutoff_s)
+            tight = part.bounds is None or evaluate(costs, list(part.bounds), list(part.choice)).peak_bytes > (
+                1 - RECOMPUTE_HEADROOM
+            ) * costs.limit_bytes
+            if tight:
+                free = self._solve(costs, None, part.objective_s if part.objective_s is not None else cutoff_s)
+                if free.bounds is not None and (part.bounds is None or free.objective_s < part.objective_s):
+                    part = free
+        if part.bounds is None:
+            return None
+        ev = evaluate(costs, list(part.bounds), list(part.choice))
+        return Scored(costs.cand, costs, part, ev) if ev.fits else None
+
+
+def run_search(
+    profile: ModelProfile,
+    cluster: Cluster,
+    training: Training,
+    fixed: Fixed = Fixed(),
+    top_k: int = 3,
+    cpu_factor: float | None = None,
+) -> SearchResult:
+    start = time.perf_counter()
+    stats = SpaceStats()
+    result = SearchResult([], None, None, None, None, stats)
+    num_atoms = len(atoms_of(profile))
+    tables: dict[tuple[int, int], tuple] = {}
+
+    def costs_of(cand: Candidate) -> StageCosts:
+        key = (cand.tp, cand.micro_batch)
+        if key not in tables:
+            tables[key] = atom_table(profile, cluster, training, cand.tp, cand.micro_batch, cpu_factor)
+        return stage_costs(profile, cluster, training, cand, cpu_factor, atoms=tables[key])
+
+    survivors: list[tuple[float, StageCosts]] = []
+    for cand in candidates(profile, cluster.num_gpus, cluster.gpus_per_node, num_atoms, training.global_batch, fixed, stats):
+        costs = costs_of(cand)
+        need = memory_lower_bound(costs)
+        if need > costs.limit_bytes:
+            result.pruned_memory += 1
+            if result.min_need_bytes is None or need < result.min_need_bytes:
+                result.min_need_bytes, result.min_need_cand = need, cand
+            continue
+        survivors.append((time_lower_bound(costs), costs))
+    survivors.sort(key=lambda x: x[0])
+
+    solver = _Solver(result, fixed)
+    best_by_shape: dict[tuple, Scored] = {}
+    for n, (bound, costs) in enumerate(survivors):
+        kth = sorted(s.step_time_s for s in best_by_shape.values())[top_k - 1 : top_k]
+        if kth and bound >= kth[0] * (1 + TIE):
+            result.pruned_time += len(survivors) - n
+            break
+        if time.perf_counter() - start > SEARCH_BUDGET_S and best_by_shape:
+            result.budget_hit = True
+            break
+        # Only a plan that could enter the top K (or beat its shape's best) is worth solving for.
+        shape_best = best_by_shape.get(_shape(costs.cand))
+        cutoffs = [x * (1 + TIE) for x in kth + ([shape_best.step_time_s] if shape_best else [])]
+        scored = solver.score(costs, max(cutoffs) if kth and not shape_best else (min(cutoffs) if cutoffs else None))
+        if scored is None:
+            continue
+        shape = scored.shape
+        if shape not in best_by_shape or _better(scored, best_by_shape[shape]):
+            best_by_shape[shape] = scored
+    result.ranked = _rank(best_by_shape.values())
+    if not result.ranked:
+        _min_need(result, survivors)
+    _data_parallel_baseline(result, profile, cluster, training, fixed, costs_of, solver, num_atoms)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _min_need(result: SearchResult, survivors: list[tuple[float, StageCosts]]) -> None:
+    """Nothing fit: the least peak memory among candidates that passed the bound (balanced
+    stages, full recompute), to tell the user how far off the limit they are."""
+    for _, costs in survivors:
+        bounds = _balanced_bounds(len(costs.atoms), costs.cand.num_stages)
+        ev = evaluate(costs, bounds, [FULL] * len(costs.atoms))
+        if result.min_need_bytes is None or ev.peak_bytes < result.min_need_bytes:
+            result.min_need_bytes, result.min_need_cand = ev.peak_bytes, costs.cand
+
+
+def _balanced_bounds(num_atoms: int, num_stages: int) -> list[int]:
+    return [round(num_atoms * s / num_stages) for s in range(num_stages + 1)]
+
+
+def _data_parallel_baseline(result, profile, cluster, training, fixed, costs_of, solver, num_atoms) -> None:
+    """The best plain data-parallel plan (tp = pp = 1, ZeRO-0), or the memory it would need."""
+    dp_only = Fixed(tp=1, pp=1, zero=0)
+    for s in result.ranked:
+        if (s.cand.tp, s.cand.pp, s.cand.zero) == (1, 1, 0):
+            result.data_parallel = s
+            return
+    best: Scored | None = None
+    need: float | None = None
+    for cand in candidates(profile, cluster.num_gpus, cluster.gpus_per_node, num_atoms, training.global_batch, dp_only, SpaceStats()):
+        costs = costs_of(cand)
+        ev = evaluate(costs, [0, len(costs.atoms)], [FULL] * len(costs.atoms))
+        if not ev.fits:
+            need = ev.peak_bytes if need is None else min(need, ev.peak_bytes)
+            continue
+        scored = solver.score(costs)
+        if scored is not None and (best is None or scored.step_time_s < best.step_time_s):
+            best = scored
+    result.data_parallel = best
+    result.data_parallel_need_bytes = None if best is not None else need
