@@ -5,10 +5,10 @@ number a plan reports comes from here.
 
 Per pipeline rank i (holding stages i, i+p, ... when interleaved), for one micro-batch:
     T_i = sum over its atoms (fwd + bwd + recompute extra) + pipeline sends per stage
-          (ZeRO-3: at least the per-micro-batch all-gathers (x2) and reduce-scatter of each atom,
-          overlapped with compute as FSDP prefetches; the last reduce-scatter is exposed)
+          and at least the data-parallel traffic of each micro-batch (ZeRO-2/3), which overlaps it
 Step = pipeline(T) + max_i (exposed gradient sync_i + parameter all-gather_i + optimizer_i), with
-    exposed sync_i = max(last bucket, sync_i - one micro-batch backward of rank i)
+    exposed sync_i = max(last bucket, gradient sync_i - one micro-batch backward of rank i)
+    (stage_costs.StageCosts documents which collectives each ZeRO stage runs, and when)
 Memory_i = (1 + fragmentation) x (weights + grads + optimizer state (each / dp per ZeRO stage)
            + in-flight_i x kept activations + working set [+ ZeRO-3 gathered layers]) + reserve.
 """
@@ -80,17 +80,11 @@ def evaluate(costs: StageCosts, bounds: list[int], choice: list[int]) -> Evaluat
         t = compute + recompute + tp_comm + p2p
         params = sum(a.params for a in atoms)
         w, g, o = costs.weight_bytes, costs.grad_bytes, costs.optim_bytes
-        if zero == 3:  # per atom: all-gather for forward and backward, reduce-scatter of grads
-            per_atom = 2 * costs.dp_param_gather.fixed_s + costs.dp_grad.fixed_s
-            per_byte = 2 * costs.dp_param_gather.per_byte_s * w + costs.dp_grad.per_byte_s * g
-            t = max(t, per_atom * len(atoms) + per_byte * params)
-            sync = costs.dp_tail_s if dp > 1 else 0.0
-        else:
-            one_backward = sum(a.bwd_s for a in atoms)
-            sync = max(costs.dp_tail_s, costs.dp_grad(params * g) - one_backward, 0.0) if dp > 1 else 0.0
-            if zero >= 1:
-                sync += costs.dp_param_gather(params * w)
-        sync += costs.optimizer_s_per_param * params
+        # data-parallel traffic every micro-batch (ZeRO-2/3), hidden under compute when it can be
+        t = max(t, costs.mb_comm_atom_s * len(atoms) + costs.mb_comm_param_s * params)
+        one_backward = sum(a.bwd_s for a in atoms)
+        exposed = max(costs.tail_s, costs.grad_sync(params * g) - one_backward, 0.0) if dp > 1 else 0.0
+        sync = exposed + (costs.after_step_param_s + costs.optimizer_s_per_param) * params
         weights = params * w / (dp if zero >= 3 else 1) + costs.zero3_gather_bytes
         grads = params * g / (dp if zero >= 2 else 1)
         optim = params * o / (dp if zero >= 1 else 1)

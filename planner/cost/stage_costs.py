@@ -73,13 +73,20 @@ class StageCosts:
     limit_bytes: int
     p2p_s: float
     """Pipeline sends per stage per micro-batch: the activation forward, its gradient backward."""
-    dp_grad: comm.Affine
-    """ZeRO-0: all-reduce of the gradients; 1-2: reduce-scatter; 3: per micro-batch (below)."""
-    dp_param_gather: comm.Affine
-    """ZeRO-1/2: the all-gather of updated parameters after the step; ZeRO-3: per gather."""
+    mb_comm_atom_s: float
+    mb_comm_param_s: float
+    """Data-parallel traffic every micro-batch, overlapped with compute (FSDP prefetch / bucketed
+    reduce-scatter): atoms x mb_comm_atom_s + params x mb_comm_param_s. ZeRO-3: all-gather of each
+    atom's parameters for forward and again for backward, reduce-scatter of its gradients; ZeRO-2:
+    the reduce-scatter (sharded gradients cannot accumulate unreduced); ZeRO-0/1: none."""
+    grad_sync: comm.Affine
+    """Once per step, on the gradient bytes, overlapped with the last micro-batch's backward:
+    ZeRO-0 all-reduce, ZeRO-1 reduce-scatter; none for ZeRO-2/3 (done per micro-batch)."""
+    tail_s: float
+    """Gradient sync that cannot overlap the backward: the last bucket (DDP's 25 MB)."""
+    after_step_param_s: float
+    """Per parameter, after the optimizer: ZeRO-1/2 all-gather the updated 16-bit weights."""
     optimizer_s_per_param: float
-    dp_tail_s: float
-    """The gradient sync that cannot overlap the backward: the last bucket's (DDP's 25 MB)."""
     links: Links
     model_flops_per_step: float
     """Model FLOPs (forward + backward, no recompute) of one step over the whole cluster."""
@@ -212,7 +219,16 @@ def stage_costs(
     max_params = sorted((a.params for a in atoms), reverse=True)[:2]
     cut_bytes = max((a.out_bytes for a in atoms if a.cut_ok), default=0.0)
     on_gpu = cluster.gpu.origin != "measured"
-    dp_grad = (comm.allreduce if cand.zero == 0 else comm.reduce_scatter)(cand.dp, lk.dp)
+    dp, zero = cand.dp, cand.zero
+    ag, rs = comm.allgather(dp, lk.dp), comm.reduce_scatter(dp, lk.dp)
+    rs_or_ar = comm.allreduce(dp, lk.dp) if zero == 0 else rs
+    grad_sync = rs_or_ar if zero <= 1 and dp > 1 else comm.NONE
+    per_atom = per_param = 0.0
+    if zero == 3 and dp > 1:
+        per_atom = 2 * ag.fixed_s + rs.fixed_s
+        per_param = 2 * ag.per_byte_s * w + rs.per_byte_s * g
+    elif zero == 2 and dp > 1:
+        per_atom, per_param = rs.fixed_s, rs.per_byte_s * g
     model_flops = sum(l.fwd_flops + l.bwd_flops for l in layers) * training.global_batch / profile.batch_size
     return StageCosts(
         cand=cand,
@@ -226,11 +242,13 @@ def stage_costs(
         reserve_fixed_bytes=RESERVE_GPU_BYTES if on_gpu else RESERVE_CPU_BYTES,
         limit_bytes=training.memory_limit_bytes,
         p2p_s=2 * comm.p2p(lk.pp)(cut_bytes) if cand.pp > 1 else 0.0,
-        dp_grad=dp_grad,
-        dp_param_gather=comm.allgather(cand.dp, lk.dp) if cand.zero >= 1 else comm.NONE,
+        mb_comm_atom_s=per_atom,
+        mb_comm_param_s=per_param,
+        grad_sync=grad_sync,
+        tail_s=rs_or_ar(DDP_BUCKET_BYTES) if cand.dp > 1 else 0.0,
+        after_step_param_s=ag.per_byte_s * w if cand.zero in (1, 2) else 0.0,
         optimizer_s_per_param=memory_bound_s(training.optimizer_traffic_per_param(), cluster.gpu)
         / (cand.dp if cand.zero >= 1 else 1),
-        dp_tail_s=dp_grad(DDP_BUCKET_BYTES) if cand.dp > 1 else 0.0,
         links=lk,
         model_flops_per_step=model_flops,
     )

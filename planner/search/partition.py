@@ -20,12 +20,12 @@ Constraints
     [Order]      E_s >= E_{s-1} + 1                           every stage non-empty
     [Recompute]  q_gi + f_gi <= sum_{s on i} c_gs   (or = for a fixed choice)
     [Time]       T_i >= sum_g (sum_{s on i} c_gs t_g + q_gi dq_g + f_gi df_g) + p2p  (t = fwd + bwd)
-                 T_i >= ZeRO-3 gathers(atoms_i, params_i)                         (ZeRO-3 only)
+                 T_i >= data-parallel traffic per micro-batch(atoms_i, params_i)  (ZeRO-2/3)
                  M >= T_i
     [Memory]     (1 + frag)(params_i (w/z3 + g/z2 + o/z1) + infl_i (sum c act0 - q(act0 - act1)
                  - f(act0 - act2)) + working + gathered) + reserve <= limit        for each rank i
-    [Sync]       X_i >= tail,  X_i >= grad_sync(params_i) - backward_i;
-                 U >= X_i + param_gather(params_i) + optimizer(params_i)   (ZeRO-3: tail + optimizer)
+    [Sync]       X_i >= tail,  X_i >= grad_sync(params_i) - backward_i   (ZeRO-0/1);
+                 U >= X_i + param_gather(params_i) + optimizer(params_i)
 Objective
     minimise  m M + (sum_i T_i - M) / v + U          (= evaluate()'s step time, cost/pipeline.py)
     [Cutoff]     objective <= the K-th best plan found so far, when the search gives one
@@ -35,12 +35,16 @@ Solved with HiGHS through PuLP, under a time limit; the status is reported as it
 
 from __future__ import annotations
 
+import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+import highspy
 import pulp
 
 from planner.cost.constants import FRAGMENTATION
+from planner.cost.evaluate import evaluate
 from planner.cost.stage_costs import FULL, NONE, SELECTIVE, StageCosts
 
 GIB = 2**30
@@ -169,10 +173,8 @@ def solve_partition(
         params = rank_sum(i, params_of)
         # [Time]
         prob += T[i] >= rank_sum(i, step_time) + costs.p2p_s * (S // p), f"time_{i}"
-        if zero == 3:  # one all-gather (x2) and reduce-scatter per atom, each with its latency
-            per_atom = 2 * costs.dp_param_gather.fixed_s + costs.dp_grad.fixed_s
-            per_param = 2 * costs.dp_param_gather.per_byte_s * w_b + costs.dp_grad.per_byte_s * g_b
-            prob += T[i] >= per_atom * rank_sum(i, one) + per_param * params, f"zero3_{i}"
+        if costs.mb_comm_atom_s or costs.mb_comm_param_s:  # ZeRO-2/3 traffic per micro-batch
+            prob += T[i] >= costs.mb_comm_atom_s * rank_sum(i, one) + costs.mb_comm_param_s * params, f"dp_mb_{i}"
         prob += M >= T[i]
         # [Memory]
         memory = (
@@ -184,17 +186,13 @@ def solve_partition(
         # in GiB: byte-sized coefficients next to second-sized ones hurt the solver's tolerances
         prob += ((1 + FRAGMENTATION) * memory + costs.reserve_fixed_bytes) * (1 / GIB) <= costs.limit_bytes / GIB, f"memory_{i}"
         # [Sync]
-        sync = costs.optimizer_s_per_param * params
-        if zero == 3 and dp > 1:
-            sync = sync + costs.dp_tail_s
-        if zero < 3:
-            if dp > 1:
-                X = pulp.LpVariable(f"X_{i}", 0)
-                prob += X >= costs.dp_tail_s
-                prob += X >= costs.dp_grad.fixed_s + costs.dp_grad.per_byte_s * g_b * params - rank_sum(i, backward)
-                sync = sync + X
-            if zero >= 1:
-                sync = sync + costs.dp_param_gather.fixed_s + costs.dp_param_gather.per_byte_s * w_b * params
+        sync = (costs.after_step_param_s + costs.optimizer_s_per_param) * params
+        if dp > 1:
+            X = pulp.LpVariable(f"X_{i}", 0)
+            prob += X >= costs.tail_s
+            if costs.grad_sync.per_byte_s:
+                prob += X >= costs.grad_sync.fixed_s + costs.grad_sync.per_byte_s * g_b * params - rank_sum(i, backward)
+            sync = sync + X
         prob += U >= sync, f"sync_{i}"
 
     m = cand.num_microbatches
@@ -203,7 +201,8 @@ def solve_partition(
     if cutoff_s is not None:
         prob += objective <= cutoff_s, "cutoff"
 
-    solver = pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=MIP_GAP)
+    start_values = _warm_start(costs, recompute, segs, u, o, q, f, T, M, U, prob)
+    solver = _HiGHS(start_values, msg=False, timeLimit=time_limit_s, gapRel=MIP_GAP)
     prob.solve(solver)
     elapsed = time.perf_counter() - start
     status = _status(prob)
@@ -235,3 +234,121 @@ def _status(prob: pulp.LpProblem) -> str:
     if prob.sol_status in (pulp.LpSolutionIntegerFeasible, pulp.LpSolutionOptimal):
         return "feasible"
     return "not solved"
+
+
+@contextmanager
+def _quiet_stdout():
+    """HiGHS prints a banner on stdout when a solver is created, before any option can silence
+    it; that would corrupt `plan --json`. Point file descriptor 1 at /dev/null meanwhile."""
+    try:
+        fd = os.dup(1)
+    except OSError:
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(fd, 1)
+        os.close(fd)
+        os.close(devnull)
+
+
+class _HiGHS(pulp.HiGHS):
+    """PuLP's HiGHS, started from a known feasible solution (PuLP's API solver has no warm start)."""
+
+    def __init__(self, start: dict | None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.start = start
+
+    def createAndConfigureSolver(self, lp):
+        with _quiet_stdout():
+            super().createAndConfigureSolver(lp)
+
+    def callSolver(self, lp):
+        if self.start:
+            sol = highspy.HighsSolution()
+            sol.col_value = [float(self.start.get(v.name, 0.0)) for v in lp.variables()]
+            sol.value_valid = True
+            lp.solverModel.setSolution(sol)
+        super().callSolver(lp)
+
+
+def balanced_bounds(times: list[float], num_stages: int, pp: int) -> list[int]:
+    """Contiguous split of atoms into stages minimising the slowest rank (greedy fill under a
+    bisected target time; a rank holds stages i, i + pp, ...): the ILP's starting point."""
+    n = len(times)
+
+    def split(target: float) -> list[int] | None:
+        bounds, s, acc = [0], 0, 0.0
+        for a, t in enumerate(times):
+            left_atoms, left_stages = n - a, num_stages - len(bounds) + 1
+            if a > bounds[-1] and (acc + t > target or left_atoms < left_stages) and left_stages > 1:
+                bounds.append(a)
+                acc = 0.0
+            acc += t
+        bounds.append(n)
+        return bounds if len(bounds) == num_stages + 1 else None
+
+    per_stage = pp / num_stages  # a rank's target is shared by its chunks
+    lo, hi = max(times), sum(times)
+    best = split(hi) or [round(n * k / num_stages) for k in range(num_stages + 1)]
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        b = split(mid * per_stage * num_stages / pp) if num_stages != pp else split(mid)
+        if b is not None and _rank_max(b, times, pp) <= mid * (1 + 1e-9):
+            best, hi = b, mid
+        else:
+            lo = mid
+    return best
+
+
+def _rank_max(bounds: list[int], times: list[float], pp: int) -> float:
+    ranks = [0.0] * pp
+    for s in range(len(bounds) - 1):
+        ranks[s % pp] += sum(times[bounds[s] : bounds[s + 1]])
+    return max(ranks)
+
+
+def _warm_start(costs, recompute, segs, u, o, q, f, T, M, U, prob) -> dict | None:
+    """Variable values of the balanced split with one recompute choice for all atoms, when that
+    fits in memory: HiGHS then starts from a good incumbent and prunes with it."""
+    cand = costs.cand
+    S, p = cand.num_stages, cand.pp
+    for k in ((NONE, SELECTIVE, FULL) if recompute is None else ({"none": NONE, "selective": SELECTIVE, "full": FULL}[recompute],)):
+        times = [a.fwd_s + a.bwd_s + a.extra_s[k] for a in costs.atoms]
+        bounds = balanced_bounds(times, S, p)
+        choice = [k] * len(costs.atoms)
+        ev = evaluate(costs, bounds, choice)
+        if ev.fits:
+            break
+    else:
+        return None
+    values: dict[str, float] = {}
+    for s in range(S - 1):
+        e = bounds[s + 1]
+        for g, seg in enumerate(segs):
+            if (s, g) in u:
+                inside = seg.start < e <= seg.start + seg.count
+                values[u[s, g].name] = 1.0 if inside else 0.0
+                values[o[s, g].name] = float(e - seg.start) if inside else 0.0
+    for g, seg in enumerate(segs):
+        for i in range(p):
+            n = sum(
+                max(0, min(bounds[s + 1], seg.start + seg.count) - max(bounds[s], seg.start))
+                for s in range(i, S, p)
+            )
+            for var, kind in ((q.get((g, i)), SELECTIVE), (f.get((g, i)), FULL)):
+                if isinstance(var, pulp.LpVariable):
+                    values[var.name] = float(n if k == kind else 0)
+    for d in ev.devices:
+        values[T[d.rank].name] = d.time_per_microbatch_s
+    values[M.name] = max(d.time_per_microbatch_s for d in ev.devices)
+    values[U.name] = max(d.sync_s for d in ev.devices)
+    for v in prob.variables():
+        if v.name.startswith("X_"):
+            atoms = [costs.atoms[a] for a in ev.devices[int(v.name[2:])].atoms]
+            grads = sum(a.params for a in atoms) * costs.grad_bytes
+            values[v.name] = max(costs.tail_s, costs.grad_sync(grads) - sum(a.bwd_s for a in atoms), 0.0)
+    return values

@@ -1,0 +1,413 @@
+"""The partition ILP against exhaustive search, on small instances (at most 6 atoms).
+
+For each (profile, candidate) every contiguous split of the atoms into `cand.num_stages`
+non-empty stages and every recompute choice per atom (none / selective / full) is scored with
+`evaluate()`, the cost model's single source of figures. For a set of memory limits chosen from
+the peaks that enumeration produced (nothing fits; only the leanest assignments fit; the limit
+binds; nothing binds), `solve_partition` (recompute free, and each fixed choice) must:
+
+- say infeasible exactly when no assignment fits;
+- otherwise return an assignment that fits and whose evaluated step time is the exhaustive
+  minimum within the solver's relative gap (MIP_GAP);
+- report an objective no lower than that evaluated step time (the ILP's expressions are
+  evaluate()'s).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import textwrap
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from planner.cost.evaluate import evaluate
+from planner.cost.setup import Candidate, Training
+from planner.cost.stage_costs import FULL, NONE, SELECTIVE, StageCosts, atoms_of, stage_costs
+from planner.hardware import make_cluster
+from planner.profile.types import LayerProfile, ModelProfile, ProfileTotals, TPInfo
+from planner.search.partition import MIP_GAP, segments_of, solve_partition
+from tests.conftest import EXAMPLES
+
+MODES = {"none": NONE, "selective": SELECTIVE, "full": FULL}
+# Step times are ~1e-3..1 s; a plan the ILP returns may differ from the optimum by MIP_GAP
+# (relative) plus the solver's feasibility tolerances (absolute, tiny).
+ABS_TOL_S = 1e-9
+
+
+# -- synthetic profiles ----------------------------------------------------------------------
+
+
+def _layer(index: int, name: str, kind: str, **kw) -> LayerProfile:
+    params = kw.pop("num_params")
+    return LayerProfile(
+        index=index, name=name, modules=(name,), kind=kind, num_params=params, param_bytes=2 * params, **kw
+    )
+
+
+def _block(index: int, h: int, s: int, heads: int, kind: str = "Block", scale: float = 1.0) -> LayerProfile:
+    """A GPT block for s tokens (batch 1) at 16 bits: 12 h^2 params, 24 s h^2 + 4 s^2 h forward
+    FLOPs, Korthikanti's s h (34 + 5 a s / h) saved bytes (about half of it made by matmuls)."""
+    params = int(12 * h * h * scale)
+    fwd = int((24 * s * h * h + 4 * s * s * h) * scale)
+    act = int(s * h * (34 + 5 * heads * s / h) * scale)
+    return _layer(
+        index, f"blocks.{index}", kind,
+        num_params=params, fwd_flops=fwd, bwd_flops=2 * fwd, activation_bytes=act,
+        activation_matmul_bytes=int(0.45 * act), output_bytes=2 * s * h, cut_after_ok=True,
+        fwd_matmul_io_bytes=2 * params + 16 * s * h, fwd_other_io_bytes=int(20 * s * h * scale),
+        bwd_matmul_io_bytes=4 * params + 32 * s * h, bwd_other_io_bytes=int(40 * s * h * scale),
+        fwd_ops=14, bwd_ops=28,
+        tp=TPInfo(
+            colwise=("attn.qkv", "mlp.up"), rowwise=("attn.proj", "mlp.down"), sharded_params=params - 4 * h,
+            allreduce_bytes=4 * s * h, divisors=(heads, h, 4 * h),
+        ),
+    )
+
+
+def synthetic_profile(
+    n_blocks: int = 4,
+    h: int = 1024,
+    s: int = 512,
+    heads: int = 16,
+    vocab: int = 32768,
+    alternate: bool = False,
+    norm_before_head: bool = False,
+    name: str = "synthetic",
+) -> ModelProfile:
+    """Embedding, `n_blocks` blocks (two alternating kinds when `alternate`), an optional final
+    norm that cannot be cut after (so it joins the head's atom), and an LM head."""
+    layers: list[LayerProfile] = []
+    layers.append(
+        _layer(
+            0, "wte", "Embedding", num_params=vocab * h, fwd_flops=0, bwd_flops=0, activation_bytes=8 * s,
+            activation_matmul_bytes=0, output_bytes=2 * s * h, cut_after_ok=True,
+            fwd_other_io_bytes=4 * s * h, bwd_other_io_bytes=4 * s * h, fwd_ops=2, bwd_ops=3,
+            tp=TPInfo((), ("",), vocab * h, 2 * s * h, (vocab,), required=False),
+        )
+    )
+    for i in range(n_blocks):
+        wide = alternate and i % 2 == 1
+        layers.append(_block(len(layers), h, s, heads, "BlockB" if wide else "Block", 1.5 if wide else 1.0))
+    if norm_before_head:
+        layers.append(
+            _layer(
+                len(layers), "ln_f", "LayerNorm", num_params=2 * h, fwd_flops=0, bwd_flops=0,
+                activation_bytes=2 * s * h + 8 * s, activation_matmul_bytes=0, output_bytes=2 * s * h,
+                cut_after_ok=False, fwd_other_io_bytes=4 * s * h, bwd_other_io_bytes=8 * s * h, fwd_ops=1, bwd_ops=2,
+            )
+        )
+    layers.append(
+        _layer(
+            len(layers), "lm_head", "Linear", num_params=vocab * h, fwd_flops=2 * s * h * vocab,
+            bwd_flops=4 * s * h * vocab, activation_bytes=2 * s * vocab + 2 * s * h,
+            activation_matmul_bytes=2 * s * vocab, output_bytes=0, cut_after_ok=False,
+            fwd_matmul_io_bytes=2 * vocab * h + 2 * s * vocab, fwd_other_io_bytes=8 * s * vocab,
+            bwd_matmul_io_bytes=4 * vocab * h + 4 * s * vocab, bwd_other_io_bytes=8 * s * vocab,
+            fwd_ops=5, bwd_ops=8, tp=TPInfo(("",), (), vocab * h, 2 * s * h, (vocab,), required=False),
+        )
+    )
+    layers = tuple(layers)
+    totals = ProfileTotals(
+        num_params=sum(l.num_params for l in layers), param_bytes=sum(l.param_bytes for l in layers),
+        fwd_flops=sum(l.fwd_flops for l in layers), bwd_flops=sum(l.bwd_flops for l in layers),
+        activation_bytes=sum(l.activation_bytes for l in layers), fwd_s=None, bwd_s=None,
+    )
+    return ModelProfile(
+        model_name=name, source_sha256="0" * 64, batch_size=1, dtype="bf16", mode="meta", device="fake",
+        input_shapes={"idx": (1, s)}, seq_len=s, layers=layers, edges=(), totals=totals,
+    )
+
+
+GPT_SOURCE = """
+import sys
+sys.path.insert(0, {examples!r})
+from gpt import GPTConfig, build_gpt, gpt_batch
+
+CONFIG = GPTConfig(vocab=4096, seq_len=128, n_layer=2, n_head=4, n_embd=256)
+
+
+def build_model():
+    return build_gpt(CONFIG)
+
+
+def sample_batch(batch_size):
+    return gpt_batch(CONFIG, batch_size)
+"""
+
+
+@lru_cache(maxsize=None)
+def gpt_profile(tmp_dir: str) -> ModelProfile:
+    """examples/gpt.py with 2 blocks (6 layers, 6 atoms), profiled on fake tensors."""
+    from pathlib import Path
+
+    from planner.model_file import load_model_file
+    from planner.profile import profile_model
+
+    path = Path(tmp_dir) / "gpt_tiny.py"
+    path.write_text(textwrap.dedent(GPT_SOURCE.format(examples=str(EXAMPLES))))
+    return profile_model(load_model_file(path), batch_size=2, measure=False)
+
+
+@pytest.fixture(scope="module")
+def profiles(tmp_path_factory) -> dict[str, ModelProfile]:
+    return {
+        # emb, 4 identical blocks, head: 6 atoms in 3 segments
+        "uniform": synthetic_profile(n_blocks=4),
+        # emb, 3 blocks, norm+head (one atom of two layers): 5 atoms
+        "norm_head": synthetic_profile(n_blocks=3, norm_before_head=True, name="norm_head"),
+        # emb, A, B, A, B, head: 6 atoms, every segment of one atom
+        "alternate": synthetic_profile(n_blocks=4, alternate=True, name="alternate"),
+        "gpt": gpt_profile(str(tmp_path_factory.mktemp("gpt"))),
+    }
+
+
+# -- exhaustive search -----------------------------------------------------------------------
+
+
+def splits(num_atoms: int, num_stages: int):
+    """Every contiguous split into non-empty stages, as S+1 bounds."""
+    for cuts in itertools.combinations(range(1, num_atoms), num_stages - 1):
+        yield [0, *cuts, num_atoms]
+
+
+@dataclass
+class Exhaustive:
+    """Every assignment's step time and peak memory (the limit only decides which fit)."""
+
+    step: np.ndarray
+    peak: np.ndarray
+    choices: list[tuple[int, ...]]
+    bounds: list[list[int]]
+
+    def best(self, limit: float, mode: str | None) -> tuple[float | None, int | None]:
+        mask = self.peak <= limit
+        if mode is not None:
+            mask &= np.array([all(c == MODES[mode] for c in ch) for ch in self.choices])
+        if not mask.any():
+            return None, None
+        idx = np.flatnonzero(mask)
+        k = idx[np.argmin(self.step[idx])]
+        return float(self.step[k]), int(k)
+
+
+def exhaustive(costs: StageCosts) -> Exhaustive:
+    A, S = len(costs.atoms), costs.cand.num_stages
+    steps, peaks, choices, bounds = [], [], [], []
+    for b in splits(A, S):
+        for ch in itertools.product((NONE, SELECTIVE, FULL), repeat=A):
+            ev = evaluate(costs, b, list(ch))
+            steps.append(ev.step_time_s)
+            peaks.append(ev.peak_bytes)
+            choices.append(ch)
+            bounds.append(b)
+    return Exhaustive(np.array(steps), np.array(peaks), choices, bounds)
+
+
+def limits_from(peaks: np.ndarray) -> dict[str, int]:
+    """Memory limits strictly between distinct peaks (never on one: the ILP checks its memory
+    rows to a feasibility tolerance, evaluate() exactly)."""
+    distinct = np.unique(peaks)
+    lo, hi = float(distinct[0]), float(distinct[-1])
+    # gaps between consecutive distinct peaks that are wide enough to sit in
+    mids = [
+        (a + b) / 2
+        for a, b in zip(distinct[:-1], distinct[1:])
+        if b - a > 1e-4 * b
+    ]
+    out = {"nothing fits": int(lo * 0.98), "everything fits": int(hi * 1.02) + 1}
+    if mids:
+        for name, q in (("leanest fit", 0.0), ("binds hard", 0.15), ("binds", 0.5), ("binds a little", 0.9)):
+            out[name] = int(mids[min(len(mids) - 1, int(q * len(mids)))])
+    return out
+
+
+# -- the instances ---------------------------------------------------------------------------
+
+# (tp, pp, dp, micro-batch, micro-batches, zero, schedule, virtual stages)
+CANDIDATES = [
+    Candidate(1, 1, 1, 2, 4, 0, "1f1b", 1),
+    Candidate(1, 1, 2, 1, 2, 3, "1f1b", 1),
+    Candidate(2, 1, 2, 1, 2, 1, "1f1b", 1),
+    Candidate(1, 2, 1, 1, 4, 0, "gpipe", 1),
+    Candidate(1, 2, 2, 1, 4, 1, "1f1b", 1),
+    Candidate(2, 2, 1, 2, 2, 2, "1f1b", 1),
+    Candidate(1, 2, 1, 1, 4, 0, "interleaved", 2),
+    Candidate(1, 2, 2, 2, 4, 3, "interleaved", 2),
+    Candidate(1, 3, 1, 1, 3, 0, "1f1b", 1),
+    Candidate(1, 3, 2, 1, 6, 2, "gpipe", 1),
+    Candidate(1, 3, 1, 1, 6, 0, "interleaved", 2),
+]
+CASES = [
+    ("uniform", c) for c in CANDIDATES
+] + [
+    ("norm_head", CANDIDATES[0]), ("norm_head", CANDIDATES[4]), ("norm_head", CANDIDATES[6]),
+    ("norm_head", CANDIDATES[9]),
+    ("alternate", CANDIDATES[1]), ("alternate", CANDIDATES[5]), ("alternate", CANDIDATES[7]),
+    ("alternate", CANDIDATES[8]),
+    ("gpt", CANDIDATES[0]), ("gpt", CANDIDATES[2]), ("gpt", CANDIDATES[4]), ("gpt", CANDIDATES[7]),
+    ("gpt", CANDIDATES[9]),
+]
+
+
+def _training(cand: Candidate, limit: int, precision: str = "bf16", optimizer: str = "adamw") -> Training:
+    return Training(precision, optimizer, cand.dp * cand.micro_batch * cand.num_microbatches, limit)
+
+
+def _costs(profile: ModelProfile, cand: Candidate, limit: int, **kw) -> StageCosts:
+    cluster = make_cluster("a100-80gb", cand.tp * cand.pp * cand.dp)
+    return stage_costs(profile, cluster, _training(cand, limit, **kw), cand)
+
+
+# what the instances exercised, checked once at the end
+SEEN: dict[str, int] = {}
+UNDERSTATED: list[float] = []  # (evaluated - objective) / evaluated
+
+
+def _check(costs: StageCosts, ex: Exhaustive, limit: int, mode: str | None, where: str) -> None:
+    want, _ = ex.best(limit, mode)
+    res = solve_partition(costs, recompute=mode)
+    label = f"{where} limit={limit} recompute={mode or 'free'}: ILP {res.status}, exhaustive {want}"
+    if want is None:
+        assert res.status == "infeasible" and res.bounds is None, label
+        SEEN["infeasible"] = SEEN.get("infeasible", 0) + 1
+        return
+    assert res.status == "optimal", label
+    b, ch = list(res.bounds), list(res.choice)
+    assert len(b) == costs.cand.num_stages + 1 and b[0] == 0 and b[-1] == len(costs.atoms), label
+    assert all(x < y for x, y in zip(b, b[1:])), f"{label}: empty stage in {b}"
+    if mode is not None:
+        assert set(ch) == {MODES[mode]}, f"{label}: choice {ch}"
+    ev = evaluate(costs, b, ch)
+    assert ev.fits, f"{label}: the ILP's plan needs {ev.peak_bytes:.0f} B > {limit}"
+    got = ev.step_time_s
+    assert got >= want * (1 - 1e-9) - ABS_TOL_S, f"{label}: beats exhaustive search ({got} < {want})?"
+    assert got <= want * (1 + MIP_GAP) + ABS_TOL_S, f"{label}: ILP {got} ({b}, {ch}) vs best {want}"
+    # The ILP's objective is evaluate()'s step time of its assignment, up to the solver's gap and
+    # its feasibility tolerance (HiGHS lets a row in seconds be violated by ~1e-7 after scaling, so
+    # the objective may understate the evaluated time by that much; never by more than the gap).
+    assert abs(res.objective_s - got) <= MIP_GAP * got + ABS_TOL_S, f"{label}: objective {res.objective_s} vs evaluated {got}"
+    UNDERSTATED.append((got - res.objective_s) / got)
+    SEEN["solved"] = SEEN.get("solved", 0) + 1
+    if mode is None and any(ch):
+        SEEN["recompute chosen"] = SEEN.get("recompute chosen", 0) + 1
+    if mode is None and want > ex.best(float("inf"), None)[0] * (1 + 1e-6):
+        SEEN["limit slows"] = SEEN.get("limit slows", 0) + 1
+
+
+@pytest.mark.parametrize("name,cand", CASES, ids=[f"{n}-{c.label()}" for n, c in CASES])
+def test_ilp_matches_exhaustive_search(profiles, name, cand):
+    profile = profiles[name]
+    base = _costs(profile, cand, 80 * 2**30)
+    A = len(base.atoms)
+    assert A <= 6
+    if cand.num_stages > A:
+        assert solve_partition(base).status == "infeasible"
+        return
+    ex = exhaustive(base)
+    for what, limit in limits_from(ex.peak).items():
+        costs = _costs(profile, cand, limit)
+        assert replace(costs, limit_bytes=base.limit_bytes) == base  # the limit changes nothing else
+        for mode in (None, "none", "selective", "full"):
+            _check(costs, ex, limit, mode, f"{name} {cand.label()} [{what}]")
+
+
+def random_instance(seed: int) -> tuple[ModelProfile, Candidate, list[int]]:
+    """A random small profile, candidate (<= 8 GPUs) and four memory limits, from `seed`."""
+    import random
+
+    rng = random.Random(seed)
+    while True:
+        profile = synthetic_profile(
+            n_blocks=rng.randint(1, 4), h=rng.choice([256, 1024, 4096]), s=rng.choice([128, 2048]),
+            alternate=rng.random() < 0.4, norm_before_head=rng.random() < 0.4, name=f"random{seed}",
+        )
+        pp, tp = rng.choice([1, 2, 3]), rng.choice([1, 2])
+        dp = rng.choice([1, 2, 4] if tp * pp <= 2 else [1, 2] if tp * pp <= 4 else [1])
+        schedule = rng.choice(["1f1b", "gpipe", "interleaved"]) if pp > 1 else "1f1b"
+        v = rng.choice([2, 3]) if schedule == "interleaved" else 1
+        m = pp * rng.randint(1, 3) if schedule == "interleaved" else rng.randint(1, 8)
+        zero = rng.choice([0, 1, 2, 3]) if dp > 1 else 0
+        cand = Candidate(tp, pp, dp, rng.choice([1, 2, 4]), m, zero, schedule, v)
+        if cand.num_stages <= len(atoms_of(profile)):
+            break
+    return profile, cand, [rng.random() for _ in range(4)]
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_instances(seed):
+    """Random profiles, candidates and limits (anywhere between the leanest and the largest
+    assignment's peak): the recompute-free ILP against exhaustive search."""
+    profile, cand, fractions = random_instance(seed)
+    base = _costs(profile, cand, 2**40)
+    ex = exhaustive(base)
+    lo, hi = float(ex.peak.min()), float(ex.peak.max())
+    for frac in fractions:
+        limit = int(lo * 0.99 + frac * (hi * 1.01 - lo * 0.99))
+        if np.min(np.abs(ex.peak - limit)) < 1e-6 * limit:  # on a peak: within the solver's tolerance
+            continue
+        _check(_costs(profile, cand, limit), ex, limit, None, f"seed {seed}: {cand.label()}")
+
+
+def test_regression_start_solution_not_returned():
+    """One atom per segment but the blocks, one rank: found by test_random_instances' sweep.
+    The optimum keeps the embedding and the head, recomputing the blocks selectively."""
+    profile = synthetic_profile(n_blocks=2, h=4096, s=2048, norm_before_head=True, name="regression")
+    cand = Candidate(1, 1, 2, 2, 1, 1, "1f1b", 1)
+    costs = _costs(profile, cand, 12_908_428_500)
+    ex = exhaustive(_costs(profile, cand, 2**40))
+    want, k = ex.best(costs.limit_bytes, None)
+    assert ex.choices[k] == (NONE, SELECTIVE, SELECTIVE, NONE)
+    _check(costs, ex, costs.limit_bytes, None, "regression")
+
+
+@pytest.mark.parametrize("precision,optimizer", [("fp32", "sgd"), ("fp16", "sgd"), ("fp32", "adamw")])
+def test_other_precisions(profiles, precision, optimizer):
+    """The state bytes per parameter change with precision and optimizer; so must the optimum."""
+    for cand in (CANDIDATES[4], CANDIDATES[7]):
+        base = _costs(profiles["uniform"], cand, 80 * 2**30, precision=precision, optimizer=optimizer)
+        ex = exhaustive(base)
+        for what, limit in limits_from(ex.peak).items():
+            costs = _costs(profiles["uniform"], cand, limit, precision=precision, optimizer=optimizer)
+            _check(costs, ex, limit, None, f"{precision}/{optimizer} {cand.label()} [{what}]")
+
+
+def test_cutoff(profiles):
+    """With a cutoff below the optimum the ILP is infeasible; just above it, it finds the optimum."""
+    cand = CANDIDATES[4]
+    base = _costs(profiles["uniform"], cand, 80 * 2**30)
+    ex = exhaustive(base)
+    limit = limits_from(ex.peak)["binds"]
+    costs = _costs(profiles["uniform"], cand, limit)
+    want, _ = ex.best(limit, None)
+    assert solve_partition(costs, cutoff_s=want * (1 - 10 * MIP_GAP)).status == "infeasible"
+    res = solve_partition(costs, cutoff_s=want * (1 + 10 * MIP_GAP))
+    assert res.status == "optimal"
+    assert evaluate(costs, list(res.bounds), list(res.choice)).step_time_s <= want * (1 + MIP_GAP) + ABS_TOL_S
+
+
+def test_too_many_stages(profiles):
+    cand = Candidate(1, 4, 1, 1, 4, 0, "interleaved", 2)  # 8 stages, 6 atoms
+    res = solve_partition(_costs(profiles["uniform"], cand, 80 * 2**30))
+    assert res.status == "infeasible" and res.bounds is None
+
+
+def test_segments(profiles):
+    """Identical atoms share ILP variables: check the segments the ILP sees."""
+    seg = lambda name: [(s.start, s.count) for s in segments_of(_costs(profiles[name], CANDIDATES[0], 2**36))]  # noqa: E731
+    assert seg("uniform") == [(0, 1), (1, 4), (5, 1)]
+    assert seg("norm_head") == [(0, 1), (1, 3), (4, 1)]
+    assert seg("alternate") == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
+
+
+def test_instances_exercised():
+    """Runs last in this module (pytest keeps file order): the limits above made memory matter."""
+    if not SEEN:
+        pytest.skip("run with the instances above")
+    assert SEEN.get("infeasible", 0) > 0, SEEN
+    assert SEEN.get("recompute chosen", 0) > 0, SEEN
+    assert SEEN.get("limit slows", 0) > 0, SEEN
+    print(SEEN, f"largest objective understatement {max(UNDERSTATED, default=0):.2e} (relative)", file=sys.stderr)

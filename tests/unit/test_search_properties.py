@@ -1,0 +1,168 @@
+"""Properties of run_search's answer, for any cluster size, batch, memory limit, precision and
+fixed choices (hypothesis). Every plan in result.ranked must be a legal, fitting configuration
+that honours what the user fixed, and the ranking must follow the documented order."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner.cost.constants import RESERVE_GPU_BYTES
+from planner.cost.evaluate import evaluate
+from planner.cost.setup import OPTIMIZERS, PRECISIONS, SCHEDULES, Training
+from planner.cost.stage_costs import FULL, NONE, SELECTIVE, atoms_of
+from planner.hardware import make_cluster
+from planner.model_file import load_model_file
+from planner.profile import profile_model
+from planner.profile.types import ModelProfile
+from planner.search.search import TIE, _simplicity, run_search
+from planner.search.space import Fixed, memory_lower_bound, time_lower_bound
+from tests.conftest import EXAMPLES
+from tests.unit.test_partition import synthetic_profile
+
+GIB = 2**30
+GPUS = (1, 2, 4, 8, 16, 32)
+GPUS_PER_NODE = 8  # a100-80gb's node: fewer GPUs make one partial node, more whole nodes
+MODES = {"none": NONE, "selective": SELECTIVE, "full": FULL}
+
+# Memory limits per GPU (GiB) from "nothing fits" to "everything fits", per model: the 1 GiB
+# reserve dominates the two small examples.
+LIMITS_GIB = {"synthetic": (1.0, 24.0), "gpt": (1.0, 1.6), "llama": (1.0, 1.4)}
+
+
+@lru_cache(maxsize=None)
+def get_profile(name: str) -> ModelProfile:
+    if name == "synthetic":
+        # embedding, 8 blocks (16 heads, width 2048: TP 1-16 legal), head: 10 atoms, 0.5 B params
+        return synthetic_profile(n_blocks=8, h=2048, s=1024, heads=16, vocab=32768)
+    return profile_model(load_model_file(EXAMPLES / f"{name}.py"), measure=False)
+
+
+@st.composite
+def problems(draw):
+    name = draw(st.sampled_from(sorted(LIMITS_GIB)))
+    num_gpus = draw(st.sampled_from(GPUS))
+    # mostly batches the cluster divides, sometimes any
+    global_batch = draw(
+        st.one_of(
+            st.integers(1, 8).map(lambda k: k * num_gpus),
+            st.sampled_from([num_gpus * 16, 256]),
+            st.integers(1, 96),
+        )
+    )
+    lo, hi = LIMITS_GIB[name]
+    limit = int(draw(st.floats(lo, hi)) * GIB)
+    precision = draw(st.sampled_from(PRECISIONS))
+    optimizer = draw(st.sampled_from(OPTIMIZERS))
+    fixed = Fixed(
+        tp=draw(st.one_of(st.none(), st.none(), st.sampled_from([1, 2]))),
+        pp=draw(st.one_of(st.none(), st.none(), st.sampled_from([1, 2, 4]))),
+        micro_batch=draw(st.one_of(st.none(), st.none(), st.sampled_from([1, 2, 3, 4]))),
+        zero=draw(st.one_of(st.none(), st.none(), st.sampled_from([0, 1, 2, 3]))),
+        schedule=draw(st.one_of(st.none(), st.none(), st.sampled_from(SCHEDULES))),
+        virtual_stages=draw(st.one_of(st.none(), st.none(), st.none(), st.just(2))),
+        recompute=draw(st.one_of(st.none(), st.none(), st.sampled_from(sorted(MODES)))),
+    )
+    top_k = draw(st.sampled_from([1, 3, 5]))
+    return name, num_gpus, global_batch, limit, precision, optimizer, fixed, top_k
+
+
+def check_ranking(ranked) -> None:
+    """Fastest first, except that plans within TIE of the fastest come simplest first."""
+    if not ranked:
+        return
+    times = [s.step_time_s for s in ranked]
+    fastest = min(times)
+    near = [s for s in ranked if s.step_time_s <= fastest * (1 + TIE)]
+    # the near-ties lead, in order of simplicity
+    assert ranked[: len(near)] == near, times
+    simplicity = [_simplicity(s.cand) for s in near]
+    assert simplicity == sorted(simplicity), simplicity
+    # then the rest, fastest first
+    rest = times[len(near):]
+    assert rest == sorted(rest), times
+    # distinct shapes: the best plan of each
+    shapes = [s.shape for s in ranked]
+    assert len(shapes) == len(set(shapes)), shapes
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False)
+@given(problems())
+def test_every_ranked_plan_is_legal_and_fits(problem):
+    name, num_gpus, global_batch, limit, precision, optimizer, fixed, top_k = problem
+    profile = get_profile(name)
+    cluster = make_cluster("a100-80gb", num_gpus)
+    assert cluster.gpus_per_node == min(GPUS_PER_NODE, num_gpus)
+    training = Training(precision, optimizer, global_batch, limit)
+    result = run_search(profile, cluster, training, fixed, top_k)
+
+    num_atoms = len(atoms_of(profile))
+    required_tp = [l.tp for l in profile.layers if l.tp is not None and l.tp.required]
+    for plan in result.ranked:
+        c, ev, part, costs = plan.cand, plan.evaluation, plan.partition, plan.costs
+        where = f"{name} {num_gpus} GPUs batch {global_batch} limit {limit} {fixed}: {c.label()}"
+        assert c.dp * c.tp * c.pp == num_gpus, where
+        assert c.dp * c.micro_batch * c.num_microbatches == global_batch, where
+        assert c.tp == 1 or (required_tp and all(t.legal(c.tp) for t in required_tp)), where
+        v = c.virtual_stages
+        assert c.num_stages == c.pp * v and c.pp * v <= num_atoms, where
+        assert v == 1 or (c.schedule == "interleaved" and c.pp > 1), where
+        if c.schedule == "interleaved" and c.pp > 1:
+            assert c.num_microbatches % c.pp == 0, where
+        bounds = list(part.bounds)
+        assert len(bounds) == c.num_stages + 1 and bounds[0] == 0 and bounds[-1] == num_atoms, (where, bounds)
+        assert all(a < b for a, b in zip(bounds, bounds[1:])), (where, bounds)
+        assert len(part.choice) == num_atoms and set(part.choice) <= {NONE, SELECTIVE, FULL}, where
+        # every device fits, and the figures are evaluate()'s for the chosen assignment
+        assert ev.fits and all(d.total_bytes <= limit for d in ev.devices), (where, ev.peak_bytes)
+        assert ev == evaluate(costs, bounds, list(part.choice)), where
+        assert sorted(a for d in ev.devices for a in d.atoms) == list(range(num_atoms)), where
+        # the pruning bounds are bounds
+        assert ev.step_time_s >= time_lower_bound(costs) * (1 - 1e-9), where
+        assert ev.peak_bytes >= memory_lower_bound(costs) * (1 - 1e-9), where
+        assert c.zero == 0 or c.dp > 1, where
+        # what the user fixed
+        for key in ("tp", "pp", "dp", "micro_batch", "zero", "schedule"):
+            want = getattr(fixed, key)
+            assert want is None or getattr(c, key) == want, (where, key)
+        if fixed.virtual_stages is not None and c.schedule == "interleaved" and c.pp > 1:
+            assert v == fixed.virtual_stages, where
+        if fixed.recompute is not None:
+            assert set(part.choice) == {MODES[fixed.recompute]}, (where, part.choice)
+    check_ranking(result.ranked)
+
+    if result.data_parallel is not None:
+        dp = result.data_parallel.cand
+        assert (dp.tp, dp.pp, dp.zero, dp.dp) == (1, 1, 0, num_gpus) and result.data_parallel.evaluation.fits
+    if not result.ranked:
+        # nothing fits: the result says how much memory the leanest candidate needs
+        if result.stats.enumerated == 0:
+            assert result.min_need_bytes is None  # no legal candidate at all (batch, fixed choices)
+        else:
+            assert result.min_need_bytes is not None and result.min_need_bytes > limit, (
+                f"{name} {num_gpus} GPUs batch {global_batch} limit {limit} {fixed}: nothing ranked, "
+                f"but {result.min_need_cand} needs only {result.min_need_bytes}"
+            )
+
+
+@pytest.mark.parametrize("name", sorted(LIMITS_GIB))
+def test_nothing_fits_reports_the_need(name):
+    """Below the reserve nothing fits: the search says so and how much the leanest plan needs."""
+    profile = get_profile(name)
+    limit = RESERVE_GPU_BYTES // 2
+    result = run_search(profile, make_cluster("a100-80gb", 8), Training("bf16", "adamw", 64, limit))
+    assert result.ranked == [] and result.status == "infeasible"
+    assert result.min_need_bytes is not None and result.min_need_bytes > limit
+    assert result.data_parallel is None and result.data_parallel_need_bytes > limit
+
+
+@pytest.mark.parametrize("name", sorted(LIMITS_GIB))
+def test_generous_limit_finds_plans(name):
+    profile = get_profile(name)
+    result = run_search(profile, make_cluster("a100-80gb", 8), Training("bf16", "adamw", 64, 80 * GIB), top_k=3)
+    assert result.ranked and result.status == "optimal"
+    assert len({s.shape for s in result.ranked}) == len(result.ranked) >= 3
+    check_ranking(result.ranked)
