@@ -86,16 +86,85 @@ def cmd_gpus(argv: Sequence[str]) -> int:
     return 0
 
 
+def _plan_parser() -> argparse.ArgumentParser:
+    from planner.cost.setup import OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES
+    from planner.planning import DEFAULT_GPU
+
+    p = _Parser(prog="plan", description="Plan how to parallelise a model's training over a cluster.")
+    p.add_argument("model", help="the model file (defines build_model() and sample_batch())")
+    p.add_argument("--gpus", type=_positive_int, required=True, help="number of GPUs (or CPU processes with --gpu cpu)")
+    p.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU type from `plan gpus`, a GPU .yaml file, or cpu (default {DEFAULT_GPU})")
+    p.add_argument("--gpus-per-node", type=_positive_int, help="GPUs per node (default: the GPU type's usual node)")
+    p.add_argument("--global-batch", type=_positive_int, help="samples per step (default: GPUs x the largest micro-batch that fits)")
+    p.add_argument("--micro-batch", type=_positive_int, help="fix the micro-batch size")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="bf16/fp16 mixed precision, or fp32 (default bf16)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default adamw")
+    p.add_argument("--memory-limit", type=float, metavar="GiB", help="usable memory per GPU (default: all of it)")
+    p.add_argument("--tp", type=_positive_int, help="fix the tensor-parallel degree")
+    p.add_argument("--pp", type=_positive_int, help="fix the pipeline-parallel degree")
+    p.add_argument("--dp", type=_positive_int, help="fix the data-parallel degree")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="fix the ZeRO stage (3 = FSDP)")
+    p.add_argument("--recompute", choices=RECOMPUTE, help="fix activation recompute for every layer")
+    p.add_argument("--schedule", choices=SCHEDULES, help="fix the pipeline schedule")
+    p.add_argument("--virtual-stages", type=_positive_int, help="model chunks per pipeline rank (interleaved)")
+    p.add_argument("--top", type=_positive_int, default=3, help="alternatives to show (default 3)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON on stdout")
+    p.add_argument("-o", "--output", help="write the plan JSON to this file")
+    p.add_argument("--force", action="store_true", help="overwrite the -o file if it exists")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def cmd_plan(argv: Sequence[str]) -> int:
+    args = _plan_parser().parse_args(argv)
+    from planner.model_file import load_model_file
+    from planner.planning import PlanRequest, make_plan
+    from planner.report.plan_table import render_plan
+    from planner.search.space import Fixed
+
+    if args.output and not args.force:
+        from pathlib import Path
+
+        if Path(args.output).exists():
+            raise BadInput(f"{args.output}: already exists; pass --force to overwrite it")
+    request = PlanRequest(
+        gpus=args.gpus,
+        gpu=args.gpu,
+        gpus_per_node=args.gpus_per_node,
+        global_batch=args.global_batch,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        memory_limit_gib=args.memory_limit,
+        fixed=Fixed(
+            tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch, zero=args.zero,
+            schedule=args.schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
+        ),
+        top_k=args.top,
+    )
+    plan = make_plan(load_model_file(args.model), request)
+    if args.output:
+        from planner import schema
+
+        schema.write_new_file(args.output, plan.to_json(), force=args.force)
+    if args.json:
+        print(plan.to_json())
+    else:
+        render_plan(plan)
+        if args.output:
+            print(f"plan written to {args.output}")
+    return 0
+
+
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "profile": cmd_profile,
     "gpus": cmd_gpus,
 }
 
-USAGE = """usage: plan COMMAND ...
+USAGE = """usage: plan MODEL.py --gpus N [options]   or   plan COMMAND ...
 
-commands:
-  plan profile MODEL.py [--batch-size B] [--json]   per-layer parameters, FLOPs, memory and time
-  plan gpus                                         the hardware catalogue (--gpu names)
+  plan MODEL.py --gpus N [--gpu TYPE] ...          the best parallel plan, with reasons (plan MODEL.py --help)
+  plan profile MODEL.py [--batch-size B] [--json]  per-layer parameters, FLOPs, memory and time
+  plan gpus                                        the hardware catalogue (--gpu names)
 
 Run `plan COMMAND --help` for the options of each."""
 
@@ -109,7 +178,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = COMMANDS.get(argv[0])
     try:
         if command is None:
-            raise BadInput(f"plan: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}")
+            if argv[0].startswith("-"):
+                return cmd_plan(argv)
+            if not argv[0].endswith(".py") and "/" not in argv[0]:
+                raise BadInput(f"plan: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}, or a model file")
+            return cmd_plan(argv)
         return command(argv[1:])
     except PlanError as exc:
         if debug:

@@ -5,7 +5,8 @@ number a plan reports comes from here.
 
 Per pipeline rank i (holding stages i, i+p, ... when interleaved), for one micro-batch:
     T_i = sum over its atoms (fwd + bwd + recompute extra) + pipeline sends per stage
-          and at least the data-parallel traffic of each micro-batch (ZeRO-2/3), which overlaps it
+          or the data-parallel bytes of each micro-batch (ZeRO-2/3) if more, plus those collectives'
+          startup latencies
 Step = pipeline(T) + max_i (exposed gradient sync_i + parameter all-gather_i + optimizer_i), with
     exposed sync_i = max(last bucket, gradient sync_i - one micro-batch backward of rank i)
     (stage_costs.StageCosts documents which collectives each ZeRO stage runs, and when)
@@ -80,8 +81,8 @@ def evaluate(costs: StageCosts, bounds: list[int], choice: list[int]) -> Evaluat
         t = compute + recompute + tp_comm + p2p
         params = sum(a.params for a in atoms)
         w, g, o = costs.weight_bytes, costs.grad_bytes, costs.optim_bytes
-        # data-parallel traffic every micro-batch (ZeRO-2/3), hidden under compute when it can be
-        t = max(t, costs.mb_comm_atom_s * len(atoms) + costs.mb_comm_param_s * params)
+        # data-parallel traffic every micro-batch (ZeRO-2/3): bytes overlap compute, latency does not
+        t = max(t, costs.mb_comm_param_s * params) + costs.mb_comm_atom_s * len(atoms)
         one_backward = sum(a.bwd_s for a in atoms)
         exposed = max(costs.tail_s, costs.grad_sync(params * g) - one_backward, 0.0) if dp > 1 else 0.0
         sync = exposed + (costs.after_step_param_s + costs.optimizer_s_per_param) * params

@@ -75,10 +75,11 @@ class StageCosts:
     """Pipeline sends per stage per micro-batch: the activation forward, its gradient backward."""
     mb_comm_atom_s: float
     mb_comm_param_s: float
-    """Data-parallel traffic every micro-batch, overlapped with compute (FSDP prefetch / bucketed
-    reduce-scatter): atoms x mb_comm_atom_s + params x mb_comm_param_s. ZeRO-3: all-gather of each
-    atom's parameters for forward and again for backward, reduce-scatter of its gradients; ZeRO-2:
-    the reduce-scatter (sharded gradients cannot accumulate unreduced); ZeRO-0/1: none."""
+    """Data-parallel traffic every micro-batch: ZeRO-3 all-gathers each atom's parameters for
+    forward and again for backward and reduce-scatters its gradients; ZeRO-2 reduce-scatters
+    (sharded gradients cannot accumulate unreduced); ZeRO-0/1: none. Prefetching overlaps the
+    bytes (params x mb_comm_param_s) with compute, but each collective's startup latency
+    (atoms x mb_comm_atom_s) stays on the critical path: a layer waits for its gather."""
     grad_sync: comm.Affine
     """Once per step, on the gradient bytes, overlapped with the last micro-batch's backward:
     ZeRO-0 all-reduce, ZeRO-1 reduce-scatter; none for ZeRO-2/3 (done per micro-batch)."""

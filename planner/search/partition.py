@@ -18,9 +18,11 @@ Variables
 Constraints
     [Place]      sum_g u_sg = 1;  s + 1 <= E_s <= A - (S - 1 - s)
     [Order]      E_s >= E_{s-1} + 1                           every stage non-empty
+    [Chunks]     interleaved schedules only: E_s fixed to the balanced split of the atoms
     [Recompute]  q_gi + f_gi <= sum_{s on i} c_gs   (or = for a fixed choice)
     [Time]       T_i >= sum_g (sum_{s on i} c_gs t_g + q_gi dq_g + f_gi df_g) + p2p  (t = fwd + bwd)
-                 T_i >= data-parallel traffic per micro-batch(atoms_i, params_i)  (ZeRO-2/3)
+                 (ZeRO-2/3: T_i >= their bytes per micro-batch instead, if more; and both
+                 terms carry the collectives' latency per atom)
                  M >= T_i
     [Memory]     (1 + frag)(params_i (w/z3 + g/z2 + o/z1) + infl_i (sum c act0 - q(act0 - act1)
                  - f(act0 - act2)) + working + gathered) + reserve <= limit        for each rank i
@@ -83,10 +85,12 @@ def solve_partition(
     recompute: str | None = None,
     time_limit_s: float = 10.0,
     cutoff_s: float | None = None,
+    initial: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> PartitionResult:
     """Optimal stages and recompute for `costs`. `recompute`: fix every atom to this choice.
     `cutoff_s`: only solutions faster than this are wanted (infeasible otherwise), which lets the
-    solver drop a candidate as soon as its LP bound is worse."""
+    solver drop a candidate as soon as its LP bound is worse. `initial`: (bounds, choice) of a
+    feasible assignment to start from."""
     start = time.perf_counter()
     cand = costs.cand
     S, p = cand.num_stages, cand.pp
@@ -117,44 +121,62 @@ def solve_partition(
         prob += E[s] <= hi
     for s in range(1, S - 1):
         prob += E[s] >= E[s - 1] + 1, f"order_{s}"
+    if v > 1:
+        # [Chunks] Interleaved: chunks are the balanced split (as Megatron-LM assigns layers to
+        # virtual stages evenly); the ILP still chooses recompute per rank. Free chunk boundaries
+        # with interleaving made HiGHS take seconds per candidate for a gain within the gap.
+        chunks = balanced_bounds([a.fwd_s + a.bwd_s for a in costs.atoms], S, p)
+        for s in range(S - 1):
+            prob += E[s] == chunks[s + 1], f"chunk_{s}"
+    # Linear expressions are built as {variable: coefficient} dicts (key None: the constant) and
+    # turned into PuLP expressions once: PuLP's operator overloading is the slow part otherwise.
     # atoms of segment g in stages <= s: all of it when the boundary lies in a later segment
-    w: dict[tuple[int, int], object] = {}
+    w: dict[tuple[int, int], dict] = {}
     for g, seg in enumerate(segs):
         for s in range(S - 1):
-            later = [u[s, h] for h in range(g + 1, len(segs)) if (s, h) in u]
-            w[g, s] = seg.count * pulp.lpSum(later) + (o[s, g] if (s, g) in o else 0)
-        w[g, S - 1] = seg.count
-
-    def count(g: int, s: int):
-        return w[g, s] - (w[g, s - 1] if s > 0 else 0)
+            expr = {u[s, h]: float(seg.count) for h in range(g + 1, len(segs)) if (s, h) in u}
+            if (s, g) in o:
+                expr[o[s, g]] = 1.0
+            w[g, s] = expr
+        w[g, S - 1] = {None: float(seg.count)}
+    # atoms of segment g on rank i: its stages' counts, w_gs - w_g,s-1 summed over s on rank i
+    cnt: dict[tuple[int, int], dict] = {}
+    for g in range(len(segs)):
+        for i in range(p):
+            expr: dict = {}
+            for s in range(i, S, p):
+                _add(expr, w[g, s], 1.0)
+                if s > 0:
+                    _add(expr, w[g, s - 1], -1.0)
+            cnt[g, i] = expr
 
     # -- [Recompute]: counts per rank (its chunks' atoms of a segment are interchangeable) ----
-    q: dict[tuple[int, int], object] = {}
-    f: dict[tuple[int, int], object] = {}
+    q: dict[tuple[int, int], dict] = {}
+    f: dict[tuple[int, int], dict] = {}
     for g, seg in enumerate(segs):
         for i in range(p):
-            c = pulp.lpSum(count(g, s) for s in range(i, S, p))
             if recompute == "selective":
-                q[g, i], f[g, i] = c, 0
+                q[g, i], f[g, i] = cnt[g, i], {}
             elif recompute == "full":
-                q[g, i], f[g, i] = 0, c
+                q[g, i], f[g, i] = {}, cnt[g, i]
             elif recompute == "none":
-                q[g, i] = f[g, i] = 0
+                q[g, i] = f[g, i] = {}
             else:
-                q[g, i] = pulp.LpVariable(f"q_{g}_{i}", 0, seg.count, cat="Integer")
-                f[g, i] = pulp.LpVariable(f"f_{g}_{i}", 0, seg.count, cat="Integer")
-                prob += q[g, i] + f[g, i] <= c, f"recompute_{g}_{i}"
+                qv = pulp.LpVariable(f"q_{g}_{i}", 0, seg.count, cat="Integer")
+                fv = pulp.LpVariable(f"f_{g}_{i}", 0, seg.count, cat="Integer")
+                q[g, i], f[g, i] = {qv: 1.0}, {fv: 1.0}
+                prob += qv + fv <= _expr(cnt[g, i]), f"recompute_{g}_{i}"
 
     # -- per-rank sums ----------------------------------------------------------------------
-    def rank_sum(i: int, per_atom) -> object:
-        terms = []
+    def rank_sum(i: int, per_atom) -> pulp.LpAffineExpression:
+        expr: dict = {}
         for g, seg in enumerate(segs):
             atom = costs.atoms[seg.start]
             base = per_atom(atom, NONE)
-            terms.append(pulp.lpSum(count(g, s) for s in range(i, S, p)) * base)
-            terms.append(q[g, i] * (per_atom(atom, SELECTIVE) - base))
-            terms.append(f[g, i] * (per_atom(atom, FULL) - base))
-        return pulp.lpSum(terms)
+            _add(expr, cnt[g, i], base)
+            _add(expr, q[g, i], per_atom(atom, SELECTIVE) - base)
+            _add(expr, f[g, i], per_atom(atom, FULL) - base)
+        return _expr(expr)
 
     step_time = lambda atom, k: atom.fwd_s + atom.bwd_s + atom.extra_s[k]  # noqa: E731
     backward = lambda atom, k: atom.bwd_s  # noqa: E731
@@ -172,9 +194,10 @@ def solve_partition(
         T[i] = pulp.LpVariable(f"T_{i}", 0)
         params = rank_sum(i, params_of)
         # [Time]
-        prob += T[i] >= rank_sum(i, step_time) + costs.p2p_s * (S // p), f"time_{i}"
-        if costs.mb_comm_atom_s or costs.mb_comm_param_s:  # ZeRO-2/3 traffic per micro-batch
-            prob += T[i] >= costs.mb_comm_atom_s * rank_sum(i, one) + costs.mb_comm_param_s * params, f"dp_mb_{i}"
+        latency = costs.mb_comm_atom_s * rank_sum(i, one) if costs.mb_comm_atom_s else 0
+        prob += T[i] >= rank_sum(i, step_time) + costs.p2p_s * (S // p) + latency, f"time_{i}"
+        if costs.mb_comm_param_s:  # ZeRO-2/3 bytes per micro-batch, overlapped with compute
+            prob += T[i] >= costs.mb_comm_param_s * params + latency, f"dp_mb_{i}"
         prob += M >= T[i]
         # [Memory]
         memory = (
@@ -201,7 +224,7 @@ def solve_partition(
     if cutoff_s is not None:
         prob += objective <= cutoff_s, "cutoff"
 
-    start_values = _warm_start(costs, recompute, segs, u, o, q, f, T, M, U, prob)
+    start_values = _warm_start(costs, recompute, segs, u, o, q, f, T, M, U, prob, initial)
     solver = _HiGHS(start_values, msg=False, timeLimit=time_limit_s, gapRel=MIP_GAP)
     prob.solve(solver)
     elapsed = time.perf_counter() - start
@@ -213,8 +236,8 @@ def solve_partition(
     choice = [NONE] * A
     for g, seg in enumerate(segs):
         for i in range(p):
-            nf = int(round(pulp.value(f[g, i]) or 0))
-            nq = int(round(pulp.value(q[g, i]) or 0))
+            nf = int(round(pulp.value(_expr(f[g, i])) or 0))
+            nq = int(round(pulp.value(_expr(q[g, i])) or 0))
             ids = [
                 a
                 for s in range(i, S, p)
@@ -223,6 +246,17 @@ def solve_partition(
             for k, atom in enumerate(ids):
                 choice[atom] = FULL if k < nf else SELECTIVE if k < nf + nq else NONE
     return PartitionResult(status, tuple(bounds), tuple(choice), pulp.value(prob.objective), elapsed)
+
+
+def _add(target: dict, expr: dict, scale: float) -> None:
+    if scale == 0:
+        return
+    for var, coef in expr.items():
+        target[var] = target.get(var, 0.0) + coef * scale
+
+
+def _expr(d: dict) -> pulp.LpAffineExpression:
+    return pulp.LpAffineExpression([(v, c) for v, c in d.items() if v is not None and c], constant=d.get(None, 0.0))
 
 
 def _status(prob: pulp.LpProblem) -> str:
@@ -276,54 +310,57 @@ class _HiGHS(pulp.HiGHS):
 
 
 def balanced_bounds(times: list[float], num_stages: int, pp: int) -> list[int]:
-    """Contiguous split of atoms into stages minimising the slowest rank (greedy fill under a
-    bisected target time; a rank holds stages i, i + pp, ...): the ILP's starting point."""
+    """Contiguous split of atoms into `num_stages` non-empty stages minimising the slowest stage
+    (greedy fill under a bisected cap): the ILP's starting point, and the interleaved chunks.
+    With interleaving a rank holds stages i, i + pp, ...: equal stages make equal ranks."""
     n = len(times)
 
-    def split(target: float) -> list[int] | None:
-        bounds, s, acc = [0], 0, 0.0
+    def split(cap: float) -> list[int] | None:
+        bounds, acc = [0], 0.0
         for a, t in enumerate(times):
-            left_atoms, left_stages = n - a, num_stages - len(bounds) + 1
-            if a > bounds[-1] and (acc + t > target or left_atoms < left_stages) and left_stages > 1:
+            stages_left = num_stages - (len(bounds) - 1)
+            must_cut = n - a < stages_left  # one atom left per remaining stage
+            if a > bounds[-1] and stages_left > 1 and (acc + t > cap or must_cut):
                 bounds.append(a)
                 acc = 0.0
             acc += t
         bounds.append(n)
-        return bounds if len(bounds) == num_stages + 1 else None
+        ok = len(bounds) == num_stages + 1 and all(
+            sum(times[bounds[s] : bounds[s + 1]]) <= cap * (1 + 1e-9) for s in range(num_stages)
+        )
+        return bounds if ok else None
 
-    per_stage = pp / num_stages  # a rank's target is shared by its chunks
     lo, hi = max(times), sum(times)
     best = split(hi) or [round(n * k / num_stages) for k in range(num_stages + 1)]
-    for _ in range(40):
+    for _ in range(50):
         mid = (lo + hi) / 2
-        b = split(mid * per_stage * num_stages / pp) if num_stages != pp else split(mid)
-        if b is not None and _rank_max(b, times, pp) <= mid * (1 + 1e-9):
+        b = split(mid)
+        if b is not None:
             best, hi = b, mid
         else:
             lo = mid
     return best
 
 
-def _rank_max(bounds: list[int], times: list[float], pp: int) -> float:
-    ranks = [0.0] * pp
-    for s in range(len(bounds) - 1):
-        ranks[s % pp] += sum(times[bounds[s] : bounds[s + 1]])
-    return max(ranks)
-
-
-def _warm_start(costs, recompute, segs, u, o, q, f, T, M, U, prob) -> dict | None:
-    """Variable values of the balanced split with one recompute choice for all atoms, when that
-    fits in memory: HiGHS then starts from a good incumbent and prunes with it."""
+def _warm_start(costs, recompute, segs, u, o, q, f, T, M, U, prob, initial) -> dict | None:
+    """Variable values of a known feasible assignment: `initial` when given, else the balanced
+    split with one recompute choice for all atoms, when that fits in memory. HiGHS then starts
+    from a good incumbent and prunes with it."""
     cand = costs.cand
     S, p = cand.num_stages, cand.pp
-    for k in ((NONE, SELECTIVE, FULL) if recompute is None else ({"none": NONE, "selective": SELECTIVE, "full": FULL}[recompute],)):
-        times = [a.fwd_s + a.bwd_s + a.extra_s[k] for a in costs.atoms]
-        bounds = balanced_bounds(times, S, p)
-        choice = [k] * len(costs.atoms)
+    if initial is not None:
+        bounds, choice = list(initial[0]), list(initial[1])
         ev = evaluate(costs, bounds, choice)
-        if ev.fits:
-            break
     else:
+        kinds = (NONE, SELECTIVE, FULL) if recompute is None else ({"none": NONE, "selective": SELECTIVE, "full": FULL}[recompute],)
+        for k in kinds:
+            times = [a.fwd_s + a.bwd_s + a.extra_s[k] for a in costs.atoms]
+            bounds = balanced_bounds(times, S, p)
+            choice = [k] * len(costs.atoms)
+            ev = evaluate(costs, bounds, choice)
+            if ev.fits:
+                break
+    if not ev.fits:
         return None
     values: dict[str, float] = {}
     for s in range(S - 1):
@@ -335,13 +372,14 @@ def _warm_start(costs, recompute, segs, u, o, q, f, T, M, U, prob) -> dict | Non
                 values[o[s, g].name] = float(e - seg.start) if inside else 0.0
     for g, seg in enumerate(segs):
         for i in range(p):
-            n = sum(
-                max(0, min(bounds[s + 1], seg.start + seg.count) - max(bounds[s], seg.start))
+            ids = [
+                a
                 for s in range(i, S, p)
-            )
-            for var, kind in ((q.get((g, i)), SELECTIVE), (f.get((g, i)), FULL)):
-                if isinstance(var, pulp.LpVariable):
-                    values[var.name] = float(n if k == kind else 0)
+                for a in range(max(bounds[s], seg.start), min(bounds[s + 1], seg.start + seg.count))
+            ]
+            for expr, kind in ((q.get((g, i), {}), SELECTIVE), (f.get((g, i), {}), FULL)):
+                if len(expr) == 1 and next(iter(expr)) is not None and next(iter(expr)).name[0] in "qf":
+                    values[next(iter(expr)).name] = float(sum(choice[a] == kind for a in ids))
     for d in ev.devices:
         values[T[d.rank].name] = d.time_per_microbatch_s
     values[M.name] = max(d.time_per_microbatch_s for d in ev.devices)

@@ -8,9 +8,8 @@ parallelism), and the schedule (GPipe, 1F1B, interleaved 1F1B with v = 2-4 chunk
 as Megatron-LM requires).
 
 Bounds, per candidate, from the cost tables alone:
-- memory: the least any rank can hold (its share of the parameter state with perfect balance,
-  and the activations of one micro-batch with full recompute) plus the reserve; above the limit,
-  no partition fits;
+- memory: the least the fullest rank can hold (memory_lower_bound); above the limit, no
+  partition fits;
 - time: perfectly balanced stages without recompute and no exposed sync. Candidates are solved in
   order of this bound, and the search stops when the bound exceeds the K-th best plan found.
 """
@@ -23,7 +22,7 @@ from typing import Iterator
 from planner.cost.constants import FRAGMENTATION
 from planner.cost.pipeline import pipeline_s
 from planner.cost.setup import Candidate
-from planner.cost.stage_costs import FULL, NONE, StageCosts
+from planner.cost.stage_costs import FULL, NONE, SELECTIVE, StageCosts
 from planner.profile.types import ModelProfile
 
 
@@ -132,24 +131,89 @@ def _schedules(tp, pp, dp, b, m, num_atoms, fixed: Fixed, stats: SpaceStats) -> 
                     yield Candidate(tp, pp, dp, b, m, zero, schedule, v)
 
 
-def memory_lower_bound(costs: StageCosts) -> float:
-    """Bytes on the least-loaded rank of the best imaginable partition."""
+def memory_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
+    """Bytes on the fullest rank of the best imaginable partition (a valid lower bound).
+
+    With STATE the parameter state and ACT the kept activations of one micro-batch over all
+    atoms (with the leanest recompute allowed), rank i holding state_i and infl_i x act_i:
+    max_i mem_i >= the mean (STATE + min(infl) ACT) / p, and, weighting rank i by 1/infl_i,
+    >= ACT / H + STATE / (max(infl) H) with H = sum_i 1/infl_i (stage 0 of a pipeline holds many
+    micro-batches in flight: ACT cannot all go to the rank holding one).
+    """
     cand = costs.cand
-    params = sum(a.params for a in costs.atoms) / cand.pp
+    k = {None: FULL, "full": FULL, "selective": SELECTIVE, "none": NONE}[recompute]
     dp, zero = cand.dp, cand.zero
-    state = params * (
+    per_param = (
         costs.weight_bytes / (dp if zero >= 3 else 1)
         + costs.grad_bytes / (dp if zero >= 2 else 1)
         + costs.optim_bytes / (dp if zero >= 1 else 1)
     )
-    act = min(costs.inflight) * sum(a.act_bytes[FULL] for a in costs.atoms) / cand.pp
-    held = state + act + costs.working_bytes + costs.zero3_gather_bytes
-    return (1 + FRAGMENTATION) * held + costs.reserve_fixed_bytes
+    state = sum(a.params for a in costs.atoms) * per_param
+    act = sum(min(a.act_bytes[k], a.act_bytes[NONE]) for a in costs.atoms)
+    infl = costs.inflight
+    h = sum(1 / x for x in infl)
+    held = max((state + min(infl) * act) / cand.pp, act / h + state / (max(infl) * h))
+    return (1 + FRAGMENTATION) * (held + costs.working_bytes + costs.zero3_gather_bytes) + costs.reserve_fixed_bytes
 
 
-def time_lower_bound(costs: StageCosts) -> float:
+def time_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
+    """Perfectly balanced stages, no exposed sync, and the least recompute memory demands.
+
+    With a fixed recompute choice every atom pays its extra time. With a free choice, if the
+    activations kept without recompute cannot fit (by memory_lower_bound's own terms), at least
+    the missing bytes must be recomputed, at no better than the best seconds-per-byte any atom
+    offers (a fractional-knapsack bound).
+    """
     cand = costs.cand
-    total = sum(a.fwd_s + a.bwd_s + a.extra_s[NONE] for a in costs.atoms) / cand.pp
-    per_stage = total + costs.p2p_s * (cand.num_stages // cand.pp)
-    params = sum(a.params for a in costs.atoms) / cand.pp
-    return pipeline_s([per_stage] * cand.pp, cand) + costs.optimizer_s_per_param * params
+    k = {None: NONE, "none": NONE, "selective": SELECTIVE, "full": FULL}[recompute]
+    times = [a.fwd_s + a.bwd_s + a.extra_s[k] for a in costs.atoms]
+    total = sum(times) + (_least_recompute_s(costs) if recompute is None else 0.0)
+    p, v = cand.pp, cand.virtual_stages if cand.schedule == "interleaved" else 1
+    atoms_per_rank = len(costs.atoms) / p
+    params = sum(a.params for a in costs.atoms) / p
+    latency = costs.mb_comm_atom_s * atoms_per_rank
+    sends = costs.p2p_s * (cand.num_stages // p)
+    # the slowest rank: at least the average, and (without interleaving) at least the best
+    # contiguous min-max split of the atoms (exact, by bisection on a greedy fill)
+    slowest = total / p
+    if v == 1 and p > 1:
+        slowest = max(slowest, min_max_split(times, p))
+    slowest = max(slowest + sends + latency, costs.mb_comm_param_s * params + latency)
+    pipeline = (cand.num_microbatches - 1 / v) * slowest + (total + p * (sends + latency)) / v
+    sync = (costs.tail_s if cand.dp > 1 else 0.0) + (costs.after_step_param_s + costs.optimizer_s_per_param) * params
+    return pipeline + sync
+
+
+def min_max_split(times: list[float], parts: int) -> float:
+    """The smallest possible largest sum when `times` is cut into at most `parts` runs."""
+
+    def fits(cap: float) -> bool:
+        runs, acc = 1, 0.0
+        for t in times:
+            if acc + t > cap:
+                runs, acc = runs + 1, t
+            else:
+                acc += t
+        return runs <= parts
+
+    lo, hi = max(times), sum(times)
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return lo
+
+
+def _least_recompute_s(costs: StageCosts) -> float:
+    over = memory_lower_bound(costs, "none") - costs.limit_bytes
+    if over <= 0:
+        return 0.0
+    infl = costs.inflight
+    # bytes of the bound per byte of kept activations (the larger of its two slopes)
+    slope = (1 + FRAGMENTATION) * max(min(infl) / costs.cand.pp, 1 / sum(1 / x for x in infl))
+    ratios = [
+        (a.extra_s[c] - a.extra_s[NONE]) / (a.act_bytes[NONE] - a.act_bytes[c])
+        for a in costs.atoms
+        for c in (SELECTIVE, FULL)
+        if a.act_bytes[NONE] > a.act_bytes[c]
+    ]
+    return over / slope * min(ratios) if ratios else 0.0

@@ -1,0 +1,185 @@
+"""The `plan` pipeline: request -> profile -> cluster -> search -> Plan (or Infeasible).
+
+Everything the CLI needs beyond parsing lives here, so `plan whatif` and the tests call the same
+code for every point they report.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from planner.cost import constants
+from planner.cost.setup import Training
+from planner.errors import BadInput, Infeasible
+from planner.hardware import Cluster, load_catalogue, make_cluster
+from planner.model_file import ModelHandle
+from planner.plan import Plan
+from planner.profile import ModelProfile, profile_model
+from planner.report.units import fmt_bytes
+from planner.search.explain import build_plan
+from planner.search.search import SearchResult, run_search
+from planner.search.space import Fixed
+
+DEFAULT_GPU = "h100-sxm-80gb"
+# Without --global-batch: GPUs x the largest micro-batch (a power of two up to this) that fits.
+MAX_DEFAULT_MICRO_BATCH = 64
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    gpus: int
+    gpu: str = DEFAULT_GPU
+    gpus_per_node: int | None = None
+    global_batch: int | None = None
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    memory_limit_gib: float | None = None
+    fixed: Fixed = Fixed()
+    top_k: int = 3
+
+
+def profile_for(handle: ModelHandle, request: PlanRequest) -> ModelProfile:
+    """The profile the plan needs: in the training precision; timed only for the local CPU."""
+    return profile_model(handle, batch_size=1, dtype=request.precision, measure=request.gpu.lower() == "cpu")
+
+
+def cluster_for(request: PlanRequest) -> Cluster:
+    return make_cluster(request.gpu, request.gpus, request.gpus_per_node)
+
+
+def _check(request: PlanRequest, cluster: Cluster) -> list[str]:
+    f, n = request.fixed, request.gpus
+    warnings = []
+    degrees = [d for d in (f.tp, f.pp, f.dp) if d is not None]
+    prod = 1
+    for d in degrees:
+        prod *= d
+    if n % prod:
+        raise BadInput(f"--tp/--pp/--dp: their product ({prod}) does not divide --gpus {n}")
+    if len(degrees) == 3 and prod != n:
+        raise BadInput(f"--tp {f.tp} x --pp {f.pp} x --dp {f.dp} = {prod}, not --gpus {n}")
+    if f.virtual_stages is not None and f.schedule not in (None, "interleaved"):
+        raise BadInput(f"--virtual-stages needs --schedule interleaved, not {f.schedule}")
+    if f.zero and f.dp == 1:
+        raise BadInput(f"--zero {f.zero} shards over data-parallel replicas, but --dp is 1")
+    if request.global_batch is not None and request.global_batch < 1:
+        raise BadInput(f"--global-batch must be at least 1, got {request.global_batch}")
+    if f.tp is not None and f.tp > cluster.gpus_per_node:
+        warnings.append(
+            f"--tp {f.tp} spans nodes of {cluster.gpus_per_node} GPUs: its all-reduces cross the "
+            "network; tensor parallelism belongs inside a node (NVLink)"
+        )
+    return warnings
+
+
+def _training(request: PlanRequest, cluster: Cluster, global_batch: int) -> Training:
+    limit = cluster.gpu.memory_bytes
+    if request.memory_limit_gib is not None:
+        if request.memory_limit_gib <= 0:
+            raise BadInput(f"--memory-limit must be positive, got {request.memory_limit_gib}")
+        limit = int(request.memory_limit_gib * 2**30)
+    return Training(request.precision, request.optimizer, global_batch, limit)
+
+
+def _cpu_factor(profile: ModelProfile, cluster: Cluster) -> float | None:
+    """Measured CPU seconds scale with the threads each process gets (one process per device,
+    cores shared evenly): times measured with T threads, run with cores/N threads."""
+    if cluster.gpu.origin != "measured" or not profile.timed:
+        return None
+    cores = os.cpu_count() or 1
+    return (profile.num_threads or 1) * cluster.num_gpus / cores
+
+
+def search(profile: ModelProfile, request: PlanRequest, cluster: Cluster) -> tuple[SearchResult, Training]:
+    """Run the search; without a global batch, take GPUs x the largest micro-batch that fits."""
+    factor = _cpu_factor(profile, cluster)
+    if request.global_batch is not None:
+        training = _training(request, cluster, request.global_batch)
+        return run_search(profile, cluster, training, request.fixed, request.top_k, factor), training
+    # The largest micro-batch whose activations fit (without recompute, unless even a micro-batch
+    # of 1 needs it): the per-GPU batch a practitioner would pick.
+    b = request.fixed.micro_batch or MAX_DEFAULT_MICRO_BATCH
+    recompute = request.fixed.recompute or "none"
+    while True:
+        training = _training(request, cluster, request.gpus * b)
+        fixed = replace(request.fixed, micro_batch=b, recompute=recompute)
+        result = run_search(profile, cluster, training, fixed, request.top_k, factor)
+        if result.best is not None:
+            return result, training
+        if b == 1 or request.fixed.micro_batch:
+            if recompute == request.fixed.recompute:
+                return result, training
+            recompute = request.fixed.recompute  # None: the search may recompute
+            continue
+        b //= 2
+
+
+def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile | None = None) -> Plan:
+    cluster = cluster_for(request)
+    warnings = _check(request, cluster)
+    profile = profile or profile_for(handle, request)
+    result, training = search(profile, request, cluster)
+    if result.best is None:
+        raise Infeasible(_infeasible_message(profile, request, cluster, result, training))
+    assumptions = [
+        f"{cluster.describe()}; dense peak {cluster.gpu.peak(request.precision) / 1e12:,.1f} TFLOP/s "
+        f"({request.precision}), HBM {cluster.gpu.hbm_bandwidth_Bps / 1e9:,.0f} GB/s, "
+        f"links {cluster.gpu.intra_node_bandwidth_Bps / 1e9:,.0f} GB/s in a node and "
+        f"{cluster.gpu.inter_node_bandwidth_Bps / 1e9:,.1f} GB/s across nodes per GPU (plan gpus: sources)",
+        f"efficiencies: matmuls {constants.MATMUL_EFFICIENCY:.0%} of peak, memory-bound ops "
+        f"{constants.MEMORY_EFFICIENCY:.0%} of HBM bandwidth (fitted on published Megatron-LM runs), "
+        f"links {constants.LINK_EFFICIENCY:.0%}",
+        f"memory reserve per device: {fmt_bytes(constants.RESERVE_GPU_BYTES if cluster.gpu.origin != 'measured' else constants.RESERVE_CPU_BYTES)} "
+        f"(runtime, communication buffers) + {constants.FRAGMENTATION:.0%} fragmentation",
+        "tensor parallelism is Megatron-style with sequence parallelism; ranks ordered tp, dp, pp",
+    ]
+    if request.global_batch is None:
+        assumptions.append(f"global batch {training.global_batch} = {request.gpus} GPUs x micro-batch {training.global_batch // request.gpus} (set --global-batch)")
+    return build_plan(
+        result, profile, cluster, request.precision, request.optimizer, training.global_batch,
+        training.memory_limit_bytes, str(handle.path), assumptions, warnings + list(profile.warnings),
+    )
+
+
+def _feasible(profile: ModelProfile, request: PlanRequest) -> bool:
+    try:
+        cluster = cluster_for(request)
+    except BadInput:
+        return False
+    return search(profile, request, cluster)[0].best is not None
+
+
+def _infeasible_message(profile, request: PlanRequest, cluster: Cluster, result: SearchResult, training: Training) -> str:
+    limit = training.memory_limit_bytes
+    need = result.min_need_bytes
+    w, g, o = training.bytes_per_param()
+    state = profile.num_params * (w + g + o)
+    head = (
+        f"nothing fits on {cluster.describe()} with {fmt_bytes(limit)} per GPU (weights, gradients and "
+        f"optimizer state alone take {fmt_bytes(state)}, against {fmt_bytes(limit * cluster.num_gpus)} in all)"
+    )
+    if need is not None and result.min_need_cand is not None:
+        c = result.min_need_cand
+        head += (
+            f": memory binds; the leanest candidate (dp={c.dp} tp={c.tp} pp={c.pp}, ZeRO-{c.zero}, "
+            f"micro-batch {c.micro_batch}, full recompute) needs {fmt_bytes(need)} per GPU"
+        )
+    fixes = []
+    fixed_any = any(v is not None for v in vars(request.fixed).values())
+    if fixed_any and _feasible(profile, replace(request, fixed=Fixed())):
+        fixes.append("drop the fixed --tp/--pp/--dp/--zero/--recompute/--micro-batch choices")
+    n = request.gpus * 2
+    while n <= 16384:
+        if _feasible(profile, replace(request, gpus=n, fixed=Fixed())):
+            fixes.append(f"{n} GPUs of this type")
+            break
+        n *= 2
+    bigger = [g for g in load_catalogue().values() if g.memory_bytes > cluster.gpu.memory_bytes and request.precision in g.peak_flops]
+    for gpu in sorted(bigger, key=lambda g: g.memory_bytes):
+        if _feasible(profile, replace(request, gpu=gpu.name, gpus_per_node=None, memory_limit_gib=None, fixed=Fixed())):
+            fixes.append(f"{request.gpus} x {gpu.name} ({gpu.memory_gb:.0f} GB)")
+            break
+    if request.optimizer == "adamw" and _feasible(profile, replace(request, optimizer="sgd", fixed=Fixed())):
+        fixes.append("--optimizer sgd (8 bytes of optimizer state per parameter instead of 12)")
+    return head + ". Smallest changes that fit: " + ("; ".join(fixes) if fixes else "none found up to 16,384 GPUs") + "."

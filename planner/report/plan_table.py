@@ -1,0 +1,74 @@
+"""The terminal rendering of a Plan."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from planner.plan import Plan
+from planner.report.units import fmt_bytes, fmt_count, fmt_seconds, make_console
+
+
+def _rate(x: float | None, unit: str) -> str:
+    if x is None:
+        return ""
+    for suffix, scale in (("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:,.2f}{suffix} {unit}"
+    return f"{x:,.1f} {unit}"
+
+
+def render_plan(plan: Plan, console: Console | None = None) -> None:
+    console = console or make_console()
+    c, t, pr, m = plan.cluster, plan.training, plan.predicted, plan.model
+    console.print(
+        f"[bold]Plan for {m.name}[/bold] ({fmt_count(m.num_params)} parameters"
+        + (f", seq {m.seq_len}" if m.seq_len else "")
+        + f") on {c.num_gpus} x {c.display_name}, {t.precision}, {t.optimizer}, global batch {t.global_batch}"
+    )
+    console.print(f"  [bold cyan]{plan.parallel.one_line()}[/bold cyan]")
+    console.print(
+        f"  step {fmt_seconds(pr.step_time_s)} · {_rate(pr.samples_per_s, 'samples/s')}"
+        + (f" · {_rate(pr.tokens_per_s, 'tokens/s')}" if pr.tokens_per_s else "")
+        + f" · {pr.model_tflops_per_gpu:,.1f} model TFLOP/s per GPU · MFU {pr.mfu:.1%}"
+    )
+    console.print(f"  binds: {plan.binding}")
+
+    mem = Table(title=f"Memory per GPU (limit {fmt_bytes(c.memory_limit_bytes)})", title_justify="left")
+    for col in ("rank", "layers", "weights", "grads", "optimizer", "activations", "reserve", "total", "time/micro-batch"):
+        mem.add_column(col, justify="left" if col == "layers" else "right", no_wrap=True)
+    for st in plan.stages:
+        b = st.memory_bytes
+        layers = f"{st.layers[0]} .. {st.layers[-1]} ({len(st.layers)})" if len(st.layers) > 1 else st.layers[0]
+        if st.recompute_layers or st.selective_layers:
+            layers += f", recompute {len(st.recompute_layers)} full / {len(st.selective_layers)} selective"
+        mem.add_row(
+            str(st.rank), layers, fmt_bytes(b.weights), fmt_bytes(b.grads), fmt_bytes(b.optimizer),
+            fmt_bytes(b.activations), fmt_bytes(b.reserve), fmt_bytes(b.total), fmt_seconds(st.time_per_microbatch_s),
+        )
+    console.print(mem)
+
+    alt = Table(title="Alternatives", title_justify="left")
+    for col in ("plan", "step", "vs this plan", "peak memory"):
+        alt.add_column(col, justify="left" if col == "plan" else "right", no_wrap=col != "plan")
+    for a in plan.alternatives:
+        alt.add_row(a.plan, fmt_seconds(a.step_time_s), f"{pr.step_time_s / a.step_time_s:.2f}x", fmt_bytes(a.peak_memory_bytes))
+    dp = plan.data_parallel
+    if dp is not None:
+        if dp.fits:
+            alt.add_row(f"plain data parallel: {dp.plan}", fmt_seconds(dp.step_time_s), f"{dp.step_time_s / pr.step_time_s:.2f}x slower" if dp.step_time_s > pr.step_time_s * 1.0001 else "this plan", fmt_bytes(dp.peak_memory_bytes))
+        else:
+            alt.add_row("plain data parallel", "-", "does not fit", f"needs {fmt_bytes(dp.peak_memory_bytes)}")
+    console.print(alt)
+
+    console.print("[bold]Why[/bold]")
+    for line in plan.explanation:
+        console.print(f"  - {line}")
+    s = plan.solver
+    console.print(
+        f"solver: {s.status}, {s.seconds:.2f} s; {s.candidates} candidates, {s.pruned} pruned by bounds, {s.ilps_solved} ILPs (HiGHS)"
+    )
+    for a in plan.assumptions:
+        console.print(f"[dim]assumes: {a}[/dim]")
+    for w in plan.warnings:
+        console.print(f"[yellow]warning:[/yellow] {w}")

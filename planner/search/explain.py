@@ -1,0 +1,275 @@
+"""Turn a search result into a Plan: figures, the binding constraint, and plain-word reasons."""
+
+from __future__ import annotations
+
+from planner.cost.evaluate import DeviceFigures, Evaluation
+from planner.cost.stage_costs import FULL, SELECTIVE
+from planner.hardware import Cluster
+from planner.plan import (
+    Alternative,
+    ClusterInfo,
+    MemoryBytes,
+    ModelInfo,
+    Parallel,
+    Plan,
+    Predicted,
+    SolverInfo,
+    Stage,
+    TrainingInfo,
+)
+from planner.profile.types import ModelProfile
+from planner.report.units import fmt_bytes, fmt_seconds
+from planner.search.search import Scored, SearchResult
+
+GB = 1e9
+
+
+def _recompute_label(choice: tuple[int, ...]) -> str:
+    kinds = set(choice)
+    if kinds == {0}:
+        return "none"
+    if kinds == {SELECTIVE}:
+        return "selective"
+    if kinds == {FULL}:
+        return "full"
+    return "mixed"
+
+
+def parallel_of(s: Scored) -> Parallel:
+    c = s.cand
+    return Parallel(
+        dp=c.dp, tp=c.tp, pp=c.pp, micro_batch=c.micro_batch, num_microbatches=c.num_microbatches,
+        zero=c.zero, schedule=c.schedule, virtual_stages=c.virtual_stages,
+        recompute=_recompute_label(s.partition.choice), sequence_parallel=c.tp > 1,
+    )
+
+
+def breakdown(s: Scored) -> dict[str, float]:
+    """Seconds per step on the slowest rank, by cause."""
+    ev, m = s.evaluation, s.cand.num_microbatches
+    d = max(ev.devices, key=lambda x: x.time_per_microbatch_s)
+    busy = d.compute_s + d.recompute_s + d.tp_comm_s + d.p2p_s
+    return {
+        "compute": m * d.compute_s,
+        "recompute": m * d.recompute_s,
+        "tp_comm": m * d.tp_comm_s,
+        "pp_comm": m * d.p2p_s,
+        "dp_comm": m * max(0.0, d.time_per_microbatch_s - busy) + max(x.sync_s for x in ev.devices) - _optimizer_s(s),
+        "optimizer": _optimizer_s(s),
+        "bubble": ev.pipeline_s - m * d.time_per_microbatch_s,
+    }
+
+
+def _optimizer_s(s: Scored) -> float:
+    params = [sum(s.costs.atoms[a].params for a in d.atoms) for d in s.evaluation.devices]
+    return max(params) * s.costs.optimizer_s_per_param
+
+
+def _stages(s: Scored, profile: ModelProfile) -> tuple[Stage, ...]:
+    names = [l.name for l in profile.layers]
+    atoms, bounds, choice = s.costs.atoms, s.partition.bounds, s.partition.choice
+    p = s.cand.pp
+    stages = []
+    for d in s.evaluation.devices:
+        chunks, full, sel = [], [], []
+        for st in range(d.rank, s.cand.num_stages, p):
+            chunk = []
+            for a in range(bounds[st], bounds[st + 1]):
+                layer_names = names[atoms[a].first : atoms[a].last + 1]
+                chunk += layer_names
+                (full if choice[a] == FULL else sel if choice[a] == SELECTIVE else []).extend(layer_names)
+            chunks.append(tuple(chunk))
+        stages.append(
+            Stage(
+                rank=d.rank,
+                layers=tuple(n for c in chunks for n in c),
+                chunks=tuple(chunks),
+                recompute_layers=tuple(full),
+                selective_layers=tuple(sel),
+                memory_bytes=_memory(d),
+                time_per_microbatch_s=d.time_per_microbatch_s,
+            )
+        )
+    return tuple(stages)
+
+
+def _memory(d: DeviceFigures) -> MemoryBytes:
+    parts = [d.weights_bytes, d.grads_bytes, d.optimizer_bytes, d.activations_bytes, d.reserve_bytes]
+    ints = [int(round(x)) for x in parts]
+    return MemoryBytes(*ints, total=sum(ints))
+
+
+def predicted_of(s: Scored, profile: ModelProfile, cluster: Cluster, global_batch: int, precision: str) -> Predicted:
+    ev = s.evaluation
+    step = ev.step_time_s
+    samples = global_batch / step
+    model_flops = s.costs.model_flops_per_step
+    peak = cluster.gpu.peak(precision)
+    b = breakdown(s)
+    return Predicted(
+        step_time_s=step,
+        samples_per_s=samples,
+        tokens_per_s=samples * profile.seq_len if profile.seq_len else None,
+        model_tflops_per_gpu=model_flops / step / cluster.num_gpus / 1e12,
+        mfu=model_flops / (step * cluster.num_gpus * peak),
+        peak_memory_bytes=int(ev.peak_bytes),
+        bubble_s=b["bubble"],
+        breakdown_s=b,
+    )
+
+
+def binding_of(s: Scored, limit: int) -> str:
+    ev = s.evaluation
+    d = max(ev.devices, key=lambda x: x.total_bytes)
+    b = breakdown(s)
+    step = ev.step_time_s
+    comm = b["tp_comm"] + b["pp_comm"] + b["dp_comm"]
+    if d.total_bytes > 0.9 * limit:
+        where = f"rank {d.rank}" if s.cand.pp > 1 else "each GPU"
+        return f"memory: {where} holds {fmt_bytes(d.total_bytes)} of {fmt_bytes(limit)}"
+    if b["bubble"] > 0.15 * step:
+        return f"the pipeline bubble: {b['bubble'] / step:.0%} of the step idle"
+    if comm > 0.25 * step:
+        return f"communication: {comm / step:.0%} of the step (TP {b['tp_comm']:.3g} s, PP {b['pp_comm']:.3g} s, DP {b['dp_comm']:.3g} s)"
+    return f"compute: {(b['compute'] + b['recompute']) / step:.0%} of the step is math"
+
+
+def _why_slower(alt: Scored, best: Scored) -> str:
+    a, b = breakdown(alt), breakdown(best)
+    deltas = {k: a[k] - b[k] for k in a}
+    cause = max(deltas, key=lambda k: deltas[k])
+    words = {
+        "compute": "more math per GPU (less efficient shards or replicated layers)",
+        "recompute": "recomputing activations to fit",
+        "tp_comm": "tensor-parallel all-reduces",
+        "pp_comm": "pipeline sends",
+        "dp_comm": "data-parallel gradient and parameter traffic",
+        "optimizer": "a larger optimizer step per GPU",
+        "bubble": "pipeline bubble",
+    }
+    return f"{words[cause]} (+{fmt_seconds(deltas[cause])})"
+
+
+def _alternative(s: Scored, best: Scored | None) -> Alternative:
+    note = ""
+    if best is not None and s is not best:
+        if s.step_time_s < best.step_time_s:
+            note = (f"{1 - s.step_time_s / best.step_time_s:.0%} faster, within what the cost model resolves: "
+                    "the simpler plan is preferred")
+        else:
+            note = f"{s.step_time_s / best.step_time_s - 1:+.0%}: {_why_slower(s, best)}"
+    return Alternative(
+        plan=parallel_of(s).one_line(), step_time_s=s.step_time_s,
+        peak_memory_bytes=int(s.evaluation.peak_bytes), fits=True, note=note,
+    )
+
+
+def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int) -> list[str]:
+    lines = []
+    c = best.cand
+    dp_plan = result.data_parallel
+    split = c.tp > 1 or c.pp > 1
+    if dp_plan is None:
+        need = result.data_parallel_need_bytes
+        lines.append(
+            "Plain data parallelism does not fit: a full replica needs "
+            + (f"{fmt_bytes(need)} per GPU " if need else "more ")
+            + f"against {fmt_bytes(limit)}, even with full recompute; so the model state is "
+            + ("split across GPUs." if split else f"sharded with ZeRO-{c.zero}.")
+        )
+    elif dp_plan is best:
+        lines.append(
+            "Data parallelism is enough: a full replica with its gradients, optimizer state and "
+            f"activations fits on one GPU ({fmt_bytes(dp_plan.evaluation.peak_bytes)} of {fmt_bytes(limit)}), "
+            "so each GPU trains a copy on its share of the batch (the rule of thumb: split the model "
+            "only when it does not fit or when splitting is predicted faster)."
+        )
+    else:
+        gain = dp_plan.step_time_s / best.step_time_s - 1
+        lines.append(
+            f"Plain data parallelism fits ({fmt_bytes(dp_plan.evaluation.peak_bytes)} per GPU) but this plan is "
+            f"predicted {gain:.0%} faster ({fmt_seconds(best.step_time_s)} against {fmt_seconds(dp_plan.step_time_s)} "
+            f"per step); data parallelism loses on {_why_slower(dp_plan, best)}."
+        )
+    if c.tp > 1:
+        where = "inside a node (NVLink)" if not best.costs.links.tp_spans_nodes else "ACROSS nodes (slow: keep TP inside a node if you can)"
+        lines.append(f"Tensor parallelism over {c.tp} GPUs {where} splits each block's matmuls; its all-reduces cost {fmt_seconds(breakdown(best)['tp_comm'])} per step.")
+    if c.pp > 1:
+        lines.append(
+            f"The pipeline has {c.pp} stages and {c.num_microbatches} micro-batches"
+            + (f", {c.virtual_stages} chunks per rank," if c.schedule == "interleaved" else "")
+            + f" with {c.schedule}: {fmt_seconds(breakdown(best)['bubble'])} of bubble per step."
+        )
+    if c.zero:
+        lines.append(f"ZeRO-{c.zero} shards " + {1: "the optimizer state", 2: "optimizer state and gradients", 3: "optimizer state, gradients and parameters"}[c.zero] + f" over the {c.dp} data-parallel replicas.")
+    rc = _recompute_label(best.partition.choice)
+    if rc != "none":
+        lines.append(f"Recompute ({rc}) trades {fmt_seconds(breakdown(best)['recompute'])} per step for activation memory.")
+    lines.append(f"What binds: {binding_of(best, limit)}.")
+    for alt in result.ranked[1:]:
+        lines.append(f"Runner-up {parallel_of(alt).one_line()}: {fmt_seconds(alt.step_time_s)} ({_alternative(alt, best).note}).")
+    lines += _what_would_change(best, limit)
+    return lines
+
+
+def _what_would_change(best: Scored, limit: int) -> list[str]:
+    b = breakdown(best)
+    step = best.evaluation.step_time_s
+    out = []
+    if b["bubble"] > 0.05 * step:
+        out.append("A larger global batch (more micro-batches) would shrink the pipeline bubble.")
+    if b["recompute"] > 0.05 * step:
+        out.append("GPUs with more memory (or more GPUs) would let recompute go and save its time.")
+    if b["dp_comm"] > 0.1 * step:
+        out.append("A faster network between nodes, or a larger batch per GPU, would hide the data-parallel traffic.")
+    if best.evaluation.peak_bytes < 0.5 * limit and best.cand.tp * best.cand.pp > 1:
+        out.append("Memory is far from the limit: a larger micro-batch may be worth fixing with --micro-batch.")
+    return out
+
+
+def build_plan(
+    result: SearchResult,
+    profile: ModelProfile,
+    cluster: Cluster,
+    precision: str,
+    optimizer: str,
+    global_batch: int,
+    limit: int,
+    model_path: str,
+    assumptions: list[str],
+    warnings: list[str],
+) -> Plan:
+    best = result.best
+    assert best is not None, "build_plan needs a feasible search result"
+    dp = result.data_parallel
+    dp_alt = _alternative(dp, best) if dp is not None else Alternative(
+        plan="data parallel", step_time_s=0.0, peak_memory_bytes=int(result.data_parallel_need_bytes or 0), fits=False,
+        note=f"does not fit: needs {fmt_bytes(result.data_parallel_need_bytes or 0)} per GPU",
+    )
+    return Plan(
+        parallel=parallel_of(best),
+        stages=_stages(best, profile),
+        predicted=predicted_of(best, profile, cluster, global_batch, precision),
+        cluster=ClusterInfo(
+            gpu=cluster.gpu.name, display_name=cluster.gpu.display_name, num_gpus=cluster.num_gpus,
+            gpus_per_node=cluster.gpus_per_node, memory_limit_bytes=limit, peak_flops=cluster.gpu.peak(precision),
+        ),
+        model=ModelInfo(
+            name=profile.model_name, path=model_path, source_sha256=profile.source_sha256,
+            num_params=profile.num_params, seq_len=profile.seq_len, layer_names=tuple(l.name for l in profile.layers),
+        ),
+        training=TrainingInfo(precision=precision, optimizer=optimizer, global_batch=global_batch),
+        solver=SolverInfo(
+            status=result.status, seconds=round(result.seconds, 3), candidates=result.stats.enumerated,
+            pruned=result.pruned_memory + result.pruned_time, ilps_solved=result.ilps,
+        ),
+        binding=binding_of(best, limit),
+        explanation=tuple(explanation(result, best, cluster, limit)),
+        alternatives=tuple(_alternative(s, best) for s in result.ranked[1:]),
+        data_parallel=dp_alt,
+        assumptions=tuple(assumptions),
+        warnings=tuple(warnings),
+    )
+
+
+__all__ = ["build_plan", "breakdown", "Evaluation"]
