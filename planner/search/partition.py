@@ -111,8 +111,8 @@ def solve_partition(
         inside = [g for g, seg in enumerate(segs) if seg.start < hi and seg.start + seg.count >= lo]
         for g in inside:
             seg = segs[g]
-            u[s, g] = pulp.LpVariable(f"u_{s}_{g}", cat="Binary")
-            o[s, g] = pulp.LpVariable(f"o_{s}_{g}", 0, seg.count, cat="Integer")
+            u[s, g] = _var(prob, f"u_{s}_{g}", cat="Binary")
+            o[s, g] = _var(prob, f"o_{s}_{g}", 0, seg.count, cat="Integer")
             prob += o[s, g] >= u[s, g]
             prob += o[s, g] <= seg.count * u[s, g]
         prob += pulp.lpSum(u[s, g] for g in inside) == 1, f"place_{s}"
@@ -162,8 +162,8 @@ def solve_partition(
             elif recompute == "none":
                 q[g, i] = f[g, i] = {}
             else:
-                qv = pulp.LpVariable(f"q_{g}_{i}", 0, seg.count, cat="Integer")
-                fv = pulp.LpVariable(f"f_{g}_{i}", 0, seg.count, cat="Integer")
+                qv = _var(prob, f"q_{g}_{i}", 0, seg.count, cat="Integer")
+                fv = _var(prob, f"f_{g}_{i}", 0, seg.count, cat="Integer")
                 q[g, i], f[g, i] = {qv: 1.0}, {fv: 1.0}
                 prob += qv + fv <= _expr(cnt[g, i]), f"recompute_{g}_{i}"
 
@@ -184,14 +184,14 @@ def solve_partition(
     kept = lambda atom, k: atom.act_bytes[k]  # noqa: E731
     one = lambda atom, k: 1  # noqa: E731
 
-    M = pulp.LpVariable("M", 0)
-    U = pulp.LpVariable("U", 0)
+    M = _var(prob, "M", 0)
+    U = _var(prob, "U", 0)
     T = {}
     w_b, g_b, o_b = costs.weight_bytes, costs.grad_bytes, costs.optim_bytes
     dp, zero = cand.dp, cand.zero
     per_param_bytes = w_b / (dp if zero >= 3 else 1) + g_b / (dp if zero >= 2 else 1) + o_b / (dp if zero >= 1 else 1)
     for i in range(p):
-        T[i] = pulp.LpVariable(f"T_{i}", 0)
+        T[i] = _var(prob, f"T_{i}", 0)
         params = rank_sum(i, params_of)
         # [Time]
         latency = costs.mb_comm_atom_s * rank_sum(i, one) if costs.mb_comm_atom_s else 0
@@ -211,7 +211,7 @@ def solve_partition(
         # [Sync]
         sync = (costs.after_step_param_s + costs.optimizer_s_per_param) * params
         if dp > 1:
-            X = pulp.LpVariable(f"X_{i}", 0)
+            X = _var(prob, f"X_{i}", 0)
             prob += X >= costs.tail_s
             if costs.grad_sync.per_byte_s:
                 prob += X >= costs.grad_sync.fixed_s + costs.grad_sync.per_byte_s * g_b * params - rank_sum(i, backward)
@@ -246,6 +246,13 @@ def solve_partition(
             for k, atom in enumerate(ids):
                 choice[atom] = FULL if k < nf else SELECTIVE if k < nf + nq else NONE
     return PartitionResult(status, tuple(bounds), tuple(choice), pulp.value(prob.objective), elapsed)
+
+
+def _var(prob: pulp.LpProblem, name: str, low=None, up=None, cat: str = "Continuous") -> pulp.LpVariable:
+    """A variable attached to `prob` (PuLP 4 drops free-standing LpVariable construction)."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, low, up, cat=cat)
+    return pulp.LpVariable(name, low, up, cat=cat)
 
 
 def _add(target: dict, expr: dict, scale: float) -> None:

@@ -1,0 +1,113 @@
+"""`plan MODEL.py --gpus N` as a user runs it: the choice, the JSON, the exit codes."""
+
+import json
+
+import pytest
+
+from planner.cli import main
+from planner.errors import EXIT_BAD_INPUT, EXIT_INFEASIBLE
+from tests.conftest import EXAMPLES
+
+GPT = str(EXAMPLES / "gpt.py")
+
+
+def _plan_json(capsys, *args) -> dict:
+    assert main([*args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_small_model_gets_data_parallelism(capsys):
+    plan = _plan_json(capsys, GPT, "--gpus", "8")
+    par = plan["parallel"]
+    assert (par["dp"], par["tp"], par["pp"], par["zero"]) == (8, 1, 1, 0)
+    assert plan["schema"] == "planner.Plan" and plan["version"] == 1
+    for key in ("dp", "tp", "pp", "micro_batch", "num_microbatches", "zero", "schedule", "recompute"):
+        assert key in par
+    for key in ("step_time_s", "samples_per_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "peak_memory_bytes"):
+        assert plan["predicted"][key] > 0
+    stage = plan["stages"][0]
+    assert set(stage["memory_bytes"]) == {"weights", "grads", "optimizer", "activations", "reserve", "total"}
+    assert stage["memory_bytes"]["total"] <= plan["cluster"]["memory_limit_bytes"]
+    assert plan["model"]["num_params"] > 0 and len(plan["model"]["source_sha256"]) == 64
+    assert plan["solver"]["status"] == "optimal"
+    assert any("Data parallelism is enough" in line for line in plan["explanation"])
+    # the default global batch: GPUs x the micro-batch
+    assert plan["training"]["global_batch"] == 8 * par["micro_batch"] * par["num_microbatches"]
+
+
+def test_user_configuration_is_evaluated_as_given(capsys):
+    plan = _plan_json(
+        capsys, GPT, "--gpus", "8", "--tp", "2", "--pp", "2", "--dp", "2", "--zero", "1",
+        "--schedule", "gpipe", "--recompute", "full", "--micro-batch", "4", "--global-batch", "64",
+    )
+    par = plan["parallel"]
+    assert (par["dp"], par["tp"], par["pp"], par["zero"], par["schedule"], par["recompute"]) == (2, 2, 2, 1, "gpipe", "full")
+    assert (par["micro_batch"], par["num_microbatches"]) == (4, 8)
+    layers = [name for st in plan["stages"] for name in st["layers"]]
+    assert layers == plan["model"]["layer_names"]  # every layer once, in order, over the stages
+    assert all(set(st["recompute_layers"]) == set(st["layers"]) for st in plan["stages"])
+
+
+def test_70b_on_64_gpus_gets_a_split_that_fits(capsys):
+    plan = _plan_json(capsys, str(EXAMPLES / "llama_70b.py"), "--gpus", "64", "--gpu", "a100-80gb")
+    par = plan["parallel"]
+    assert par["dp"] * par["tp"] * par["pp"] == 64
+    assert par["tp"] > 1 or par["pp"] > 1 or par["zero"] == 3  # a replica cannot fit
+    limit = plan["cluster"]["memory_limit_bytes"]
+    assert all(st["memory_bytes"]["total"] <= limit for st in plan["stages"])
+    assert plan["data_parallel"]["fits"] is False
+
+
+def test_70b_on_8_gpus_does_not_fit(capsys):
+    code = main([str(EXAMPLES / "llama_70b.py"), "--gpus", "8", "--gpu", "a100-80gb"])
+    err = capsys.readouterr().err.strip()
+    assert code == EXIT_INFEASIBLE
+    assert len(err.splitlines()) == 1
+    assert "1.10 TB" in err and "640.00 GB" in err  # the state against the cluster's memory
+    assert "needs" in err and "16 GPUs of this type" in err
+
+
+def test_175b_on_8_gpus_does_not_fit(capsys, model_file):
+    path = model_file(
+        """
+        from gpt import GPTConfig, build_gpt, gpt_batch
+        CFG = GPTConfig(vocab=51200, seq_len=2048, n_layer=96, n_head=96, n_embd=12288)
+        def build_model():
+            return build_gpt(CFG)
+        def sample_batch(b):
+            return gpt_batch(CFG, b)
+        """
+    )
+    code = main([str(path), "--gpus", "8"])
+    err = capsys.readouterr().err
+    assert code == EXIT_INFEASIBLE
+    assert "nothing fits" in err and "GPUs of this type" in err
+
+
+def test_output_file_is_never_overwritten(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    assert main([GPT, "--gpus", "2", "-o", str(out)]) == 0
+    first = out.read_text()
+    assert json.loads(first)["parallel"]["dp"] == 2
+    assert main([GPT, "--gpus", "2", "-o", str(out)]) == EXIT_BAD_INPUT
+    assert "--force" in capsys.readouterr().err
+    assert out.read_text() == first
+    assert main([GPT, "--gpus", "2", "-o", str(out), "--force"]) == 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gpus", "8", "--tp", "3"], "does not divide --gpus 8"),
+        (["--gpus", "8", "--tp", "2", "--pp", "2", "--dp", "1"], "not --gpus 8"),
+        (["--gpus", "8", "--gpu", "h100"], "did you mean"),
+        (["--gpus", "0"], "at least 1"),
+        (["--gpus", "8", "--zero", "2", "--dp", "1"], "--dp is 1"),
+        (["--gpus", "8", "--schedule", "gpipe", "--virtual-stages", "2"], "needs --schedule interleaved"),
+        (["--gpus", "8", "--memory-limit", "-1"], "--memory-limit must be positive"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(capsys, args, message):
+    assert main([GPT, *args]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
