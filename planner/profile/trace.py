@@ -135,20 +135,26 @@ class _Recorder(TorchDispatchMode):
             costs.other_io_bytes[seg] += sum(map(_nbytes, ins)) + sum(map(_nbytes, tensors_in(out)))
             costs.ops[seg] += 1
         if not self.seg.backward:
-            self._track(seg, args, kwargs, out)
+            new = self._track(seg, args, kwargs, out)
+            # a storage made by a matmul-like op (its address may be reused by a later storage)
             if formula is not None:
-                self.matmul_storages.update(storage_key(t) for t in tensors_in(out))
+                self.matmul_storages.update(new)
+            else:
+                self.matmul_storages.difference_update(new)
         return out
 
-    def _track(self, seg: int, args, kwargs, out) -> None:
+    def _track(self, seg: int, args, kwargs, out) -> set[int]:
+        """Record who made and who uses each tensor; return the keys of new storages."""
         inputs = tensors_in((args, kwargs))
         input_storages = {storage_key(t) for t in inputs}
+        new: set[int] = set()
         for t in tensors_in(out):
             key = storage_key(t)
             if key in input_storages:  # a view or an in-place result: the storage keeps its maker
                 self.storage_creator.setdefault(key, seg)
             else:  # a new storage (its address may be a freed one's: overwrite)
                 self.storage_creator[key] = seg
+                new.add(key)
         for t in inputs:
             tid = self.ids.get(t)
             if tid is not None:
@@ -163,6 +169,7 @@ class _Recorder(TorchDispatchMode):
             if t not in self.ids:
                 self.ids[t] = len(self.flows)
                 self.flows.append(TensorFlow(seg, _nbytes(t)))
+        return new
 
 
 @contextmanager

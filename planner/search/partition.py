@@ -30,7 +30,8 @@ Constraints
                  U >= X_i + param_gather(params_i) + optimizer(params_i)
 Objective
     minimise  m M + (sum_i T_i - M) / v + U          (= evaluate()'s step time, cost/pipeline.py)
-    [Cutoff]     objective <= the K-th best plan found so far, when the search gives one
+    [Cutoff]     objective <= the K-th best plan found so far, when the search gives one, and
+                 <= a known feasible assignment's (returned when nothing beats it)
 
 Solved with HiGHS through PuLP, under a time limit; the status is reported as it is.
 """
@@ -42,7 +43,6 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import highspy
 import pulp
 
 from planner.cost.constants import FRAGMENTATION
@@ -178,8 +178,13 @@ def solve_partition(
             _add(expr, f[g, i], per_atom(atom, FULL) - base)
         return _expr(expr)
 
-    step_time = lambda atom, k: atom.fwd_s + atom.bwd_s + atom.extra_s[k]  # noqa: E731
-    backward = lambda atom, k: atom.bwd_s  # noqa: E731
+    # Time rows are in units of `unit` (one micro-batch through the whole model), so that every
+    # time coefficient is O(1): HiGHS's absolute tolerances (1e-7) would otherwise swamp a
+    # model whose step takes microseconds.
+    unit = sum(a.fwd_s + a.bwd_s for a in costs.atoms) or 1.0
+    sc = 1.0 / unit
+    step_time = lambda atom, k: (atom.fwd_s + atom.bwd_s + atom.extra_s[k]) * sc  # noqa: E731
+    backward = lambda atom, k: atom.bwd_s * sc  # noqa: E731
     params_of = lambda atom, k: atom.params  # noqa: E731
     kept = lambda atom, k: atom.act_bytes[k]  # noqa: E731
     one = lambda atom, k: 1  # noqa: E731
@@ -194,10 +199,10 @@ def solve_partition(
         T[i] = _var(prob, f"T_{i}", 0)
         params = rank_sum(i, params_of)
         # [Time]
-        latency = costs.mb_comm_atom_s * rank_sum(i, one) if costs.mb_comm_atom_s else 0
-        prob += T[i] >= rank_sum(i, step_time) + costs.p2p_s * (S // p) + latency, f"time_{i}"
+        latency = costs.mb_comm_atom_s * sc * rank_sum(i, one) if costs.mb_comm_atom_s else 0
+        prob += T[i] >= rank_sum(i, step_time) + costs.p2p_s * sc * (S // p) + latency, f"time_{i}"
         if costs.mb_comm_param_s:  # ZeRO-2/3 bytes per micro-batch, overlapped with compute
-            prob += T[i] >= costs.mb_comm_param_s * params + latency, f"dp_mb_{i}"
+            prob += T[i] >= costs.mb_comm_param_s * sc * params + latency, f"dp_mb_{i}"
         prob += M >= T[i]
         # [Memory]
         memory = (
@@ -206,31 +211,45 @@ def solve_partition(
             + costs.working_bytes
             + costs.zero3_gather_bytes
         )
-        # in GiB: byte-sized coefficients next to second-sized ones hurt the solver's tolerances
+        # in GiB: byte-sized coefficients next to time-sized ones hurt the solver's tolerances
         prob += ((1 + FRAGMENTATION) * memory + costs.reserve_fixed_bytes) * (1 / GIB) <= costs.limit_bytes / GIB, f"memory_{i}"
         # [Sync]
-        sync = (costs.after_step_param_s + costs.optimizer_s_per_param) * params
+        sync = (costs.after_step_param_s + costs.optimizer_s_per_param) * sc * params
         if dp > 1:
             X = _var(prob, f"X_{i}", 0)
-            prob += X >= costs.tail_s
+            prob += X >= costs.tail_s * sc
             if costs.grad_sync.per_byte_s:
-                prob += X >= costs.grad_sync.fixed_s + costs.grad_sync.per_byte_s * g_b * params - rank_sum(i, backward)
+                prob += X >= (costs.grad_sync.fixed_s + costs.grad_sync.per_byte_s * g_b * params) * sc - rank_sum(i, backward)
             sync = sync + X
         prob += U >= sync, f"sync_{i}"
 
     m = cand.num_microbatches
     objective = m * M + (pulp.lpSum(T.values()) - M) * (1.0 / v) + U
     prob += objective
-    if cutoff_s is not None:
-        prob += objective <= cutoff_s, "cutoff"
+    # [Cutoff] the caller's, and a known feasible assignment's: HiGHS 1.16 can hand back a
+    # warm start's values instead of a better optimum it found, so a start is given as a bound.
+    start_plan = _start_plan(costs, recompute, initial)
+    bound_s = min(x for x in (cutoff_s, start_plan[2] if start_plan else None) if x is not None) if (
+        cutoff_s is not None or start_plan
+    ) else None
+    if bound_s is not None:
+        prob += objective <= bound_s * sc * (1 + 1e-9), "cutoff"
 
-    start_values = _warm_start(costs, recompute, segs, u, o, q, f, T, M, U, prob, initial)
-    solver = _HiGHS(start_values, msg=False, timeLimit=time_limit_s, gapRel=MIP_GAP)
+    solver = _HiGHS(msg=False, timeLimit=time_limit_s, gapRel=MIP_GAP)
     prob.solve(solver)
     elapsed = time.perf_counter() - start
     status = _status(prob)
     if status in ("infeasible", "not solved"):
-        return PartitionResult(status, None, None, None, elapsed)
+        # Nothing beat the known assignment: it is the answer (when it is under the cutoff).
+        if start_plan is not None and (cutoff_s is None or start_plan[2] <= cutoff_s):
+            return PartitionResult("optimal" if status == "infeasible" else "feasible", start_plan[0], start_plan[1], start_plan[2], elapsed)
+        if status == "infeasible" and start_plan is None and cutoff_s is None:
+            # HiGHS's presolve has been seen to call a feasible model infeasible: confirm.
+            prob.solve(_HiGHS(msg=False, timeLimit=time_limit_s, gapRel=MIP_GAP, presolve="off"))
+            status = _status(prob)
+            elapsed = time.perf_counter() - start
+        if status in ("infeasible", "not solved"):
+            return PartitionResult(status, None, None, None, elapsed)
 
     bounds = [0] + [int(round(pulp.value(E[s]))) for s in range(S - 1)] + [A]
     choice = [NONE] * A
@@ -245,7 +264,7 @@ def solve_partition(
             ]
             for k, atom in enumerate(ids):
                 choice[atom] = FULL if k < nf else SELECTIVE if k < nf + nq else NONE
-    return PartitionResult(status, tuple(bounds), tuple(choice), pulp.value(prob.objective), elapsed)
+    return PartitionResult(status, tuple(bounds), tuple(choice), pulp.value(prob.objective) * unit, elapsed)
 
 
 def _var(prob: pulp.LpProblem, name: str, low=None, up=None, cat: str = "Continuous") -> pulp.LpVariable:
@@ -297,23 +316,11 @@ def _quiet_stdout():
 
 
 class _HiGHS(pulp.HiGHS):
-    """PuLP's HiGHS, started from a known feasible solution (PuLP's API solver has no warm start)."""
-
-    def __init__(self, start: dict | None, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.start = start
+    """PuLP's HiGHS, without the banner HiGHS prints on stdout when it starts."""
 
     def createAndConfigureSolver(self, lp):
         with _quiet_stdout():
             super().createAndConfigureSolver(lp)
-
-    def callSolver(self, lp):
-        if self.start:
-            sol = highspy.HighsSolution()
-            sol.col_value = [float(self.start.get(v.name, 0.0)) for v in lp.variables()]
-            sol.value_valid = True
-            lp.solverModel.setSolution(sol)
-        super().callSolver(lp)
 
 
 def balanced_bounds(times: list[float], num_stages: int, pp: int) -> list[int]:
@@ -349,10 +356,9 @@ def balanced_bounds(times: list[float], num_stages: int, pp: int) -> list[int]:
     return best
 
 
-def _warm_start(costs, recompute, segs, u, o, q, f, T, M, U, prob, initial) -> dict | None:
-    """Variable values of a known feasible assignment: `initial` when given, else the balanced
-    split with one recompute choice for all atoms, when that fits in memory. HiGHS then starts
-    from a good incumbent and prunes with it."""
+def _start_plan(costs, recompute, initial) -> tuple[tuple[int, ...], tuple[int, ...], float] | None:
+    """(bounds, choice, step seconds) of a known feasible assignment: `initial` when given, else
+    the balanced split with one recompute choice for all atoms, when that fits in memory."""
     cand = costs.cand
     S, p = cand.num_stages, cand.pp
     if initial is not None:
@@ -369,31 +375,8 @@ def _warm_start(costs, recompute, segs, u, o, q, f, T, M, U, prob, initial) -> d
                 break
     if not ev.fits:
         return None
-    values: dict[str, float] = {}
-    for s in range(S - 1):
-        e = bounds[s + 1]
-        for g, seg in enumerate(segs):
-            if (s, g) in u:
-                inside = seg.start < e <= seg.start + seg.count
-                values[u[s, g].name] = 1.0 if inside else 0.0
-                values[o[s, g].name] = float(e - seg.start) if inside else 0.0
-    for g, seg in enumerate(segs):
-        for i in range(p):
-            ids = [
-                a
-                for s in range(i, S, p)
-                for a in range(max(bounds[s], seg.start), min(bounds[s + 1], seg.start + seg.count))
-            ]
-            for expr, kind in ((q.get((g, i), {}), SELECTIVE), (f.get((g, i), {}), FULL)):
-                if len(expr) == 1 and next(iter(expr)) is not None and next(iter(expr)).name[0] in "qf":
-                    values[next(iter(expr)).name] = float(sum(choice[a] == kind for a in ids))
-    for d in ev.devices:
-        values[T[d.rank].name] = d.time_per_microbatch_s
-    values[M.name] = max(d.time_per_microbatch_s for d in ev.devices)
-    values[U.name] = max(d.sync_s for d in ev.devices)
-    for v in prob.variables():
-        if v.name.startswith("X_"):
-            atoms = [costs.atoms[a] for a in ev.devices[int(v.name[2:])].atoms]
-            grads = sum(a.params for a in atoms) * costs.grad_bytes
-            values[v.name] = max(costs.tail_s, costs.grad_sync(grads) - sum(a.bwd_s for a in atoms), 0.0)
-    return values
+    if cand.schedule == "interleaved" and cand.virtual_stages > 1:
+        chunks = balanced_bounds([a.fwd_s + a.bwd_s for a in costs.atoms], S, p)
+        if list(bounds) != chunks:
+            return None  # not a point of the interleaved problem (its chunks are fixed)
+    return tuple(bounds), tuple(choice), ev.step_time_s

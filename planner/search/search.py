@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from planner.cost.evaluate import Evaluation, evaluate
 from planner.cost.setup import Candidate, Training
-from planner.cost.stage_costs import FULL, StageCosts, atom_table, atoms_of, stage_costs
+from planner.cost.stage_costs import FULL, NONE, SELECTIVE, StageCosts, atom_table, atoms_of, stage_costs
 from planner.hardware import Cluster
 from planner.profile.types import ModelProfile
 from planner.search.partition import MIP_GAP, PartitionResult, solve_partition
@@ -207,19 +207,20 @@ def run_search(
         if shape not in best_by_shape or _better(scored, best_by_shape[shape]):
             best_by_shape[shape] = scored
     result.ranked = _rank(best_by_shape.values())
+    leanest = {None: FULL, "full": FULL, "selective": SELECTIVE, "none": NONE}[fixed.recompute]
     if not result.ranked:
-        _min_need(result, survivors)
-    _data_parallel_baseline(result, profile, cluster, training, fixed, costs_of, solver, num_atoms)
+        _min_need(result, survivors, leanest)
+    _data_parallel_baseline(result, profile, cluster, training, leanest, costs_of, solver, num_atoms)
     result.seconds = time.perf_counter() - start
     return result
 
 
-def _min_need(result: SearchResult, survivors: list[tuple[float, StageCosts]]) -> None:
+def _min_need(result: SearchResult, survivors: list[tuple[float, StageCosts]], leanest: int) -> None:
     """Nothing fit: the least peak memory among candidates that passed the bound (balanced
-    stages, full recompute), to tell the user how far off the limit they are."""
+    stages, the leanest recompute allowed), to tell the user how far off the limit they are."""
     for _, costs in survivors:
         bounds = _balanced_bounds(len(costs.atoms), costs.cand.num_stages)
-        ev = evaluate(costs, bounds, [FULL] * len(costs.atoms))
+        ev = evaluate(costs, bounds, [leanest] * len(costs.atoms))
         if result.min_need_bytes is None or ev.peak_bytes < result.min_need_bytes:
             result.min_need_bytes, result.min_need_cand = ev.peak_bytes, costs.cand
 
@@ -228,7 +229,7 @@ def _balanced_bounds(num_atoms: int, num_stages: int) -> list[int]:
     return [round(num_atoms * s / num_stages) for s in range(num_stages + 1)]
 
 
-def _data_parallel_baseline(result, profile, cluster, training, fixed, costs_of, solver, num_atoms) -> None:
+def _data_parallel_baseline(result, profile, cluster, training, leanest, costs_of, solver, num_atoms) -> None:
     """The best plain data-parallel plan (tp = pp = 1, ZeRO-0), or the memory it would need."""
     dp_only = Fixed(tp=1, pp=1, zero=0)
     for s in result.ranked:
@@ -239,7 +240,7 @@ def _data_parallel_baseline(result, profile, cluster, training, fixed, costs_of,
     need: float | None = None
     for cand in candidates(profile, cluster.num_gpus, cluster.gpus_per_node, num_atoms, training.global_batch, dp_only, SpaceStats()):
         costs = costs_of(cand)
-        ev = evaluate(costs, [0, len(costs.atoms)], [FULL] * len(costs.atoms))
+        ev = evaluate(costs, [0, len(costs.atoms)], [leanest] * len(costs.atoms))
         if not ev.fits:
             need = ev.peak_bytes if need is None else min(need, ev.peak_bytes)
             continue

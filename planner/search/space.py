@@ -175,10 +175,10 @@ def time_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
     sends = costs.p2p_s * (cand.num_stages // p)
     # the slowest rank: at least the average, and (without interleaving) at least the best
     # contiguous min-max split of the atoms (exact, by bisection on a greedy fill)
-    slowest = total / p
-    if v == 1 and p > 1:
-        slowest = max(slowest, min_max_split(times, p))
-    slowest = max(slowest + sends + latency, costs.mb_comm_param_s * params + latency)
+    slowest = total / p + latency
+    if v == 1 and p > 1:  # the collectives' latency goes with each atom, wherever it lands
+        slowest = max(slowest, min_max_split([t + costs.mb_comm_atom_s for t in times], p))
+    slowest = max(slowest + sends, costs.mb_comm_param_s * params + latency)
     pipeline = (cand.num_microbatches - 1 / v) * slowest + (total + p * (sends + latency)) / v
     sync = (costs.tail_s if cand.dp > 1 else 0.0) + (costs.after_step_param_s + costs.optimizer_s_per_param) * params
     return pipeline + sync

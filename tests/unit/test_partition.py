@@ -9,8 +9,12 @@ binds; nothing binds), `solve_partition` (recompute free, and each fixed choice)
 - say infeasible exactly when no assignment fits;
 - otherwise return an assignment that fits and whose evaluated step time is the exhaustive
   minimum within the solver's relative gap (MIP_GAP);
-- report an objective no lower than that evaluated step time (the ILP's expressions are
-  evaluate()'s).
+- report an objective equal to that evaluated step time within the gap (the ILP's expressions
+  are evaluate()'s).
+
+Interleaved candidates (v > 1): partition.py's [Chunks] rule fixes the stage boundaries to the
+balanced split (`balanced_bounds`), so the exhaustive search is over that split's recompute
+choices; what the rule costs against every split is counted and printed, not asserted.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from planner.cost.setup import Candidate, Training
 from planner.cost.stage_costs import FULL, NONE, SELECTIVE, StageCosts, atoms_of, stage_costs
 from planner.hardware import make_cluster
 from planner.profile.types import LayerProfile, ModelProfile, ProfileTotals, TPInfo
-from planner.search.partition import MIP_GAP, segments_of, solve_partition
+from planner.search.partition import MIP_GAP, balanced_bounds, segments_of, solve_partition
 from tests.conftest import EXAMPLES
 
 MODES = {"none": NONE, "selective": SELECTIVE, "full": FULL}
@@ -183,10 +187,14 @@ class Exhaustive:
     choices: list[tuple[int, ...]]
     bounds: list[list[int]]
 
-    def best(self, limit: float, mode: str | None) -> tuple[float | None, int | None]:
+    def best(self, limit: float, mode: str | None, only_bounds: list[int] | None = None) -> tuple[float | None, int | None]:
+        """The fastest assignment that fits (with every atom on `mode`, and split at
+        `only_bounds`, when given): (step time, index), or (None, None)."""
         mask = self.peak <= limit
         if mode is not None:
             mask &= np.array([all(c == MODES[mode] for c in ch) for ch in self.choices])
+        if only_bounds is not None:
+            mask &= np.array([b == list(only_bounds) for b in self.bounds])
         if not mask.any():
             return None, None
         idx = np.flatnonzero(mask)
@@ -265,15 +273,37 @@ def _costs(profile: ModelProfile, cand: Candidate, limit: int, **kw) -> StageCos
 # what the instances exercised, checked once at the end
 SEEN: dict[str, int] = {}
 UNDERSTATED: list[float] = []  # (evaluated - objective) / evaluated
+WORST_CHUNK_LOSS: list[float] = []  # interleaved: balanced chunks vs the best split, relative
+
+
+def _count(what: str) -> None:
+    SEEN[what] = SEEN.get(what, 0) + 1
+
+
+def chunk_bounds(costs: StageCosts) -> list[int] | None:
+    """partition.py's [Chunks] rule: with interleaving (v > 1) the ILP fixes the stage boundaries
+    to the balanced split of the atoms' fwd + bwd seconds and chooses recompute only."""
+    cand = costs.cand
+    if cand.schedule != "interleaved" or cand.virtual_stages <= 1:
+        return None
+    return balanced_bounds([a.fwd_s + a.bwd_s for a in costs.atoms], cand.num_stages, cand.pp)
 
 
 def _check(costs: StageCosts, ex: Exhaustive, limit: int, mode: str | None, where: str) -> None:
-    want, _ = ex.best(limit, mode)
+    chunks = chunk_bounds(costs)
+    want, _ = ex.best(limit, mode, chunks)
+    if chunks is not None:  # what fixing the chunks costs against every split (reported, not asserted)
+        free, _ = ex.best(limit, mode)
+        if free is not None and want is None:
+            _count("interleaved: only an unbalanced split fits")
+        elif free is not None and want > free * (1 + MIP_GAP):
+            _count("interleaved: unbalanced split faster")
+            WORST_CHUNK_LOSS.append(want / free - 1)
     res = solve_partition(costs, recompute=mode)
     label = f"{where} limit={limit} recompute={mode or 'free'}: ILP {res.status}, exhaustive {want}"
     if want is None:
         assert res.status == "infeasible" and res.bounds is None, label
-        SEEN["infeasible"] = SEEN.get("infeasible", 0) + 1
+        _count("infeasible")
         return
     assert res.status == "optimal", label
     b, ch = list(res.bounds), list(res.choice)
@@ -291,11 +321,11 @@ def _check(costs: StageCosts, ex: Exhaustive, limit: int, mode: str | None, wher
     # the objective may understate the evaluated time by that much; never by more than the gap).
     assert abs(res.objective_s - got) <= MIP_GAP * got + ABS_TOL_S, f"{label}: objective {res.objective_s} vs evaluated {got}"
     UNDERSTATED.append((got - res.objective_s) / got)
-    SEEN["solved"] = SEEN.get("solved", 0) + 1
+    _count("solved")
     if mode is None and any(ch):
-        SEEN["recompute chosen"] = SEEN.get("recompute chosen", 0) + 1
-    if mode is None and want > ex.best(float("inf"), None)[0] * (1 + 1e-6):
-        SEEN["limit slows"] = SEEN.get("limit slows", 0) + 1
+        _count("recompute chosen")
+    if mode is None and want > ex.best(float("inf"), None, chunks)[0] * (1 + 1e-6):
+        _count("limit slows")
 
 
 @pytest.mark.parametrize("name,cand", CASES, ids=[f"{n}-{c.label()}" for n, c in CASES])
@@ -306,6 +336,7 @@ def test_ilp_matches_exhaustive_search(profiles, name, cand):
     assert A <= 6
     if cand.num_stages > A:
         assert solve_partition(base).status == "infeasible"
+        _count("cases")
         return
     ex = exhaustive(base)
     for what, limit in limits_from(ex.peak).items():
@@ -313,9 +344,10 @@ def test_ilp_matches_exhaustive_search(profiles, name, cand):
         assert replace(costs, limit_bytes=base.limit_bytes) == base  # the limit changes nothing else
         for mode in (None, "none", "selective", "full"):
             _check(costs, ex, limit, mode, f"{name} {cand.label()} [{what}]")
+    _count("cases")
 
 
-def random_instance(seed: int) -> tuple[ModelProfile, Candidate, list[int]]:
+def random_instance(seed: int) -> tuple[ModelProfile, Candidate, list[float]]:
     """A random small profile, candidate (<= 8 GPUs) and four memory limits, from `seed`."""
     import random
 
@@ -337,10 +369,10 @@ def random_instance(seed: int) -> tuple[ModelProfile, Candidate, list[int]]:
     return profile, cand, [rng.random() for _ in range(4)]
 
 
-@pytest.mark.parametrize("seed", range(24))
+@pytest.mark.parametrize("seed", range(32))
 def test_random_instances(seed):
     """Random profiles, candidates and limits (anywhere between the leanest and the largest
-    assignment's peak): the recompute-free ILP against exhaustive search."""
+    assignment's peak): the ILP, recompute free and fixed, against exhaustive search."""
     profile, cand, fractions = random_instance(seed)
     base = _costs(profile, cand, 2**40)
     ex = exhaustive(base)
@@ -349,19 +381,21 @@ def test_random_instances(seed):
         limit = int(lo * 0.99 + frac * (hi * 1.01 - lo * 0.99))
         if np.min(np.abs(ex.peak - limit)) < 1e-6 * limit:  # on a peak: within the solver's tolerance
             continue
-        _check(_costs(profile, cand, limit), ex, limit, None, f"seed {seed}: {cand.label()}")
+        costs = _costs(profile, cand, limit)
+        for mode in (None, "none", "selective", "full"):
+            _check(costs, ex, limit, mode, f"seed {seed}: {cand.label()}")
 
 
 def test_regression_start_solution_not_returned():
-    """One atom per segment but the blocks, one rank: found by test_random_instances' sweep.
-    The optimum keeps the embedding and the head, recomputing the blocks selectively."""
+    """Found by the random sweep: with the warm start, HiGHS (1.16) proved a better optimum at the
+    root but PuLP read back the starting point (all selective), 1% slower than the optimum
+    (embedding and head without recompute)."""
     profile = synthetic_profile(n_blocks=2, h=4096, s=2048, norm_before_head=True, name="regression")
     cand = Candidate(1, 1, 2, 2, 1, 1, "1f1b", 1)
-    costs = _costs(profile, cand, 12_908_428_500)
     ex = exhaustive(_costs(profile, cand, 2**40))
-    want, k = ex.best(costs.limit_bytes, None)
-    assert ex.choices[k] == (NONE, SELECTIVE, SELECTIVE, NONE)
-    _check(costs, ex, costs.limit_bytes, None, "regression")
+    limit = 12_908_428_500
+    assert np.min(np.abs(ex.peak - limit)) > 1e-6 * limit
+    _check(_costs(profile, cand, limit), ex, limit, None, "regression")
 
 
 @pytest.mark.parametrize("precision,optimizer", [("fp32", "sgd"), ("fp16", "sgd"), ("fp32", "adamw")])
@@ -405,9 +439,13 @@ def test_segments(profiles):
 
 def test_instances_exercised():
     """Runs last in this module (pytest keeps file order): the limits above made memory matter."""
-    if not SEEN:
-        pytest.skip("run with the instances above")
+    if SEEN.get("cases", 0) < len(CASES):
+        pytest.skip("needs every test_ilp_matches_exhaustive_search case to have run first")
     assert SEEN.get("infeasible", 0) > 0, SEEN
     assert SEEN.get("recompute chosen", 0) > 0, SEEN
     assert SEEN.get("limit slows", 0) > 0, SEEN
-    print(SEEN, f"largest objective understatement {max(UNDERSTATED, default=0):.2e} (relative)", file=sys.stderr)
+    print(
+        SEEN, f"largest objective understatement {max(UNDERSTATED, default=0):.2e} (relative);",
+        f"interleaved, balanced chunks vs best split: up to {max(WORST_CHUNK_LOSS, default=0):.1%} slower",
+        file=sys.stderr,
+    )
