@@ -97,7 +97,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=_positive_int, help="GPUs per node (default: the GPU type's usual node)")
     p.add_argument("--global-batch", type=_positive_int, help="samples per step (default: GPUs x the largest micro-batch that fits)")
     p.add_argument("--micro-batch", type=_positive_int, help="fix the micro-batch size")
-    p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="bf16/fp16 mixed precision, or fp32 (default bf16)")
+    p.add_argument("--precision", choices=PRECISIONS, help="bf16/fp16 mixed precision, or fp32 (default bf16; fp32 with --gpu cpu)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default adamw")
     p.add_argument("--memory-limit", type=float, metavar="GiB", help="usable memory per GPU (default: all of it)")
     p.add_argument("--tp", type=_positive_int, help="fix the tensor-parallel degree")
@@ -132,7 +132,7 @@ def cmd_plan(argv: Sequence[str]) -> int:
         gpu=args.gpu,
         gpus_per_node=args.gpus_per_node,
         global_batch=args.global_batch,
-        precision=args.precision,
+        precision=args.precision or ("fp32" if args.gpu.lower() == "cpu" else "bf16"),
         optimizer=args.optimizer,
         memory_limit_gib=args.memory_limit,
         fixed=Fixed(
