@@ -122,7 +122,7 @@ class Alternative:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(schema.Versioned):
     SCHEMA = "planner.Plan"
     VERSION = 1
 
@@ -143,14 +143,3 @@ class Plan:
     warnings: tuple[str, ...] = ()
     schema: str = field(default="planner.Plan")
     version: int = field(default=1)
-
-    def to_json(self) -> str:
-        return schema.dumps(self)
-
-    @classmethod
-    def from_dict(cls, data: dict, source: str = "plan") -> "Plan":
-        return schema.from_jsonable(cls, data, source=source)
-
-    @classmethod
-    def load(cls, path) -> "Plan":
-        return schema.load_json_file(cls, path)

@@ -94,3 +94,18 @@ def write_new_file(path: str | Path, text: str, *, force: bool = False) -> Path:
         raise BadInput(f"{path.parent}: no such directory")
     path.write_text(text + ("" if text.endswith("\n") else "\n"))
     return path
+
+
+class Versioned:
+    """JSON methods for a boundary dataclass that declares SCHEMA and VERSION."""
+
+    def to_json(self) -> str:
+        return dumps(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "input"):
+        return from_jsonable(cls, data, source=source)
+
+    @classmethod
+    def load(cls, path):
+        return load_json_file(cls, path)

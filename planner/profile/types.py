@@ -94,7 +94,7 @@ class Edge:
 
 
 @dataclass(frozen=True)
-class ModelProfile:
+class ModelProfile(schema.Versioned):
     SCHEMA = "planner.ModelProfile"
     VERSION = 1
 
@@ -154,14 +154,3 @@ class ModelProfile:
         """Indices i such that a pipeline stage may end after layer i."""
         return [layer.index for layer in self.layers[:-1] if layer.cut_after_ok]
 
-    # -- JSON ---------------------------------------------------------------------------------
-    def to_json(self) -> str:
-        return schema.dumps(self)
-
-    @classmethod
-    def from_dict(cls, data: dict, source: str = "profile") -> "ModelProfile":
-        return schema.from_jsonable(cls, data, source=source)
-
-    @classmethod
-    def load(cls, path) -> "ModelProfile":
-        return schema.load_json_file(cls, path)
