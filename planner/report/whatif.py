@@ -16,7 +16,19 @@ Derived answers:
 - cheapest: the lowest cost (with --price), else the fewest GPU-hours (with --tokens/--steps),
   else the fewest GPU-seconds per sample; fastest: the fewest days, else the most samples/s; the
   deadline pick: the cheapest of those that finish within --deadline-days.
-Headroom for a single cluster is in `planner.report.headroom`.
+
+Headroom, for a single cluster (one type, one count), with the plan's global batch unless said:
+- memory: the limit less the plan's fullest GPU;
+- the largest micro-batch: doubled (`plan --micro-batch b`, global batch GPUs x b) until nothing
+  fits; the largest global batch: doubled (free search) until nothing fits, up to 64x the plan's
+  (with 1F1B, more micro-batches per step cost no memory, so it often has no limit);
+- model and sequence: the largest factor k (doubling, then 6 bisection steps: about 1%) at which
+  a scaled copy of the profile still fits. Model x k multiplies every layer's parameters, FLOPs,
+  saved activations and memory traffic by k: in memory, k times as many layers of the same shape
+  (a wider model, whose parameters grow faster than its activations, would fit a little more).
+  Sequence x k multiplies activations, the tensors between layers, TP all-reduces and FLOPs by k
+  and leaves parameters alone (attention's quadratic FLOPs are not modelled; flash attention keeps
+  its memory linear).
 """
 
 from __future__ import annotations
@@ -129,8 +141,8 @@ class Sweep:
     assumptions: tuple[str, ...]
     profile_s: float
     sweep_s: float
-    headroom: Optional[object] = None
-    """planner.report.headroom.Headroom for a single cluster (one type, one count), else None."""
+    headroom: Optional["Headroom"] = None
+    """For a single cluster (one type, one count), else None."""
 
     def chosen(self) -> Optional[Point]:
         """The configuration the report features: the deadline pick, else the cheapest, else the fastest."""
@@ -294,7 +306,7 @@ def run_sweep(handle: ModelHandle, spec: SweepSpec, on_point: Callable[[str], No
     t0 = time.perf_counter()
     first = next(iter(gpus.values()))
     local = "cpu" if any(g.origin == "measured" for g in gpus.values()) else first.name
-    profile = profile or planning.profile_for(handle, replace(spec.request(local, 1), gpu=local))
+    profile = profile or planning.profile_for(handle, spec.request(local, 1))
     profile_s = time.perf_counter() - t0
     if spec.tokens is not None and not profile.seq_len:
         raise BadInput(f"--tokens: {handle.name} has no sequence length (its inputs are not token ids); use --steps")
@@ -310,8 +322,6 @@ def run_sweep(handle: ModelHandle, spec: SweepSpec, on_point: Callable[[str], No
     fastest, cheapest, basis, pick, note = picks(spec, points)
     headroom = None
     if len(points) == 1 and points[0].fits:
-        from planner.report.headroom import headroom_of
-
         headroom = headroom_of(profile, spec, points[0])
     return Sweep(
         spec, handle.name, str(handle.path), profile.num_params, profile.seq_len, profile, gpus, tuple(points),
@@ -320,23 +330,94 @@ def run_sweep(handle: ModelHandle, spec: SweepSpec, on_point: Callable[[str], No
     )
 
 
-def to_jsonable(sweep: Sweep) -> dict:
-    """The sweep for --json: rows, the derived answers and the assumptions."""
-    ref = lambda p: None if p is None else {"gpu": p.gpu, "num_gpus": p.num_gpus, "plan": p.plan}  # noqa: E731
-    s = sweep.spec
-    return {
-        "schema": "planner.WhatIf", "version": 1,
-        "model": {"name": sweep.model_name, "path": sweep.model_path, "num_params": sweep.num_params, "seq_len": sweep.seq_len},
-        "request": {
-            "gpu_types": list(s.gpu_types), "gpu_counts": list(s.gpu_counts), "global_batch": s.global_batch,
-            "tokens": s.tokens, "steps": s.steps, "prices_per_gpu_hour": dict(s.prices_per_gpu_hour),
-            "deadline_days": s.deadline_days, "precision": s.precision, "optimizer": s.optimizer,
-        },
-        "points": [p.row() for p in sweep.points],
-        "min_gpus": [vars(m) for m in sweep.min_gpus],
-        "fastest": ref(sweep.fastest), "cheapest": ref(sweep.cheapest), "cheapest_basis": sweep.cheapest_basis,
-        "deadline_pick": ref(sweep.deadline_pick), "deadline_note": sweep.deadline_note,
-        "headroom": None if sweep.headroom is None else vars(sweep.headroom),
-        "assumptions": list(sweep.assumptions),
-        "profile_s": sweep.profile_s, "sweep_s": sweep.sweep_s,
-    }
+# -- headroom (single cluster) ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Headroom:
+    memory_free_bytes: int
+    micro_batch: int
+    max_micro_batch: int
+    max_micro_batch_capped: bool
+    """True: it still fit at the cap (MAX_MICRO_BATCH); the limit is higher."""
+    global_batch: int
+    max_global_batch: int
+    max_global_batch_capped: bool
+    model_scale: float
+    model_scale_capped: bool
+    max_params: int
+    seq_scale: Optional[float]
+    seq_scale_capped: bool
+    max_seq_len: Optional[int]
+
+
+MAX_MICRO_BATCH = 1 << 15
+GLOBAL_BATCH_CAP = 64
+SCALE_CAP = 1024.0
+
+
+def scale_profile(profile: ModelProfile, model: float = 1.0, seq: float = 1.0) -> ModelProfile:
+    """A copy of the profile for a model `model` x larger and a sequence `seq` x longer (module doc)."""
+    both = model * seq
+
+    def r(x: Optional[float], k: float):
+        return None if x is None else (x * k if isinstance(x, float) else int(round(x * k)))
+
+    layers = []
+    for l in profile.layers:
+        tp = l.tp and replace(l.tp, sharded_params=r(l.tp.sharded_params, model), allreduce_bytes=r(l.tp.allreduce_bytes, seq))
+        layers.append(replace(
+            l, num_params=r(l.num_params, model), param_bytes=r(l.param_bytes, model),
+            fwd_flops=r(l.fwd_flops, both), bwd_flops=r(l.bwd_flops, both), activation_bytes=r(l.activation_bytes, both),
+            activation_matmul_bytes=r(l.activation_matmul_bytes, both), output_bytes=r(l.output_bytes, seq),
+            fwd_matmul_io_bytes=r(l.fwd_matmul_io_bytes, both), fwd_other_io_bytes=r(l.fwd_other_io_bytes, both),
+            bwd_matmul_io_bytes=r(l.bwd_matmul_io_bytes, both), bwd_other_io_bytes=r(l.bwd_other_io_bytes, both),
+            fwd_s=r(l.fwd_s, both), bwd_s=r(l.bwd_s, both), tp=tp,
+        ))
+    t = profile.totals
+    totals = replace(
+        t, num_params=sum(l.num_params for l in layers), param_bytes=sum(l.param_bytes for l in layers),
+        fwd_flops=r(t.fwd_flops, both), bwd_flops=r(t.bwd_flops, both), activation_bytes=r(t.activation_bytes, both),
+        fwd_s=r(t.fwd_s, both), bwd_s=r(t.bwd_s, both),
+    )
+    edges = tuple(replace(e, num_bytes=r(e.num_bytes, seq)) for e in profile.edges)
+    seq_len = r(profile.seq_len, seq) if profile.seq_len else profile.seq_len
+    return replace(profile, layers=tuple(layers), totals=totals, edges=edges, seq_len=seq_len)
+
+
+def _largest_factor(check: Callable[[float], bool]) -> tuple[float, bool]:
+    """The largest k >= 1 with check(k) (check(1) holds): doubling, then 6 geometric bisections."""
+    lo, hi = 1.0, 2.0
+    while check(hi):
+        lo, hi = hi, hi * 2
+        if lo >= SCALE_CAP:
+            return lo, True
+    for _ in range(6):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if check(mid) else (lo, mid)
+    return lo, False
+
+
+def headroom_of(profile: ModelProfile, spec: SweepSpec, point: Point) -> Headroom:
+    from planner.search.space import Fixed
+
+    plan = point.detail
+    assert plan is not None and point.fits
+    base = replace(spec.request(spec.gpu_types[0], point.num_gpus), global_batch=plan.training.global_batch)
+    b = plan.parallel.micro_batch
+    while b < MAX_MICRO_BATCH and fits(profile, replace(base, global_batch=None, fixed=Fixed(micro_batch=b * 2))):
+        b *= 2
+    g = plan.training.global_batch
+    while g < plan.training.global_batch * GLOBAL_BATCH_CAP and fits(profile, replace(base, global_batch=g * 2)):
+        g *= 2
+    model_k, model_cap = _largest_factor(lambda k: fits(scale_profile(profile, model=k), base))
+    seq_k, seq_cap = (None, False)
+    if profile.seq_len:
+        seq_k, seq_cap = _largest_factor(lambda k: fits(scale_profile(profile, seq=k), base))
+    return Headroom(
+        memory_free_bytes=point.memory_limit_bytes - (point.peak_memory_bytes or 0),
+        micro_batch=plan.parallel.micro_batch, max_micro_batch=b, max_micro_batch_capped=b >= MAX_MICRO_BATCH,
+        global_batch=plan.training.global_batch, max_global_batch=g,
+        max_global_batch_capped=g >= plan.training.global_batch * GLOBAL_BATCH_CAP,
+        model_scale=model_k, model_scale_capped=model_cap, max_params=int(profile.num_params * model_k),
+        seq_scale=seq_k, seq_scale_capped=seq_cap,
+        max_seq_len=int(profile.seq_len * seq_k) if seq_k and profile.seq_len else None,
+    )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from planner.cost.evaluate import DeviceFigures, Evaluation
+from planner.cost.evaluate import DeviceFigures
 from planner.cost.stage_costs import FULL, SELECTIVE
 from planner.hardware import Cluster
 from planner.plan import (
@@ -271,5 +271,3 @@ def build_plan(
         warnings=tuple(warnings),
     )
 
-
-__all__ = ["build_plan", "breakdown", "Evaluation"]

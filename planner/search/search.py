@@ -12,7 +12,7 @@ full problem, with recompute per layer, solved as well.
 
 from __future__ import annotations
 
-import os
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -32,7 +32,7 @@ SEARCH_BUDGET_S = 8.0
 # (fewer model splits, lower ZeRO stage), the field's rule of thumb. 3% is below what the cost
 # model resolves (median error 6.9% on published runs, bench/bench_published.py).
 TIE = 0.03
-DEBUG = bool(os.environ.get("PLAN_DEBUG"))
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,7 @@ class _Solver:
 
     def _solve(self, costs: StageCosts, recompute: str | None, cutoff_s: float | None, start=None, limit_s=ILP_TIME_LIMIT_S) -> PartitionResult:
         part = solve_partition(costs, recompute=recompute, time_limit_s=limit_s, cutoff_s=cutoff_s, initial=start)
-        if DEBUG:
-            print(f"  ilp {part.seconds:6.2f}s {part.status:10s} {recompute} {costs.cand.label()}")
+        log.debug("ilp %6.2fs %-10s recompute=%s %s", part.seconds, part.status, recompute, costs.cand.label())
         r = self.result
         r.ilps += 1
         r.solver_s += part.seconds

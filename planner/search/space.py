@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from planner.cost.constants import FRAGMENTATION
-from planner.cost.pipeline import pipeline_s
 from planner.cost.setup import Candidate
 from planner.cost.stage_costs import FULL, NONE, SELECTIVE, StageCosts
 from planner.profile.types import ModelProfile

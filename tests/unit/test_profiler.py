@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from planner.model_file import load_model_file
 from planner.profile import ModelProfile, profile_model
