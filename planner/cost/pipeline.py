@@ -34,10 +34,3 @@ def pipeline_s(stage_s: list[float], cand: Candidate) -> float:
     slowest = max(stage_s)
     return m * slowest + (sum(stage_s) - slowest) / v
 
-
-def bubble_fraction(cand: Candidate) -> float:
-    """Idle share of a balanced pipeline."""
-    p, m = cand.pp, cand.num_microbatches
-    v = cand.virtual_stages if cand.schedule == "interleaved" else 1
-    idle = (p - 1) / v
-    return idle / (m + idle)

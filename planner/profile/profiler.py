@@ -274,24 +274,27 @@ def _assemble(
         )
     edges = [Edge(src=s, dst=d, num_bytes=b) for (s, d), b in sorted(edge_bytes.items())]
     for li, pos in enumerate(mains):
-        layers[li] = replace(layers[li], tp=_tp_info(model, ordered[pos], layers[li].num_params, trace.io_bytes))
+        is_head = li == num_layers - 1
+        layers[li] = replace(layers[li], tp=_tp_info(model, ordered[pos], layers[li].num_params, trace.io_bytes, is_head))
     return layers, edges
 
 
-def _tp_info(model: torch.nn.Module, unit: Unit, num_params: int, io_bytes: dict[int, tuple[int, int]]) -> TPInfo | None:
+def _tp_info(
+    model: torch.nn.Module, unit: Unit, num_params: int, io_bytes: dict[int, tuple[int, int]], is_head: bool
+) -> TPInfo | None:
     """How tensor parallelism splits the layer whose main module is `unit`.
 
     Blocks: their column/row-wise Linear pairs (tp_plan.py), one all-reduce per row-wise output.
-    A layer that is a single Embedding or Linear (token embedding, LM head) is vocabulary-parallel,
-    as in Megatron-LM and torchtitan: the embedding's output is all-reduced in forward, the head's
-    input gradient in backward.
+    An Embedding layer, and a Linear that is the last layer (the LM head, its loss computed on the
+    shards), are vocabulary-parallel, as in Megatron-LM and torchtitan: the embedding's output is
+    all-reduced in forward, the head's input gradient in backward.
     """
     m = unit.module
     ins, outs = io_bytes.get(id(m), (0, 0))
     if isinstance(m, torch.nn.Embedding):
         return TPInfo((), ("",), min(num_params, m.weight.numel()), outs, (m.num_embeddings,), required=False)
     if isinstance(m, torch.nn.Linear):
-        return TPInfo(("",), (), num_params, ins, (m.out_features,), required=False)
+        return TPInfo(("",), (), num_params, ins, (m.out_features,), required=False) if is_head else None
     plan = find_tp_plan(m, model, unit.name)
     if plan is None:
         return None

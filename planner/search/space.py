@@ -53,8 +53,9 @@ def legal_tp(profile: ModelProfile, tp: int) -> bool:
     return all(l.tp is None or not l.tp.required or l.tp.legal(tp) for l in profile.layers)
 
 
-def max_useful_tp(profile: ModelProfile) -> int:
-    return 1 if all(l.tp is None or not l.tp.required for l in profile.layers) else 1 << 30
+def has_tp_blocks(profile: ModelProfile) -> bool:
+    """Tensor parallelism pays only with blocks to split (not just an embedding and a head)."""
+    return any(l.tp is not None and l.tp.required for l in profile.layers)
 
 
 @dataclass
@@ -78,7 +79,7 @@ def candidates(
     for tp in divisors(num_gpus):
         if fixed.tp is not None and tp != fixed.tp:
             continue
-        if fixed.tp is None and (tp > gpus_per_node or tp > max_useful_tp(profile)):
+        if fixed.tp is None and (tp > gpus_per_node or (tp > 1 and not has_tp_blocks(profile))):
             continue
         if tp > 1 and not legal_tp(profile, tp):
             stats.reject(f"tp={tp} does not divide the heads or features")
