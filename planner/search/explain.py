@@ -21,7 +21,7 @@ from planner.profile.types import ModelProfile
 from planner.report.units import fmt_bytes, fmt_seconds
 from planner.search.search import Scored, SearchResult
 
-GB = 1e9
+SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}
 
 
 def _recompute_label(choice: tuple[int, ...]) -> str:
@@ -198,7 +198,7 @@ def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int
         lines.append(
             f"The pipeline has {c.pp} stages and {c.num_microbatches} micro-batches"
             + (f", {c.virtual_stages} chunks per rank," if c.schedule == "interleaved" else "")
-            + f" with {c.schedule}: {fmt_seconds(breakdown(best)['bubble'])} of bubble per step."
+            + f" with {SCHEDULE_NAMES[c.schedule]}: {fmt_seconds(breakdown(best)['bubble'])} of bubble per step."
         )
     if c.zero:
         lines.append(f"ZeRO-{c.zero} shards " + {1: "the optimizer state", 2: "optimizer state and gradients", 3: "optimizer state, gradients and parameters"}[c.zero] + f" over the {c.dp} data-parallel replicas.")

@@ -209,7 +209,8 @@ def run_search(
     leanest = {None: FULL, "full": FULL, "selective": SELECTIVE, "none": NONE}[fixed.recompute]
     if not result.ranked:
         _min_need(result, survivors, leanest)
-    _data_parallel_baseline(result, profile, cluster, training, leanest, costs_of, solver, num_atoms)
+    # Plain data parallelism as a user would try it: any recompute that makes it fit.
+    _data_parallel_baseline(result, profile, cluster, training, costs_of, _Solver(result, Fixed()), num_atoms)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -228,7 +229,7 @@ def _balanced_bounds(num_atoms: int, num_stages: int) -> list[int]:
     return [round(num_atoms * s / num_stages) for s in range(num_stages + 1)]
 
 
-def _data_parallel_baseline(result, profile, cluster, training, leanest, costs_of, solver, num_atoms) -> None:
+def _data_parallel_baseline(result, profile, cluster, training, costs_of, solver, num_atoms) -> None:
     """The best plain data-parallel plan (tp = pp = 1, ZeRO-0), or the memory it would need."""
     dp_only = Fixed(tp=1, pp=1, zero=0)
     for s in result.ranked:
@@ -239,7 +240,7 @@ def _data_parallel_baseline(result, profile, cluster, training, leanest, costs_o
     need: float | None = None
     for cand in candidates(profile, cluster.num_gpus, cluster.gpus_per_node, num_atoms, training.global_batch, dp_only, SpaceStats()):
         costs = costs_of(cand)
-        ev = evaluate(costs, [0, len(costs.atoms)], [leanest] * len(costs.atoms))
+        ev = evaluate(costs, [0, len(costs.atoms)], [FULL] * len(costs.atoms))
         if not ev.fits:
             need = ev.peak_bytes if need is None else min(need, ev.peak_bytes)
             continue
