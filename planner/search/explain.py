@@ -130,7 +130,8 @@ def binding_of(s: Scored, limit: int) -> str:
     if b["bubble"] > 0.15 * step:
         return f"the pipeline bubble: {b['bubble'] / step:.0%} of the step idle"
     if comm > 0.25 * step:
-        return f"communication: {comm / step:.0%} of the step (TP {b['tp_comm']:.3g} s, PP {b['pp_comm']:.3g} s, DP {b['dp_comm']:.3g} s)"
+        parts = ", ".join(f"{k} {fmt_seconds(b[key])}" for k, key in (("TP", "tp_comm"), ("PP", "pp_comm"), ("DP", "dp_comm")) if b[key] > 0)
+        return f"communication: {comm / step:.0%} of the step ({parts})"
     return f"compute: {(b['compute'] + b['recompute']) / step:.0%} of the step is math"
 
 
