@@ -155,9 +155,16 @@ def cmd_plan(argv: Sequence[str]) -> int:
     return 0
 
 
+def cmd_whatif(argv: Sequence[str]) -> int:
+    from planner.report.whatif_table import cmd_whatif as run_whatif
+
+    return run_whatif(argv)
+
+
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "profile": cmd_profile,
     "gpus": cmd_gpus,
+    "whatif": cmd_whatif,
 }
 
 USAGE = """usage: plan MODEL.py --gpus N [options]   or   plan COMMAND ...
@@ -165,6 +172,7 @@ USAGE = """usage: plan MODEL.py --gpus N [options]   or   plan COMMAND ...
   plan MODEL.py --gpus N [--gpu TYPE] ...          the best parallel plan, with reasons (plan MODEL.py --help)
   plan profile MODEL.py [--batch-size B] [--json]  per-layer parameters, FLOPs, memory and time
   plan gpus                                        the hardware catalogue (--gpu names)
+  plan whatif MODEL.py --gpus 8,16 --gpu a,b ...   plans over GPU types x counts: speed, time, cost, HTML report
 
 Run `plan COMMAND --help` for the options of each."""
 

@@ -20,9 +20,9 @@ Derived answers:
 Headroom, for a single cluster (one type, one count), with the plan's global batch unless said:
 - memory: the limit less the plan's fullest GPU;
 - the largest micro-batch: doubled (`plan --micro-batch b`, global batch GPUs x b) until nothing
-  fits; the largest global batch: doubled (free search) until nothing fits, up to 64x the plan's
+  fits; the largest global batch: doubled (free search) until nothing fits, up to 16x the plan's
   (with 1F1B, more micro-batches per step cost no memory, so it often has no limit);
-- model and sequence: the largest factor k (doubling, then 6 bisection steps: about 1%) at which
+- model and sequence: the largest factor k (bracketed from the memory ratio by doubling, then 5 bisection steps: about 2%) at which
   a scaled copy of the profile still fits. Model x k multiplies every layer's parameters, FLOPs,
   saved activations and memory traffic by k: in memory, k times as many layers of the same shape
   (a wider model, whose parameters grow faster than its activations, would fit a little more).
@@ -45,7 +45,7 @@ from planner.model_file import ModelHandle
 from planner.plan import Plan
 from planner.planning import PlanRequest
 from planner.profile.types import ModelProfile
-from planner.report.units import fmt_bytes
+from planner.report.units import fmt_bytes, fmt_count
 
 MAX_GPUS = 16384
 
@@ -277,7 +277,8 @@ def assumptions(spec: SweepSpec, gpus: dict[str, GPUSpec], points: list[Point]) 
         )
     plan = next((p.detail for p in points if p.detail is not None), None)
     if plan is not None:
-        out += list(plan.assumptions[1:])  # the first names one cluster; the rest hold for all
+        # the first names one cluster, and the global batch line one point; the rest hold for all
+        out += [a for a in plan.assumptions[1:] if not a.startswith("global batch")]
     else:
         out.append(f"efficiencies: matmuls {constants.MATMUL_EFFICIENCY:.0%} of peak, memory-bound ops "
                    f"{constants.MEMORY_EFFICIENCY:.0%} of HBM bandwidth, links {constants.LINK_EFFICIENCY:.0%}")
@@ -289,7 +290,7 @@ def assumptions(spec: SweepSpec, gpus: dict[str, GPUSpec], points: list[Point]) 
     else:
         out.append("no prices given (--price): costs in GPU-hours")
     if spec.tokens is not None:
-        out.append(f"training length: {spec.tokens:,.3g} tokens = ceil(tokens / (global batch x sequence length)) steps")
+        out.append(f"training length: {fmt_count(spec.tokens)} tokens; steps = ceil(tokens / (global batch x sequence length))")
     elif spec.steps is not None:
         out.append(f"training length: {spec.steps:,} steps")
     out.append("days = steps x predicted step time / 86,400 (no restarts, evaluation or data stalls)")
@@ -350,7 +351,7 @@ class Headroom:
 
 
 MAX_MICRO_BATCH = 1 << 15
-GLOBAL_BATCH_CAP = 64
+GLOBAL_BATCH_CAP = 16
 SCALE_CAP = 1024.0
 
 
@@ -383,14 +384,19 @@ def scale_profile(profile: ModelProfile, model: float = 1.0, seq: float = 1.0) -
     return replace(profile, layers=tuple(layers), totals=totals, edges=edges, seq_len=seq_len)
 
 
-def _largest_factor(check: Callable[[float], bool]) -> tuple[float, bool]:
-    """The largest k >= 1 with check(k) (check(1) holds): doubling, then 6 geometric bisections."""
-    lo, hi = 1.0, 2.0
-    while check(hi):
-        lo, hi = hi, hi * 2
-        if lo >= SCALE_CAP:
-            return lo, True
-    for _ in range(6):
+def _largest_factor(check: Callable[[float], bool], guess: float) -> tuple[float, bool]:
+    """The largest k >= 1 with check(k) (check(1) holds), to about 2%: bracket from `guess` (the
+    memory ratio) by doubling, then 5 geometric bisections."""
+    guess = min(max(guess, 1.0), SCALE_CAP)
+    if guess > 1.0 and not check(guess):
+        lo, hi = 1.0, guess
+    else:
+        lo, hi = guess, guess * 2
+        while check(hi):
+            lo, hi = hi, hi * 2
+            if lo >= SCALE_CAP:
+                return lo, True
+    for _ in range(5):
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if check(mid) else (lo, mid)
     return lo, False
@@ -408,10 +414,11 @@ def headroom_of(profile: ModelProfile, spec: SweepSpec, point: Point) -> Headroo
     g = plan.training.global_batch
     while g < plan.training.global_batch * GLOBAL_BATCH_CAP and fits(profile, replace(base, global_batch=g * 2)):
         g *= 2
-    model_k, model_cap = _largest_factor(lambda k: fits(scale_profile(profile, model=k), base))
+    ratio = point.memory_limit_bytes / (point.peak_memory_bytes or point.memory_limit_bytes)
+    model_k, model_cap = _largest_factor(lambda k: fits(scale_profile(profile, model=k), base), ratio)
     seq_k, seq_cap = (None, False)
     if profile.seq_len:
-        seq_k, seq_cap = _largest_factor(lambda k: fits(scale_profile(profile, seq=k), base))
+        seq_k, seq_cap = _largest_factor(lambda k: fits(scale_profile(profile, seq=k), base), ratio)
     return Headroom(
         memory_free_bytes=point.memory_limit_bytes - (point.peak_memory_bytes or 0),
         micro_batch=plan.parallel.micro_batch, max_micro_batch=b, max_micro_batch_capped=b >= MAX_MICRO_BATCH,
