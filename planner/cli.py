@@ -155,6 +155,53 @@ def cmd_plan(argv: Sequence[str]) -> int:
     return 0
 
 
+def _run_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="plan run", description="Execute a saved plan with torch.distributed and report measured against predicted.")
+    p.add_argument("plan", help="a plan JSON written by `plan MODEL.py ... -o plan.json`")
+    p.add_argument("--model", help="the model file (default: the plan's model.path)")
+    p.add_argument("--steps", type=_positive_int, default=10, help="training steps; the first is a warm-up (default 10)")
+    p.add_argument("--dry-run", action="store_true", help="print the launch command and the per-rank layout; start nothing")
+    p.add_argument("--json", action="store_true", help="print the run report as JSON instead of a table")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="stop the whole run after this many seconds (default 600)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing PLAN.run.json")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def cmd_run(argv: Sequence[str]) -> int:
+    args = _run_parser().parse_args(argv)
+    from runtime.launch import format_command, launch, run_dir_for, torchrun_command
+    from runtime.layout import describe, runtime_warnings
+    from runtime.preflight import prepare
+    from runtime.report import render_report, report_path
+
+    if args.timeout_s <= 0:
+        raise BadInput(f"plan run: --timeout-s must be positive, got {args.timeout_s:g}")
+    prepared = prepare(args.plan, args.model)
+    out = report_path(args.plan)
+    run_dir = run_dir_for(args.plan)
+    if args.dry_run:
+        cmd = torchrun_command([args.plan], prepared.world_size, run_dir, model=prepared.handle.path, steps=args.steps)
+        print(format_command(cmd))
+        for line in describe(prepared.plan, prepared.layers) + [f"warning: {w}" for w in runtime_warnings(prepared.plan, prepared.layers)]:
+            print(line)
+        return 0
+    if out.exists() and not args.force:
+        raise BadInput(f"{out}: already exists; pass --force to overwrite it")
+    result = launch([args.plan], prepared.world_size, model=prepared.handle.path, steps=args.steps,
+                    timeout_s=args.timeout_s, run_dir=run_dir)
+    report = result.reports[0]
+    from planner import schema
+
+    schema.write_new_file(out, report.to_json(), force=True)
+    if args.json:
+        print(report.to_json())
+    else:
+        render_report(report)
+        print(f"run report written to {out}")
+    return 0
+
+
 def cmd_whatif(argv: Sequence[str]) -> int:
     from planner.report.whatif_table import cmd_whatif as run_whatif
 
@@ -164,6 +211,7 @@ def cmd_whatif(argv: Sequence[str]) -> int:
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "profile": cmd_profile,
     "gpus": cmd_gpus,
+    "run": cmd_run,
     "whatif": cmd_whatif,
 }
 
@@ -172,6 +220,7 @@ USAGE = """usage: plan MODEL.py --gpus N [options]   or   plan COMMAND ...
   plan MODEL.py --gpus N [--gpu TYPE] ...          the best parallel plan, with reasons (plan MODEL.py --help)
   plan profile MODEL.py [--batch-size B] [--json]  per-layer parameters, FLOPs, memory and time
   plan gpus                                        the hardware catalogue (--gpu names)
+  plan run plan.json [--steps S] [--dry-run]       execute a saved plan (torchrun), measured against predicted
   plan whatif MODEL.py --gpus 8,16 --gpu a,b ...   plans over GPU types x counts: speed, time, cost, HTML report
 
 Run `plan COMMAND --help` for the options of each."""

@@ -84,7 +84,8 @@ class StageCosts:
     """Once per step, on the gradient bytes, overlapped with the last micro-batch's backward:
     ZeRO-0 all-reduce, ZeRO-1 reduce-scatter; none for ZeRO-2/3 (done per micro-batch)."""
     tail_s: float
-    """Gradient sync that cannot overlap the backward: the last bucket (DDP's 25 MB)."""
+    """Gradient sync that cannot overlap the backward: the last bucket (DDP's 25 MB, or all the
+    gradients of a rank when they are fewer)."""
     after_step_param_s: float
     """Per parameter, after the optimizer: ZeRO-1/2 all-gather the updated 16-bit weights."""
     optimizer_s_per_param: float
@@ -221,6 +222,7 @@ def stage_costs(
     cut_bytes = max((a.out_bytes for a in atoms if a.cut_ok), default=0.0)
     on_gpu = cluster.gpu.origin != "measured"
     dp, zero = cand.dp, cand.zero
+    grads_per_rank = sum(a.params for a in atoms) / cand.pp * g  # a model smaller than a bucket
     ag, rs = comm.allgather(dp, lk.dp), comm.reduce_scatter(dp, lk.dp)
     rs_or_ar = comm.allreduce(dp, lk.dp) if zero == 0 else rs
     grad_sync = rs_or_ar if zero <= 1 and dp > 1 else comm.NONE
@@ -246,7 +248,7 @@ def stage_costs(
         mb_comm_atom_s=per_atom,
         mb_comm_param_s=per_param,
         grad_sync=grad_sync,
-        tail_s=rs_or_ar(DDP_BUCKET_BYTES) if cand.dp > 1 else 0.0,
+        tail_s=rs_or_ar(min(DDP_BUCKET_BYTES, grads_per_rank)) if cand.dp > 1 else 0.0,
         after_step_param_s=ag.per_byte_s * w if cand.zero in (1, 2) else 0.0,
         optimizer_s_per_param=memory_bound_s(training.optimizer_traffic_per_param(), cluster.gpu)
         / (cand.dp if cand.zero >= 1 else 1),

@@ -1,0 +1,128 @@
+"""Checks a saved plan against the model file and the devices before any process starts.
+
+Every refusal is one line (`BadInput`, exit code 2): a pipeline plan (not executed yet), a model
+file changed since the plan was made, layers that differ from the plan's, a world size the devices
+cannot host. The layers and their tensor-parallel split come from the profiler's own layer
+discovery, run on fake tensors (no memory, well under a second for small models), so the runtime
+and the planner always agree on what a "layer" is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from planner.errors import BadInput
+from planner.model_file import ModelHandle, load_model_file
+from planner.plan import Plan
+from planner.profile import profile_model
+from planner.profile.types import TPInfo
+
+
+@dataclass(frozen=True)
+class LayerSplit:
+    """One layer of the model as the runtime shards it."""
+
+    name: str
+    """The layer's main module (``blocks.3``), as in plan.model.layer_names."""
+    tp: TPInfo | None
+    """Its tensor-parallel plan (column-/row-wise Linear names relative to the layer), or None."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A plan that passed the checks, with what the launcher and the workers need."""
+
+    plan: Plan
+    plan_path: Path
+    handle: ModelHandle
+    layers: tuple[LayerSplit, ...]
+    device_type: str
+    """"cpu" (gloo) or "cuda" (nccl)."""
+
+    @property
+    def world_size(self) -> int:
+        p = self.plan.parallel
+        return p.dp * p.tp * p.pp
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def discover_layers(handle: ModelHandle, precision: str) -> tuple[LayerSplit, ...]:
+    """The profiler's layers (names and TP split), from a trace on fake tensors."""
+    profile = profile_model(handle, batch_size=1, dtype=precision, force_meta=True, measure=False)
+    return tuple(LayerSplit(layer.name, layer.tp) for layer in profile.layers)
+
+
+def check_devices(plan: Plan, plan_path: Path, world_size: int) -> str:
+    """The device type the plan runs on; BadInput when this machine cannot host its world size."""
+    if plan.cluster.gpu.lower() == "cpu":
+        return "cpu"  # one process per planned device, any count
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if available == world_size:
+        return "cuda"
+    if available == 0:
+        raise BadInput(
+            f"this plan is for {world_size} x {plan.cluster.gpu} GPUs and this machine has no GPU; "
+            "run it where the GPUs are (or plan with --gpu cpu to try it here)"
+        )
+    per_node = available
+    if world_size % per_node:
+        raise BadInput(
+            f"this plan needs {world_size} GPUs and this machine has {available}, which does not divide it; re-plan"
+        )
+    num_nodes = world_size // per_node
+    raise BadInput(
+        f"this plan needs {world_size} GPUs and this machine has {available}: run on each of {num_nodes} nodes "
+        f"`python -m torch.distributed.run --nnodes {num_nodes} --node-rank <0..{num_nodes - 1}> "
+        f"--nproc-per-node {per_node} --master-addr <node 0's address> --master-port 29500 -m runtime.worker "
+        f"--plan {plan_path} --model {plan.model.path}`"
+    )
+
+
+def prepare(plan_path: str | Path, model_path: str | Path | None = None, *, on_launcher: bool = True) -> Prepared:
+    """Load the plan and the model file and run every check that needs no process group.
+
+    `on_launcher`: also check that this machine hosts the plan's devices (workers skip it: on
+    several nodes each sees only its own GPUs)."""
+    plan_path = Path(plan_path)
+    plan = Plan.load(plan_path)
+    p = plan.parallel
+    if p.pp > 1:
+        raise BadInput(f"pipeline execution is not implemented yet: this plan has pp={p.pp}")
+    world_size = p.dp * p.tp * p.pp
+    assert world_size == plan.cluster.num_gpus, (
+        f"dp({p.dp}) * tp({p.tp}) * pp({p.pp}) != planned devices({plan.cluster.num_gpus})"
+    )
+    path = Path(model_path if model_path is not None else plan.model.path).expanduser()
+    if not path.is_file():
+        raise BadInput(f"{path}: no such model file (pass --model MODEL.py)")
+    if _sha256(path) != plan.model.source_sha256:
+        raise BadInput(f"{path.name} changed since the plan was made: re-plan")
+    handle = load_model_file(path)
+    layers = discover_layers(handle, plan.training.precision)
+    names = tuple(layer.name for layer in layers)
+    if names != tuple(plan.model.layer_names):
+        missing = [n for n in plan.model.layer_names if n not in names]
+        extra = [n for n in names if n not in plan.model.layer_names]
+        diff = (f"missing {', '.join(missing[:3])}" if missing else "") + (
+            f"{'; ' if missing else ''}new {', '.join(extra[:3])}" if extra else ""
+        )
+        raise BadInput(
+            f"{path.name}: its layers differ from the plan's ({diff or 'another order'}): re-plan"
+        )
+    if on_launcher:
+        device_type = check_devices(plan, plan_path, world_size)
+    else:
+        device_type = "cpu" if plan.cluster.gpu.lower() == "cpu" else "cuda"
+    return Prepared(plan, plan_path, handle, layers, device_type)
+
+
+def load_for_worker(plan_path: str | Path, model_path: str | Path | None) -> Prepared:
+    """What a worker needs: the same checks (cheap), so every rank shards the same layers."""
+    return prepare(plan_path, model_path, on_launcher=False)

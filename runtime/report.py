@@ -1,0 +1,169 @@
+"""RunReport: what a run measured against what its plan predicted. Versioned JSON (planner.RunReport).
+
+Written by rank 0 into the run directory, then by ``plan run`` next to the plan
+(``plan.json`` -> ``plan.run.json``). Ratios are measured / predicted; a note in plain words
+explains a disagreement of more than 25%.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from planner import schema
+from planner.plan import Plan
+from planner.report.units import fmt_bytes, fmt_seconds, make_console
+
+DISAGREE = 0.25
+"""A ratio outside [1 - DISAGREE, 1 + DISAGREE] gets a note."""
+
+
+@dataclass(frozen=True)
+class PredictedRun:
+    step_time_s: float
+    peak_memory_bytes: int
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    step_time_s: float
+    """Median step after one warm-up step, slowest rank."""
+    step_times_s: tuple[float, ...]
+    """Every step on rank 0, warm-up included."""
+    peak_memory_bytes: tuple[int, ...]
+    """Per rank: CUDA max_memory_allocated, or the process's peak RSS on CPU."""
+    losses: tuple[float, ...]
+    """Per step, the global batch's mean loss."""
+
+
+@dataclass(frozen=True)
+class Ratios:
+    step_time: float
+    memory: float
+    """The largest rank's peak against the plan's peak per device."""
+
+
+@dataclass(frozen=True)
+class RunReport(schema.Versioned):
+    SCHEMA = "planner.RunReport"
+    VERSION = 1
+
+    plan: str
+    """The plan in one line."""
+    plan_path: str
+    model_name: str
+    device: str
+    world_size: int
+    steps: int
+    predicted: PredictedRun
+    measured: MeasuredRun
+    ratios: Ratios
+    notes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    """Where the runtime departs from the plan (e.g. embeddings replicated under TP)."""
+    wall_s: Optional[float] = None
+    schema: str = field(default="planner.RunReport")
+    version: int = field(default=1)
+
+
+def _notes(device: str, world_size: int, ratios: Ratios, steps: int) -> list[str]:
+    notes = []
+    if abs(ratios.step_time - 1) > DISAGREE:
+        slower = ratios.step_time > 1
+        causes = []
+        if device == "cpu":
+            cores = os.cpu_count() or 1
+            causes.append("CPU timings are noisy (8-10% per block with two threads)")
+            if slower and world_size > cores:
+                causes.append(f"{world_size} processes share {cores} cores, so threads are oversubscribed")
+            causes.append(
+                "gloo collectives on CPU are slower than the link the cost model assumes" if slower
+                else "the cost model's CPU link and per-collective latency are pessimistic for a model this small"
+            )
+        if slower and steps <= 2:
+            causes.append("with so few steps the first step's warm-up (allocation, kernel choice) weighs in")
+        notes.append(
+            f"the step took {ratios.step_time:.2f}x the predicted time ({'slower' if slower else 'faster'}); likely: "
+            + "; ".join(causes or ["the cost model's efficiencies do not match this machine"]) + "."
+        )
+    if abs(ratios.memory - 1) > DISAGREE:
+        if device == "cpu":
+            notes.append(
+                f"peak memory is {ratios.memory:.2f}x the prediction: on CPU it is the process's peak RSS, "
+                "which includes the Python and torch runtime (hundreds of MB) the plan does not count."
+            )
+        else:
+            notes.append(
+                f"peak memory is {ratios.memory:.2f}x the prediction: allocator fragmentation, communication "
+                "buffers or activations the profile did not see."
+            )
+    return notes
+
+
+def build_report(
+    plan: Plan,
+    plan_path: str,
+    device: str,
+    steps: int,
+    step_time_s: float,
+    step_times_s: Sequence[float],
+    peak_memory_bytes: Sequence[int],
+    losses: Sequence[float],
+    warnings: Sequence[str] = (),
+) -> RunReport:
+    world_size = plan.parallel.dp * plan.parallel.tp * plan.parallel.pp
+    predicted = PredictedRun(plan.predicted.step_time_s, plan.predicted.peak_memory_bytes)
+    ratios = Ratios(
+        step_time=step_time_s / predicted.step_time_s if predicted.step_time_s else float("inf"),
+        memory=max(peak_memory_bytes) / predicted.peak_memory_bytes if predicted.peak_memory_bytes else float("inf"),
+    )
+    return RunReport(
+        plan=plan.parallel.one_line(),
+        plan_path=plan_path,
+        model_name=plan.model.name,
+        device=device,
+        world_size=world_size,
+        steps=steps,
+        predicted=predicted,
+        measured=MeasuredRun(step_time_s, tuple(step_times_s), tuple(peak_memory_bytes), tuple(losses)),
+        ratios=ratios,
+        notes=tuple(_notes(device, world_size, ratios, steps)),
+        warnings=tuple(warnings),
+    )
+
+
+def report_path(plan_path: str | Path) -> Path:
+    """``plan.json`` -> ``plan.run.json`` (next to the plan)."""
+    p = Path(plan_path)
+    stem = p.name[: -len(".json")] if p.name.endswith(".json") else p.name
+    return p.with_name(f"{stem}.run.json")
+
+
+def render_report(report: RunReport, console: Console | None = None) -> None:
+    console = console or make_console()
+    console.print(f"[bold]{report.model_name}[/] on {report.world_size} x {report.device}: {report.plan}")
+    table = Table(show_header=True, header_style="bold")
+    table.add_column("")
+    table.add_column("predicted", justify="right")
+    table.add_column("measured", justify="right")
+    table.add_column("measured / predicted", justify="right")
+    table.add_row(
+        "step time", fmt_seconds(report.predicted.step_time_s), fmt_seconds(report.measured.step_time_s),
+        f"{report.ratios.step_time:.2f}x",
+    )
+    table.add_row(
+        "peak memory per rank", fmt_bytes(report.predicted.peak_memory_bytes),
+        fmt_bytes(max(report.measured.peak_memory_bytes)), f"{report.ratios.memory:.2f}x",
+    )
+    console.print(table)
+    losses = ", ".join(f"{x:.4f}" for x in report.measured.losses)
+    console.print(f"losses over {report.steps} step(s): {losses}")
+    for w in report.warnings:
+        console.print(f"[yellow]warning:[/] {w}")
+    for n in report.notes:
+        console.print(f"note: {n}")

@@ -1,0 +1,148 @@
+"""The training loop a worker runs: data slicing, micro-batches, optimizer, measurements.
+
+Data: each step draws one global batch with ``sample_batch(global_batch)`` after
+``torch.manual_seed(DATA_SEED + step)``; data-parallel rank d takes rows
+``[d * B/dp, (d+1) * B/dp)`` and splits them into ``num_microbatches`` micro-batches of
+``micro_batch`` rows; the ranks of a tensor-parallel group take the same rows. Each micro-batch's
+loss is scaled by ``1/num_microbatches`` so the accumulated gradient is the local batch's mean, and
+data parallelism averages over dp: the gradient of the global batch's mean loss, as one process
+computing it on the whole batch (the parity tests check it).
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from planner.model_file import ModelHandle, call_model
+from planner.plan import Plan
+from runtime.parallelize import set_grad_sync
+
+MODEL_SEED = 1234
+"""torch.manual_seed before build_model() on every rank: identical initial weights everywhere."""
+DATA_SEED = 5678
+LEARNING_RATE = {"sgd": 0.05, "adamw": 3e-4}
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """What one rank measured (written as JSON per rank)."""
+
+    rank: int
+    losses: tuple[float, ...]
+    """Per step, the global batch's mean loss (averaged over dp)."""
+    step_times_s: tuple[float, ...]
+    peak_memory_bytes: int
+
+
+def make_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer:
+    name = plan.training.optimizer
+    lr = LEARNING_RATE[name]
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr)
+    return torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def slice_rows(batch: Any, start: int, stop: int) -> Any:
+    """Rows [start, stop) of every tensor in a batch (a Tensor, a tuple/list or a dict)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop]
+    if isinstance(batch, dict):
+        return {k: slice_rows(v, start, stop) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(slice_rows(v, start, stop) for v in batch)
+    return batch
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def global_batch(handle: ModelHandle, plan: Plan, step: int) -> tuple[Any, Any]:
+    """The step's global batch: the same on every rank, and in the single-process reference."""
+    torch.manual_seed(DATA_SEED + step)
+    return handle.sample_batch(plan.training.global_batch)
+
+
+def microbatches(handle: ModelHandle, plan: Plan, step: int, dp_index: int) -> list[tuple[Any, Any]]:
+    """This dp rank's micro-batches of the step's global batch."""
+    p = plan.parallel
+    local = p.micro_batch * p.num_microbatches
+    assert local * p.dp == plan.training.global_batch, (
+        f"micro_batch({p.micro_batch}) * num_microbatches({p.num_microbatches}) * dp({p.dp}) "
+        f"!= global batch({plan.training.global_batch})"
+    )
+    inputs, targets = global_batch(handle, plan, step)
+    out = []
+    for m in range(p.num_microbatches):
+        start = dp_index * local + m * p.micro_batch
+        out.append((slice_rows(inputs, start, start + p.micro_batch), slice_rows(targets, start, start + p.micro_batch)))
+    return out
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
+
+
+def train(
+    handle: ModelHandle,
+    plan: Plan,
+    wrapped: nn.Module,
+    model: nn.Module,
+    dp_index: int,
+    dp_group: dist.ProcessGroup | None,
+    steps: int,
+    device: torch.device,
+    rank: int,
+    autocast_dtype: torch.dtype | None = None,
+) -> RankResult:
+    """Run `steps` optimizer steps; per-step loss (mean over dp), wall time and peak memory."""
+    optimizer = make_optimizer(plan, model)
+    num_mb = plan.parallel.num_microbatches
+    losses: list[float] = []
+    times: list[float] = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for step in range(steps):
+        batches = microbatches(handle, plan, step, dp_index)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=device)
+        for m, (inputs, targets) in enumerate(batches):
+            inputs, targets = to_device(inputs, device), to_device(targets, device)
+            with set_grad_sync(wrapped, m == num_mb - 1):
+                with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                    loss = handle.loss(call_model(wrapped, inputs), targets) / num_mb
+                loss.backward()
+            total += loss.detach()
+        optimizer.step()
+        if dp_group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_group)
+            total /= dist.get_world_size(dp_group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+        losses.append(float(total))
+    return RankResult(rank, tuple(losses), tuple(times), peak_memory_bytes(device))
+
+
+def median_step_time(times: tuple[float, ...]) -> float:
+    """The median step time after one warm-up step (the only step when there is one)."""
+    return statistics.median(times[1:] if len(times) > 1 else times)

@@ -1,0 +1,148 @@
+"""The per-rank entry point, started by torchrun: ``python -m runtime.worker --plan plan.json ...``.
+
+One process group for the whole launch; each ``--plan`` (several share one launch, as the parity
+tests do: a launch costs seconds) gets its own (dp, tp) DeviceMesh, a fresh model built from the
+same seed on every rank, TP -> recompute -> data parallel applied, and ``--steps`` steps of
+training. Outputs go to ``RUN_DIR/plan<i>/``: ``rank<r>.json`` per rank, ``report.json`` (the
+RunReport, rank 0) and, with ``--save-params``, ``params.pt`` (every parameter gathered whole).
+
+A rank that fails writes ``RUN_DIR/error.rank<r>.json`` (time, one-line error, traceback) and
+exits 1; torchrun then stops the other ranks, and the process group's timeout bounds any wait on
+a rank that hangs instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from runtime.layout import coords, runtime_warnings
+from runtime.parallelize import apply_dp, apply_recompute, apply_tp, full_parameters
+from runtime.preflight import Prepared, load_for_worker
+from runtime.report import build_report
+from runtime.train import MODEL_SEED, RankResult, median_step_time, train
+
+log = logging.getLogger("runtime.worker")
+DEFAULT_PG_TIMEOUT_S = 60
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="runtime.worker", description=__doc__)
+    p.add_argument("--plan", action="append", required=True, help="a plan JSON (repeat to run several in turn)")
+    p.add_argument("--model", help="the model file (default: each plan's model.path)")
+    p.add_argument("--run-dir", required=True, help="where ranks write results and errors")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--pg-timeout-s", type=float, default=DEFAULT_PG_TIMEOUT_S, help="process-group timeout")
+    p.add_argument("--save-params", action="store_true", help="rank 0 saves every parameter gathered whole")
+    return p
+
+
+def _write_json(path: Path, data: object) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+
+
+def run_plan(index: int, prepared: Prepared, args: argparse.Namespace, rank: int, world_size: int) -> None:
+    """Build, parallelise and train one plan; rank 0 writes its RunReport."""
+    started = time.perf_counter()
+    plan, p = prepared.plan, prepared.plan.parallel
+    assert prepared.world_size == world_size, (
+        f"dp({p.dp}) * tp({p.tp}) * pp({p.pp}) != world size({world_size})"
+    )
+    device_type = prepared.device_type
+    device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", 0))) if device_type == "cuda" else torch.device("cpu")
+    mesh = init_device_mesh(device_type, (p.dp, p.tp), mesh_dim_names=("dp", "tp"))
+    c = coords(rank, p.dp, p.tp)
+    assert mesh["dp"].get_local_rank() == c.dp_index and mesh["tp"].get_local_rank() == c.tp_index, (
+        f"rank {rank}: mesh coordinates ({mesh['dp'].get_local_rank()}, {mesh['tp'].get_local_rank()}) "
+        f"!= layout ({c.dp_index}, {c.tp_index})"
+    )
+
+    torch.manual_seed(MODEL_SEED)  # identical initial weights on every rank
+    model = prepared.handle.build_model().to(device=device, dtype=torch.float32)
+    if p.tp > 1:
+        apply_tp(model, prepared.layers, mesh["tp"])
+    apply_recompute(model, plan)
+    wrapped = apply_dp(model, plan, prepared.layers, mesh["dp"], device)
+    dp_group = mesh["dp"].get_group() if p.dp > 1 else None
+    params = dict(model.named_parameters())  # the trained parameters, by their original names
+
+    result = train(
+        prepared.handle, plan, wrapped, model, c.dp_index, dp_group, args.steps, device, rank,
+        AUTOCAST.get(plan.training.precision),
+    )
+    out = Path(args.run_dir) / f"plan{index}"
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / f"rank{rank}.json", asdict(result))
+    results: list[RankResult | None] = [None] * world_size
+    dist.all_gather_object(results, result)
+    if args.save_params:
+        gathered = full_parameters(params)
+        if rank == 0:
+            torch.save(gathered, out / "params.pt")
+    if rank == 0:
+        done = [r for r in results if r is not None]
+        report = build_report(
+            plan, str(prepared.plan_path), device_type, args.steps,
+            step_time_s=max(median_step_time(r.step_times_s) for r in done),
+            step_times_s=done[0].step_times_s,
+            peak_memory_bytes=[r.peak_memory_bytes for r in done],
+            losses=done[0].losses,
+            warnings=runtime_warnings(plan, prepared.layers),
+        )
+        report = replace(report, wall_s=round(time.perf_counter() - started, 3))
+        (out / "report.json").write_text(report.to_json())
+    dist.barrier()
+
+
+def _record_error(run_dir: str, rank: int, exc: BaseException) -> None:
+    lines = str(exc).strip().splitlines()
+    one_line = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    data = {"rank": rank, "time": time.time(), "error": one_line, "traceback": traceback.format_exc()}
+    try:
+        _write_json(Path(run_dir) / f"error.rank{rank}.json", data)
+    except OSError:
+        pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(message)s")
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        prepared = [load_for_worker(plan, args.model) for plan in args.plan]
+        # The backend follows the first plan (all plans of one launch share the device type).
+        backend = "nccl" if prepared[0].device_type == "cuda" else "gloo"
+        if prepared[0].device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=timedelta(seconds=args.pg_timeout_s))
+        for index, one in enumerate(prepared):
+            run_plan(index, one, args, rank, world_size)
+        dist.destroy_process_group()
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - every failure is recorded for the launcher
+        _record_error(args.run_dir, rank, exc)
+        print(f"[rank{rank}] {traceback.format_exc()}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

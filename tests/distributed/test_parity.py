@@ -1,0 +1,206 @@
+"""The runtime against a single process: DDP, FSDP, TP and dp x tp on CPU/gloo, fp32, SGD.
+
+Each configuration trains a tiny GPT for 5 steps from the same initial weights and data; the loss
+after every step and the final parameters must match one process training on the whole global
+batch. Launches are shared (one torchrun per world size runs several plans in turn): each costs
+several seconds on two cores. Also: a rank that raises stops the run with its rank named, a
+changed model or a pipeline plan is refused before launch, and --dry-run prints the layout.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from planner.cli import main
+from planner.model_file import load_model_file
+from planner.planning import PlanRequest, make_plan, profile_for
+from planner.search.space import Fixed
+from runtime.launch import LaunchResult, RunFailed, launch
+from runtime.train import LEARNING_RATE, MODEL_SEED, global_batch
+from tests.conftest import EXAMPLES
+
+STEPS = 5
+GLOBAL_BATCH = 8
+RTOL_LOSS = 1e-5
+ATOL_PARAM = 1e-5
+
+MODEL = f"""
+import os, sys
+sys.path.insert(0, {str(EXAMPLES)!r})
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from gpt import GPT, GPTConfig, gpt_batch
+
+CFG = GPTConfig(vocab=64, seq_len=16, n_layer=2, n_head=2, n_embd=32)
+
+
+class MaybeFailing(GPT):
+    def forward(self, idx):
+        fail = os.environ.get("PLAN_TEST_FAIL_RANK")
+        if fail is not None and os.environ.get("RANK") == fail and not isinstance(idx, FakeTensor):
+            raise RuntimeError("injected failure")
+        return super().forward(idx)
+
+
+def build_model():
+    return MaybeFailing(CFG)
+
+
+def sample_batch(batch_size):
+    # new data each step: the runtime seeds torch before each call
+    return gpt_batch(CFG, batch_size, seed=int(torch.randint(0, 2**31 - 1, ())))
+"""
+
+# name -> (world size, Fixed): the configurations each launch runs in turn
+CONFIGS = {
+    "ddp": (2, Fixed(dp=2, tp=1, pp=1, zero=0, micro_batch=2, recompute="none")),
+    "fsdp": (2, Fixed(dp=2, tp=1, pp=1, zero=3, micro_batch=2, recompute="full")),
+    "fsdp_zero2": (2, Fixed(dp=2, tp=1, pp=1, zero=2, micro_batch=4, recompute="none")),
+    "tp": (2, Fixed(dp=1, tp=2, pp=1, zero=0, micro_batch=4, recompute="none")),
+    "dp_tp": (4, Fixed(dp=2, tp=2, pp=1, zero=0, micro_batch=2, recompute="none")),
+    "dp_tp_recompute": (4, Fixed(dp=2, tp=2, pp=1, zero=0, micro_batch=2, recompute="full")),
+    "fsdp_tp": (4, Fixed(dp=2, tp=2, pp=1, zero=3, micro_batch=2, recompute="full")),
+}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("runtime")
+    (path / "model.py").write_text(MODEL)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plans(workdir) -> dict[str, Path]:
+    handle = load_model_file(workdir / "model.py")
+    base = PlanRequest(gpus=2, gpu="cpu", global_batch=GLOBAL_BATCH, optimizer="sgd", precision="fp32")
+    profile = profile_for(handle, base)  # one profile serves every plan
+    out = {}
+    for name, (world, fixed) in CONFIGS.items():
+        request = PlanRequest(gpus=world, gpu="cpu", global_batch=GLOBAL_BATCH, fixed=fixed, optimizer="sgd", precision="fp32")
+        plan = make_plan(handle, request, profile)
+        out[name] = workdir / f"{name}.json"
+        out[name].write_text(plan.to_json())
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(plans) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the whole global batch per step: losses and final parameters."""
+    from planner.plan import Plan
+
+    plan = Plan.load(plans["ddp"])
+    handle = load_model_file(plan.model.path)
+    torch.manual_seed(MODEL_SEED)
+    model = handle.build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE["sgd"])
+    losses = []
+    for step in range(STEPS):
+        inputs, targets = global_batch(handle, plan, step)
+        optimizer.zero_grad()
+        loss = handle.loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _launch(plans: dict[str, Path], world: int, tmp: Path) -> tuple[LaunchResult, list[str]]:
+    names = [n for n, (w, _) in CONFIGS.items() if w == world]
+    result = launch([plans[n] for n in names], world, steps=STEPS, save_params=True, timeout_s=240, run_dir=tmp / f"w{world}")
+    return result, names
+
+
+@pytest.fixture(scope="module")
+def runs(plans, workdir) -> dict[str, tuple[object, Path]]:
+    """name -> (RunReport, params.pt) for every configuration: one launch per world size."""
+    out = {}
+    for world in sorted({w for w, _ in CONFIGS.values()}):
+        result, names = _launch(plans, world, workdir)
+        for i, name in enumerate(names):
+            out[name] = (result.reports[i], result.run_dir / f"plan{i}" / "params.pt")
+    return out
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_single_process(name, runs, reference):
+    ref_losses, ref_params = reference
+    report, params_path = runs[name]
+    losses = report.measured.losses
+    assert len(losses) == STEPS
+    for step, (got, want) in enumerate(zip(losses, ref_losses)):
+        assert abs(got - want) <= RTOL_LOSS * abs(want), f"{name}: step {step} loss {got} != {want}"
+    params = torch.load(params_path)
+    assert set(params) == set(ref_params), f"{name}: parameter names differ"
+    for pname, want in ref_params.items():
+        got = params[pname]
+        assert got.shape == want.shape, f"{name}: {pname} shape {tuple(got.shape)} != {tuple(want.shape)}"
+        diff = (got - want).abs().max().item()
+        assert diff <= ATOL_PARAM, f"{name}: {pname} differs by {diff:.2e}"
+    assert report.measured.step_time_s > 0 and len(report.measured.peak_memory_bytes) == CONFIGS[name][0]
+
+
+def test_failing_rank_stops_the_run(plans, workdir):
+    start = time.perf_counter()
+    with pytest.raises(RunFailed) as info:
+        launch([plans["ddp"]], 2, steps=STEPS, timeout_s=120, pg_timeout_s=20,
+               run_dir=workdir / "fail", env={"PLAN_TEST_FAIL_RANK": "1"})
+    elapsed = time.perf_counter() - start
+    message = str(info.value)
+    assert "rank 1 failed" in message and "injected failure" in message, message
+    assert "\n" not in message
+    assert elapsed < 60, f"the run took {elapsed:.0f} s to stop"
+
+
+def test_changed_model_refused_before_launch(plans, workdir, capsys):
+    changed = workdir / "changed" / "model.py"
+    changed.parent.mkdir()
+    changed.write_text(MODEL + "\n# edited\n")
+    assert main(["run", str(plans["ddp"]), "--model", str(changed)]) == 2
+    err = capsys.readouterr().err
+    assert "model.py changed since the plan was made: re-plan" in err
+    assert not (workdir / "ddp.run.d").exists()
+
+
+def test_pipeline_and_layer_mismatch_refused(plans, workdir, capsys):
+    data = json.loads(plans["ddp"].read_text())
+    data["parallel"]["pp"] = 2
+    pipe = workdir / "pipe.json"
+    pipe.write_text(json.dumps(data))
+    assert main(["run", str(pipe)]) == 2
+    assert "pipeline execution is not implemented yet: this plan has pp=2" in capsys.readouterr().err
+
+    data = json.loads(plans["ddp"].read_text())
+    data["model"]["layer_names"][2] = "blocks.renamed"
+    renamed = workdir / "renamed.json"
+    renamed.write_text(json.dumps(data))
+    assert main(["run", str(renamed)]) == 2
+    assert "layers differ from the plan's" in capsys.readouterr().err
+
+
+def test_dry_run_prints_command_and_layout(plans, capsys):
+    assert main(["run", str(plans["dp_tp"]), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "-m torch.distributed.run --nproc-per-node 4 --master-addr 127.0.0.1 --master-port" in out
+    assert "-m runtime.worker --plan" in out
+    assert "rank 3: dp 1/2, tp 1/2" in out
+    assert "tp shard 1/2 of blocks.*.attn.q" in out and "blocks.*.mlp.down (rowwise)" in out
+    assert "ZeRO-0: DDP" in out
+    assert not plans["dp_tp"].with_name("dp_tp.run.json").exists()
+
+
+def test_cli_run_writes_report(plans, capsys):
+    path = plans["tp"]
+    assert main(["run", str(path), "--steps", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["schema"] == "planner.RunReport" and report["version"] == 1
+    assert len(report["measured"]["losses"]) == 2 and len(report["measured"]["peak_memory_bytes"]) == 2
+    written = path.with_name("tp.run.json")
+    assert json.loads(written.read_text())["measured"]["losses"] == report["measured"]["losses"]
+    assert main(["run", str(path), "--steps", "2"]) == 2  # never overwritten without --force
+    assert "already exists" in capsys.readouterr().err
