@@ -142,7 +142,8 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
     )
 
 
-def _feasible(profile: ModelProfile, request: PlanRequest) -> bool:
+def feasible(profile: ModelProfile, request: PlanRequest) -> bool:
+    """Whether `plan` would find a plan for `request` (the same search, no Plan built)."""
     try:
         cluster = cluster_for(request)
     except BadInput:
@@ -167,19 +168,19 @@ def _infeasible_message(profile, request: PlanRequest, cluster: Cluster, result:
         )
     fixes = []
     fixed_any = any(v is not None for v in vars(request.fixed).values())
-    if fixed_any and _feasible(profile, replace(request, fixed=Fixed())):
+    if fixed_any and feasible(profile, replace(request, fixed=Fixed())):
         fixes.append("drop the fixed --tp/--pp/--dp/--zero/--recompute/--micro-batch choices")
     n = request.gpus * 2
     while n <= 16384:
-        if _feasible(profile, replace(request, gpus=n, fixed=Fixed())):
+        if feasible(profile, replace(request, gpus=n, fixed=Fixed())):
             fixes.append(f"{n} GPUs of this type")
             break
         n *= 2
     bigger = [g for g in load_catalogue().values() if g.memory_bytes > cluster.gpu.memory_bytes and request.precision in g.peak_flops]
     for gpu in sorted(bigger, key=lambda g: g.memory_bytes):
-        if _feasible(profile, replace(request, gpu=gpu.name, gpus_per_node=None, memory_limit_gib=None, fixed=Fixed())):
+        if feasible(profile, replace(request, gpu=gpu.name, gpus_per_node=None, memory_limit_gib=None, fixed=Fixed())):
             fixes.append(f"{request.gpus} x {gpu.name} ({gpu.memory_gb:.0f} GB)")
             break
-    if request.optimizer == "adamw" and _feasible(profile, replace(request, optimizer="sgd", fixed=Fixed())):
+    if request.optimizer == "adamw" and feasible(profile, replace(request, optimizer="sgd", fixed=Fixed())):
         fixes.append("--optimizer sgd (8 bytes of optimizer state per parameter instead of 12)")
     return head + ". Smallest changes that fit: " + ("; ".join(fixes) if fixes else "none found up to 16,384 GPUs") + "."

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from planner import planning
 from planner.cost import constants
@@ -46,6 +46,9 @@ from planner.plan import Plan
 from planner.planning import PlanRequest
 from planner.profile.types import ModelProfile
 from planner.report.units import fmt_bytes, fmt_count
+
+if TYPE_CHECKING:
+    from planner.report.headroom import Headroom
 
 MAX_GPUS = 16384
 
@@ -150,15 +153,6 @@ class Sweep:
 
 
 # -- one point ----------------------------------------------------------------------------------
-def fits(profile: ModelProfile, request: PlanRequest) -> bool:
-    """Whether `plan` would find a plan for `request` (the same search, no Plan built)."""
-    try:
-        cluster = planning.cluster_for(request)
-    except BadInput:
-        return False
-    return planning.search(profile, request, cluster)[0].best is not None
-
-
 def _length(spec: SweepSpec, global_batch: int, seq_len: Optional[int]) -> Optional[int]:
     if spec.steps is not None:
         return spec.steps
@@ -218,13 +212,13 @@ def min_gpus(handle: ModelHandle, profile: ModelProfile, spec: SweepSpec, gpu: G
     if fitting:
         best, n = fitting[0], fitting[0].num_gpus
         swept = {p.num_gpus for p in mine}
-        while n % 2 == 0 and n // 2 not in swept and fits(profile, spec.request(key, n // 2)):
+        while n % 2 == 0 and n // 2 not in swept and planning.feasible(profile, spec.request(key, n // 2)):
             n //= 2
         if n == best.num_gpus:
             return MinGpus(gpu.name, n, best.plan, True)
     else:
         n = (mine[-1].num_gpus if mine else 1) * 2
-        while n <= MAX_GPUS and not fits(profile, spec.request(key, n)):
+        while n <= MAX_GPUS and not planning.feasible(profile, spec.request(key, n)):
             n *= 2
         if n > MAX_GPUS:
             return MinGpus(gpu.name, None, f"nothing fits up to {MAX_GPUS:,} GPUs", False)
@@ -323,108 +317,11 @@ def run_sweep(handle: ModelHandle, spec: SweepSpec, on_point: Callable[[str], No
     fastest, cheapest, basis, pick, note = picks(spec, points)
     headroom = None
     if len(points) == 1 and points[0].fits:
+        from planner.report.headroom import headroom_of
+
         headroom = headroom_of(profile, spec, points[0])
     return Sweep(
         spec, handle.name, str(handle.path), profile.num_params, profile.seq_len, profile, gpus, tuple(points),
         mins, fastest, cheapest, basis, pick, note, tuple(assumptions(spec, gpus, points)), profile_s,
         time.perf_counter() - t1, headroom,
-    )
-
-
-# -- headroom (single cluster) ------------------------------------------------------------------
-@dataclass(frozen=True)
-class Headroom:
-    memory_free_bytes: int
-    micro_batch: int
-    max_micro_batch: int
-    max_micro_batch_capped: bool
-    """True: it still fit at the cap (MAX_MICRO_BATCH); the limit is higher."""
-    global_batch: int
-    max_global_batch: int
-    max_global_batch_capped: bool
-    model_scale: float
-    model_scale_capped: bool
-    max_params: int
-    seq_scale: Optional[float]
-    seq_scale_capped: bool
-    max_seq_len: Optional[int]
-
-
-MAX_MICRO_BATCH = 1 << 15
-GLOBAL_BATCH_CAP = 16
-SCALE_CAP = 1024.0
-
-
-def scale_profile(profile: ModelProfile, model: float = 1.0, seq: float = 1.0) -> ModelProfile:
-    """A copy of the profile for a model `model` x larger and a sequence `seq` x longer (module doc)."""
-    both = model * seq
-
-    def r(x: Optional[float], k: float):
-        return None if x is None else (x * k if isinstance(x, float) else int(round(x * k)))
-
-    layers = []
-    for l in profile.layers:
-        tp = l.tp and replace(l.tp, sharded_params=r(l.tp.sharded_params, model), allreduce_bytes=r(l.tp.allreduce_bytes, seq))
-        layers.append(replace(
-            l, num_params=r(l.num_params, model), param_bytes=r(l.param_bytes, model),
-            fwd_flops=r(l.fwd_flops, both), bwd_flops=r(l.bwd_flops, both), activation_bytes=r(l.activation_bytes, both),
-            activation_matmul_bytes=r(l.activation_matmul_bytes, both), output_bytes=r(l.output_bytes, seq),
-            fwd_matmul_io_bytes=r(l.fwd_matmul_io_bytes, both), fwd_other_io_bytes=r(l.fwd_other_io_bytes, both),
-            bwd_matmul_io_bytes=r(l.bwd_matmul_io_bytes, both), bwd_other_io_bytes=r(l.bwd_other_io_bytes, both),
-            fwd_s=r(l.fwd_s, both), bwd_s=r(l.bwd_s, both), tp=tp,
-        ))
-    t = profile.totals
-    totals = replace(
-        t, num_params=sum(l.num_params for l in layers), param_bytes=sum(l.param_bytes for l in layers),
-        fwd_flops=r(t.fwd_flops, both), bwd_flops=r(t.bwd_flops, both), activation_bytes=r(t.activation_bytes, both),
-        fwd_s=r(t.fwd_s, both), bwd_s=r(t.bwd_s, both),
-    )
-    edges = tuple(replace(e, num_bytes=r(e.num_bytes, seq)) for e in profile.edges)
-    seq_len = r(profile.seq_len, seq) if profile.seq_len else profile.seq_len
-    return replace(profile, layers=tuple(layers), totals=totals, edges=edges, seq_len=seq_len)
-
-
-def _largest_factor(check: Callable[[float], bool], guess: float) -> tuple[float, bool]:
-    """The largest k >= 1 with check(k) (check(1) holds), to about 2%: bracket from `guess` (the
-    memory ratio) by doubling, then 5 geometric bisections."""
-    guess = min(max(guess, 1.0), SCALE_CAP)
-    if guess > 1.0 and not check(guess):
-        lo, hi = 1.0, guess
-    else:
-        lo, hi = guess, guess * 2
-        while check(hi):
-            lo, hi = hi, hi * 2
-            if lo >= SCALE_CAP:
-                return lo, True
-    for _ in range(5):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if check(mid) else (lo, mid)
-    return lo, False
-
-
-def headroom_of(profile: ModelProfile, spec: SweepSpec, point: Point) -> Headroom:
-    from planner.search.space import Fixed
-
-    plan = point.detail
-    assert plan is not None and point.fits
-    base = replace(spec.request(spec.gpu_types[0], point.num_gpus), global_batch=plan.training.global_batch)
-    b = plan.parallel.micro_batch
-    while b < MAX_MICRO_BATCH and fits(profile, replace(base, global_batch=None, fixed=Fixed(micro_batch=b * 2))):
-        b *= 2
-    g = plan.training.global_batch
-    while g < plan.training.global_batch * GLOBAL_BATCH_CAP and fits(profile, replace(base, global_batch=g * 2)):
-        g *= 2
-    ratio = point.memory_limit_bytes / (point.peak_memory_bytes or point.memory_limit_bytes)
-    model_k, model_cap = _largest_factor(lambda k: fits(scale_profile(profile, model=k), base), ratio)
-    seq_k, seq_cap = (None, False)
-    if profile.seq_len:
-        seq_k, seq_cap = _largest_factor(lambda k: fits(scale_profile(profile, seq=k), base), ratio)
-    return Headroom(
-        memory_free_bytes=point.memory_limit_bytes - (point.peak_memory_bytes or 0),
-        micro_batch=plan.parallel.micro_batch, max_micro_batch=b, max_micro_batch_capped=b >= MAX_MICRO_BATCH,
-        global_batch=plan.training.global_batch, max_global_batch=g,
-        max_global_batch_capped=g >= plan.training.global_batch * GLOBAL_BATCH_CAP,
-        model_scale=model_k, model_scale_capped=model_cap, max_params=int(profile.num_params * model_k),
-        seq_scale=seq_k, seq_scale_capped=seq_cap,
-        max_seq_len=int(profile.seq_len * seq_k) if seq_k and profile.seq_len else None,
     )
