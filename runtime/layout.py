@@ -26,11 +26,13 @@ class RankCoords:
     rank: int
     dp_index: int
     tp_index: int
+    pp_index: int = 0
 
 
-def coords(rank: int, dp: int, tp: int) -> RankCoords:
-    assert 0 <= rank < dp * tp, f"rank {rank} outside dp({dp}) * tp({tp})"
-    return RankCoords(rank, rank // tp, rank % tp)
+def coords(rank: int, dp: int, tp: int, pp: int = 1) -> RankCoords:
+    """rank = (pp_index * dp + dp_index) * tp + tp_index, as ``init_device_mesh(..., (pp, dp, tp))``."""
+    assert 0 <= rank < dp * tp * pp, f"rank {rank} outside pp({pp}) * dp({dp}) * tp({tp})"
+    return RankCoords(rank, (rank // tp) % dp, rank % tp, rank // (dp * tp))
 
 
 def tp_layers(layers: tuple[LayerSplit, ...], tp: int) -> list[LayerSplit]:
@@ -84,11 +86,20 @@ def describe(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
             "recompute (torch.utils.checkpoint): "
             + ", ".join(full + [f"{n} (selective, run as full)" for n in sel])
         )
-    for rank in range(p.dp * p.tp):
-        c = coords(rank, p.dp, p.tp)
-        head = f"rank {rank}: dp {c.dp_index}/{p.dp}, tp {c.tp_index}/{p.tp}; layers {layers[0].name}..{layers[-1].name} ({len(layers)})"
+    if p.pp > 1:
+        out.append(f"pipeline: {p.pp} stages, {p.num_microbatches} micro-batches of {p.micro_batch}, schedule {p.schedule}")
+    for rank in range(p.dp * p.tp * p.pp):
+        c = coords(rank, p.dp, p.tp, p.pp)
+        if p.pp > 1:
+            stage = plan.stages[c.pp_index]
+            mine = tuple(l for l in layers if l.name in set(stage.layers))
+            chunks = " | ".join(f"{ch[0]}..{ch[-1]}" if len(ch) > 1 else ch[0] for ch in stage.chunks if ch)
+            head = f"rank {rank}: pp {c.pp_index}/{p.pp}, dp {c.dp_index}/{p.dp}, tp {c.tp_index}/{p.tp}; layers {chunks} ({len(mine)})"
+        else:
+            mine = layers
+            head = f"rank {rank}: dp {c.dp_index}/{p.dp}, tp {c.tp_index}/{p.tp}; layers {layers[0].name}..{layers[-1].name} ({len(layers)})"
         out.append(head)
-        out += [f"    {line}" for line in shard_lines(layers, p.tp, c.tp_index)]
+        out += [f"    {line}" for line in shard_lines(mine, p.tp, c.tp_index)]
     return out
 
 
@@ -97,6 +108,8 @@ def runtime_warnings(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
     p = plan.parallel
     stage = plan.stages[0]
     out = []
+    if p.pp > 1 and p.zero == 0 and p.dp > 1:
+        out.append("ZeRO-0 within a pipeline stage runs as one gradient all-reduce over dp after the schedule, not DDP")
     if p.tp > 1:
         vocab = [l.name for l in layers if l.tp is not None and not l.tp.required]
         if vocab:

@@ -54,6 +54,11 @@ def apply_recompute(model: nn.Module, plan: Plan) -> list[str]:
     """Recompute the plan's layers in backward (full checkpoint); returns their names."""
     stage = plan.stages[0]
     names = list(dict.fromkeys((*stage.recompute_layers, *stage.selective_layers)))
+    return apply_recompute_layers(model, names)
+
+
+def apply_recompute_layers(model: nn.Module, names: list[str]) -> list[str]:
+    """Recompute the named layers of `model` in backward (full checkpoint); returns the names."""
     for name in names:
         module = model.get_submodule(name)
         # An instance attribute: the module's __call__ (and the hooks FSDP adds) still run around it.

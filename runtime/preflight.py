@@ -1,6 +1,7 @@
 """Checks a saved plan against the model file and the devices before any process starts.
 
-Every refusal is one line (`BadInput`, exit code 2): a pipeline plan (not executed yet), a model
+Every refusal is one line (`BadInput`, exit code 2): a pipeline plan whose stages or schedule
+the runtime cannot run, a model
 file changed since the plan was made, layers that differ from the plan's, a world size the devices
 cannot host. The layers and their tensor-parallel split come from the profiler's own layer
 discovery, run on fake tensors (no memory, well under a second for small models), so the runtime
@@ -93,8 +94,6 @@ def prepare(plan_path: str | Path, model_path: str | Path | None = None, *, on_l
     plan_path = Path(plan_path)
     plan = Plan.load(plan_path)
     p = plan.parallel
-    if p.pp > 1:
-        raise BadInput(f"pipeline execution is not implemented yet: this plan has pp={p.pp}")
     world_size = p.dp * p.tp * p.pp
     assert world_size == plan.cluster.num_gpus, (
         f"dp({p.dp}) * tp({p.tp}) * pp({p.pp}) != planned devices({plan.cluster.num_gpus})"
@@ -116,6 +115,10 @@ def prepare(plan_path: str | Path, model_path: str | Path | None = None, *, on_l
         raise BadInput(
             f"{path.name}: its layers differ from the plan's ({diff or 'another order'}): re-plan"
         )
+    if p.pp > 1:
+        from runtime.pipeline import check_pipeline
+
+        check_pipeline(plan, layers)
     if on_launcher:
         device_type = check_devices(plan, plan_path, world_size)
     else:

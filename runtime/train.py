@@ -43,11 +43,15 @@ class RankResult:
 
 
 def make_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer:
+    return make_optimizer_for(plan, list(model.parameters()))
+
+
+def make_optimizer_for(plan: Plan, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     name = plan.training.optimizer
     lr = LEARNING_RATE[name]
     if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr)
-    return torch.optim.AdamW(model.parameters(), lr=lr)
+        return torch.optim.SGD(params, lr=lr)
+    return torch.optim.AdamW(params, lr=lr)
 
 
 def slice_rows(batch: Any, start: int, stop: int) -> Any:

@@ -3,7 +3,8 @@
 One process group for the whole launch; each ``--plan`` (several share one launch, as the parity
 tests do: a launch costs seconds) gets its own (dp, tp) DeviceMesh, a fresh model built from the
 same seed on every rank, TP -> recompute -> data parallel applied, and ``--steps`` steps of
-training. Outputs go to ``RUN_DIR/plan<i>/``: ``rank<r>.json`` per rank, ``report.json`` (the
+training. A plan with pp > 1 gets a (pp, dp, tp) mesh and runs its pipeline stages
+(``runtime.pipeline``). Outputs go to ``RUN_DIR/plan<i>/``: ``rank<r>.json`` per rank, ``report.json`` (the
 RunReport, rank 0) and, with ``--save-params``, ``params.pt`` (every parameter gathered whole).
 
 A rank that fails writes ``RUN_DIR/error.rank<r>.json`` (time, one-line error, traceback) and
@@ -66,6 +67,11 @@ def run_plan(index: int, prepared: Prepared, args: argparse.Namespace, rank: int
     )
     device_type = prepared.device_type
     device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", 0))) if device_type == "cuda" else torch.device("cpu")
+    out = Path(args.run_dir) / f"plan{index}"
+    out.mkdir(parents=True, exist_ok=True)
+    if p.pp > 1:
+        _run_pipeline_plan(out, prepared, args, rank, world_size, device, started)
+        return
     mesh = init_device_mesh(device_type, (p.dp, p.tp), mesh_dim_names=("dp", "tp"))
     c = coords(rank, p.dp, p.tp)
     assert mesh["dp"].get_local_rank() == c.dp_index and mesh["tp"].get_local_rank() == c.tp_index, (
@@ -86,15 +92,42 @@ def run_plan(index: int, prepared: Prepared, args: argparse.Namespace, rank: int
         prepared.handle, plan, wrapped, model, c.dp_index, dp_group, args.steps, device, rank,
         AUTOCAST.get(plan.training.precision),
     )
-    out = Path(args.run_dir) / f"plan{index}"
-    out.mkdir(parents=True, exist_ok=True)
+    gathered = full_parameters(params) if args.save_params else None
+    _finish(out, prepared, args, rank, world_size, result, gathered, started)
+
+
+def _run_pipeline_plan(
+    out: Path, prepared: Prepared, args: argparse.Namespace, rank: int, world_size: int,
+    device: torch.device, started: float,
+) -> None:
+    """A plan with pp > 1: mesh (pp, dp, tp), the model split into pipeline stages (runtime.pipeline)."""
+    from runtime.pipeline import run_pipeline
+
+    plan, p = prepared.plan, prepared.plan.parallel
+    mesh = init_device_mesh(prepared.device_type, (p.pp, p.dp, p.tp), mesh_dim_names=("pp", "dp", "tp"))
+    c = coords(rank, p.dp, p.tp, p.pp)
+    assert (mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()) == (
+        c.pp_index, c.dp_index, c.tp_index
+    ), f"rank {rank}: mesh coordinates differ from the layout {c}"
+    run = run_pipeline(
+        prepared.handle, plan, prepared.layers, mesh, c.pp_index, c.dp_index, args.steps, device, rank,
+        AUTOCAST.get(plan.training.precision), args.save_params,
+    )
+    _finish(out, prepared, args, rank, world_size, run.result, run.params, started)
+
+
+def _finish(
+    out: Path, prepared: Prepared, args: argparse.Namespace, rank: int, world_size: int,
+    result: RankResult, gathered: dict | None, started: float,
+) -> None:
+    """Per-rank JSON, the gathered parameters and (rank 0) the RunReport."""
+    plan = prepared.plan
+    device_type = prepared.device_type
     _write_json(out / f"rank{rank}.json", asdict(result))
     results: list[RankResult | None] = [None] * world_size
     dist.all_gather_object(results, result)
-    if args.save_params:
-        gathered = full_parameters(params)
-        if rank == 0:
-            torch.save(gathered, out / "params.pt")
+    if gathered is not None and rank == 0:
+        torch.save(gathered, out / "params.pt")
     if rank == 0:
         done = [r for r in results if r is not None]
         report = build_report(

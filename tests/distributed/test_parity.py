@@ -1,10 +1,11 @@
-"""The runtime against a single process: DDP, FSDP, TP and dp x tp on CPU/gloo, fp32, SGD.
+"""The runtime against a single process: DDP, FSDP, TP, dp x tp and pipeline parallel (GPipe, 1F1B,
+interleaved; pp x dp; pp x dp x tp) on CPU/gloo, fp32, SGD.
 
 Each configuration trains a tiny GPT for 5 steps from the same initial weights and data; the loss
 after every step and the final parameters must match one process training on the whole global
 batch. Launches are shared (one torchrun per world size runs several plans in turn): each costs
 several seconds on two cores. Also: a rank that raises stops the run with its rank named, a
-changed model or a pipeline plan is refused before launch, and --dry-run prints the layout.
+changed model or a pipeline plan the runtime cannot run is refused before launch, and --dry-run prints the layout.
 """
 
 from __future__ import annotations
@@ -65,6 +66,13 @@ CONFIGS = {
     "dp_tp": (4, Fixed(dp=2, tp=2, pp=1, zero=0, micro_batch=2, recompute="none")),
     "dp_tp_recompute": (4, Fixed(dp=2, tp=2, pp=1, zero=0, micro_batch=2, recompute="full")),
     "fsdp_tp": (4, Fixed(dp=2, tp=2, pp=1, zero=3, micro_batch=2, recompute="full")),
+    # pipeline parallel (torch.distributed.pipelining): each schedule, then with dp and tp
+    "pp_gpipe": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="gpipe")),
+    "pp_1f1b": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
+    "pp_interleaved": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none",
+                                schedule="interleaved", virtual_stages=2)),
+    "pp_dp": (4, Fixed(dp=2, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
+    "pp_dp_tp": (8, Fixed(dp=2, tp=2, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
 }
 
 
@@ -112,7 +120,7 @@ def reference(plans) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def _launch(plans: dict[str, Path], world: int, tmp: Path) -> tuple[LaunchResult, list[str]]:
     names = [n for n, (w, _) in CONFIGS.items() if w == world]
-    result = launch([plans[n] for n in names], world, steps=STEPS, save_params=True, timeout_s=240, run_dir=tmp / f"w{world}")
+    result = launch([plans[n] for n in names], world, steps=STEPS, save_params=True, timeout_s=300, run_dir=tmp / f"w{world}")
     return result, names
 
 
@@ -167,13 +175,30 @@ def test_changed_model_refused_before_launch(plans, workdir, capsys):
     assert not (workdir / "ddp.run.d").exists()
 
 
+def test_plan_shapes(plans):
+    """The pipeline plans are what the parity tests mean to cover (interleaved: 2 chunks a rank)."""
+    from planner.plan import Plan
+
+    inter = Plan.load(plans["pp_interleaved"])
+    assert inter.parallel.schedule == "interleaved" and all(len(s.chunks) == 2 for s in inter.stages)
+    assert Plan.load(plans["pp_gpipe"]).parallel.schedule == "gpipe"
+    assert Plan.load(plans["pp_dp_tp"]).parallel.num_microbatches == 2
+
+
 def test_pipeline_and_layer_mismatch_refused(plans, workdir, capsys):
-    data = json.loads(plans["ddp"].read_text())
-    data["parallel"]["pp"] = 2
+    data = json.loads(plans["pp_1f1b"].read_text())
+    data["parallel"]["schedule"] = "zbv"
     pipe = workdir / "pipe.json"
     pipe.write_text(json.dumps(data))
     assert main(["run", str(pipe)]) == 2
-    assert "pipeline execution is not implemented yet: this plan has pp=2" in capsys.readouterr().err
+    assert "pipeline schedule 'zbv' is not supported" in capsys.readouterr().err
+
+    data = json.loads(plans["pp_1f1b"].read_text())
+    data["stages"][0]["chunks"] = [data["stages"][0]["chunks"][0][:-1]]
+    data["stages"][1]["chunks"] = [[data["stages"][0]["layers"][-1], *data["stages"][1]["chunks"][0]][::-1]]
+    pipe.write_text(json.dumps(data))
+    assert main(["run", str(pipe)]) == 2
+    assert "do not hold the model's layers in order" in capsys.readouterr().err
 
     data = json.loads(plans["ddp"].read_text())
     data["model"]["layer_names"][2] = "blocks.renamed"

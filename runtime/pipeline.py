@@ -1,0 +1,303 @@
+"""Pipeline-parallel execution (pp > 1) with ``torch.distributed.pipelining``.
+
+The model is split at the plan's stage boundaries: pipeline rank r holds ``stages[r].chunks``
+(one chunk, or ``virtual_stages`` chunks when interleaved); chunk v of rank r is pipeline stage
+``v * pp + r``, and the stages in index order hold the layers in the model's order.
+
+Each stage is its own module: the full model, built on every rank from the same seed (identical
+weights to a single-process run), with the layers of every other stage replaced by parameterless
+stubs. So parameter and layer names stay the original ones, and TP, recompute and DP apply to the
+stage exactly as to a whole model.
+
+- Stage 0 runs the model's own forward (embeddings and whatever glue precedes the first split) and
+  stops where the first layer of the next stage is called, returning that layer's input.
+- Every later stage runs its layers in order, each on the previous one's output. This needs the
+  model's forward to be a plain sequence of its layers from the first split point on (checked once
+  on the meta device: each layer's input is the previous layer's output and the model's output is
+  the last layer's); a model that is not gets a one-line error naming it.
+
+Schedules: GPipe, 1F1B, interleaved 1F1B, each with ``num_microbatches`` micro-batches of this dp
+rank's rows; the loss is the model file's loss on each micro-batch and the schedule scales the
+gradients by 1/num_microbatches (``scale_grads``). Data parallelism within a stage: ZeRO-0 averages
+the gradients over dp with one all-reduce per parameter after the schedule (DDP's bucket rebuild
+fails when a schedule runs several forwards before their backwards); ZeRO 1-3 is FSDP2, whose
+gradient sync PipelineStage turns on for the last micro-batch only.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from planner.errors import BadInput
+from planner.model_file import ModelHandle
+from planner.plan import Plan
+from runtime.parallelize import apply_dp, apply_recompute_layers, apply_tp, full_parameters
+from runtime.preflight import LayerSplit
+from runtime.train import (
+    MODEL_SEED, RankResult, global_batch, make_optimizer_for, peak_memory_bytes, slice_rows, to_device,
+)
+
+log = logging.getLogger(__name__)
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+class _StopForward(Exception):
+    def __init__(self, value: Any):
+        super().__init__("stage boundary")
+        self.value = value
+
+
+class _Boundary(nn.Module):
+    """Stands in for a layer of another stage: stops the forward and hands back its input."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.layer_name = name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise _StopForward(args[0] if len(args) == 1 and not kwargs else (args, kwargs))
+
+
+def stage_layers(plan: Plan) -> list[tuple[int, tuple[str, ...]]]:
+    """(pipeline rank, layer names) per pipeline stage, in stage-index order (v * pp + r)."""
+    p = plan.parallel
+    if len(plan.stages) != p.pp:
+        raise BadInput(f"this plan has pp={p.pp} but {len(plan.stages)} stage(s): re-plan")
+    v = p.virtual_stages if p.schedule == "interleaved" else 1
+    out = []
+    for chunk in range(v):
+        for r, stage in enumerate(plan.stages):
+            if len(stage.chunks) != v:
+                raise BadInput(f"stage {r} has {len(stage.chunks)} chunk(s), the schedule needs {v}: re-plan")
+            out.append((r, tuple(stage.chunks[chunk])))
+    return out
+
+
+def check_pipeline(plan: Plan, layers: tuple[LayerSplit, ...]) -> None:
+    """What can be refused before launch: the schedule and the stages' layers (contiguous, in order)."""
+    p = plan.parallel
+    if p.schedule not in SCHEDULES:
+        raise BadInput(f"pipeline schedule {p.schedule!r} is not supported (gpipe, 1f1b, interleaved)")
+    stages = stage_layers(plan)
+    order = [name for _, names in stages for name in names]
+    if order != [l.name for l in layers]:
+        raise BadInput("the plan's pipeline stages do not hold the model's layers in order: re-plan")
+    if any(not names for _, names in stages):
+        raise BadInput("a pipeline stage of this plan holds no layer: re-plan")
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    parent._modules[leaf] = new
+
+
+def check_sequential(handle: ModelHandle, model_name: str, names: list[str], first_split: str, sample: Any) -> None:
+    """The model's forward, from `first_split` on, must be a plain sequence of its layers (checked
+    on the meta device); a clear error otherwise."""
+    with torch.device("meta"):
+        meta = handle.build_model()
+    seen: dict[str, tuple[Any, Any]] = {}
+    keep: list[Any] = []
+    handles = []
+    for name in names:
+        def hook(mod, args, kwargs, out, name=name):
+            keep.append((args, out))
+            seen.setdefault(name, (args, kwargs, out, 0))
+            a, k, o, n = seen[name]
+            seen[name] = (a, k, o, n + 1)
+        handles.append(meta.get_submodule(name).register_forward_hook(hook, with_kwargs=True))
+    with torch.no_grad():
+        output = _call(meta, to_device(sample, torch.device("meta")))
+    for h in handles:
+        h.remove()
+    start = names.index(first_split)
+    why = ""
+    prev_out = None
+    for i, name in enumerate(names[start:], start):
+        if name not in seen:
+            why = f"layer {name} is not called in forward"
+            break
+        args, kwargs, out, calls = seen[name]
+        if calls != 1 or kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+            why = f"layer {name} is called {calls} time(s) or not with one tensor"
+            break
+        if i > start and args[0] is not prev_out:
+            why = f"layer {name} does not take {names[i - 1]}'s output"
+            break
+        prev_out = out
+    else:
+        if output is not prev_out:
+            why = f"its output is not {names[-1]}'s output"
+    if why:
+        raise BadInput(
+            f"cannot split {model_name} into pipeline stages: its forward is not a plain sequence of "
+            f"its layers from {first_split} on ({why})"
+        )
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def build_stage_module(full: nn.Module, all_names: list[str], names: tuple[str, ...], first: bool) -> nn.Module:
+    """A copy of `full` keeping only `names`; its forward runs that stage."""
+    model = copy.deepcopy(full)
+    keep = set(names)
+    for name in all_names:
+        if name not in keep:
+            _replace(model, name, _Boundary(name))
+    if first:
+        original = model.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            except _StopForward as stop:
+                return stop.value
+    else:
+        layers = [model.get_submodule(n) for n in names]
+
+        def forward(x: torch.Tensor) -> Any:  # type: ignore[misc]
+            for layer in layers:
+                x = layer(x)
+            return x
+
+    model.forward = forward  # type: ignore[method-assign]
+    return model
+
+
+def _all_reduce_grads(params: Any, group: dist.ProcessGroup, dp: int) -> None:
+    """Average the gradients over the dp group (ZeRO-0 within a pipeline stage)."""
+    from torch.distributed.tensor import DTensor
+
+    for q in params:
+        if q.grad is None:
+            continue
+        g = q.grad.to_local() if isinstance(q.grad, DTensor) else q.grad
+        dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
+        g /= dp
+
+
+@dataclass
+class PipelineRun:
+    result: RankResult
+    params: dict[str, torch.Tensor] | None
+
+
+def run_pipeline(
+    handle: ModelHandle,
+    plan: Plan,
+    layers: tuple[LayerSplit, ...],
+    mesh: DeviceMesh,
+    pp_index: int,
+    dp_index: int,
+    steps: int,
+    device: torch.device,
+    rank: int,
+    autocast_dtype: torch.dtype | None,
+    save_params: bool,
+) -> PipelineRun:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    p = plan.parallel
+    stages = stage_layers(plan)
+    all_names = [l.name for l in layers]
+    by_name = {l.name: l for l in layers}
+    split_points = [names[0] for _, names in stages[1:]]
+    sample = slice_rows(global_batch(handle, plan, 0)[0], 0, p.micro_batch)
+    check_sequential(handle, handle.name, all_names, split_points[0], sample)
+
+    torch.manual_seed(MODEL_SEED)  # identical initial weights on every rank and in one process
+    full = handle.build_model().to(device=device, dtype=torch.float32)
+    pp_group = mesh["pp"].get_group()
+    mine = [(s, names) for s, (r, names) in enumerate(stages) if r == pp_index]
+    recompute = set(plan.stages[pp_index].recompute_layers) | set(plan.stages[pp_index].selective_layers)
+    modules, wrapped_stages, params = [], [], {}
+    for s, names in mine:
+        module = build_stage_module(full, all_names, names, first=(s == 0))
+        mine_layers = tuple(by_name[n] for n in names)
+        if p.tp > 1:
+            apply_tp(module, mine_layers, mesh["tp"])
+        apply_recompute_layers(module, [n for n in names if n in recompute])
+        # ZeRO-0: no DDP wrapper (its bucket rebuild breaks when a schedule runs several forwards
+        # before their backwards); the gradients are all-reduced over dp after the schedule instead.
+        wrapped = module if p.zero == 0 else apply_dp(module, plan, mine_layers, mesh["dp"], device)
+        params.update(dict(module.named_parameters()))
+        modules.append(module)
+        wrapped_stages.append(PipelineStage(wrapped, s, len(stages), device, group=pp_group))
+    del full
+    loss_fn: Callable[[Any, Any], torch.Tensor] = handle.loss
+    if p.schedule == "interleaved":
+        schedule = ScheduleInterleaved1F1B(wrapped_stages, n_microbatches=p.num_microbatches, loss_fn=loss_fn)
+    else:
+        cls = ScheduleGPipe if p.schedule == "gpipe" else Schedule1F1B
+        schedule = cls(wrapped_stages[0], n_microbatches=p.num_microbatches, loss_fn=loss_fn)
+    has_first = any(s == 0 for s, _ in mine)
+    has_last = any(s == len(stages) - 1 for s, _ in mine)
+
+    optimizer = make_optimizer_for(plan, [q for m in modules for q in m.parameters()])
+    local = p.micro_batch * p.num_microbatches
+    dp_group = mesh["dp"].get_group() if p.dp > 1 else None
+    losses: list[float] = []
+    times: list[float] = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for step in range(steps):
+        inputs, targets = global_batch(handle, plan, step)
+        inputs = to_device(slice_rows(inputs, dp_index * local, (dp_index + 1) * local), device)
+        targets = to_device(slice_rows(targets, dp_index * local, (dp_index + 1) * local), device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        micro: list[torch.Tensor] = []
+        args: tuple = ()
+        kwargs: dict[str, Any] = {}
+        if has_first:
+            if isinstance(inputs, dict):
+                kwargs = dict(inputs)
+            elif isinstance(inputs, (tuple, list)):
+                args = tuple(inputs)
+            else:
+                args = (inputs,)
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            schedule.step(*args, target=targets if has_last else None, losses=micro if has_last else None, **kwargs)
+        if dp_group is not None and p.zero == 0:
+            _all_reduce_grads(params.values(), dp_group, p.dp)
+        optimizer.step()
+        total = torch.zeros((), device=device)
+        if has_last:
+            total += torch.stack([m.detach().float() for m in micro]).mean()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
+        if dp_group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_group)
+            total /= p.dp
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+        losses.append(float(total))
+    result = RankResult(rank, tuple(losses), tuple(times), peak_memory_bytes(device))
+    gathered = None
+    if save_params:
+        mine_full = full_parameters(params)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine_full)
+        gathered = {}
+        for d in everyone:
+            for k, v in d.items():
+                gathered.setdefault(k, v)
+    return PipelineRun(result, gathered)
