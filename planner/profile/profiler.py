@@ -228,8 +228,12 @@ def _assemble(
     # Tensors crossing each cut, and the layer graph's edges.
     crossing = [0] * num_layers
     crossing_count = [0] * num_layers
+    # A cut after layer i is a pipeline boundary the runtime can use when what crosses it is what
+    # layer i's (last) module returned: the next stage then starts from that output alone.
+    foreign = [0] * num_layers
+    returned_by = [trace.returned.get(order[g[-1]], set()) for g in groups]
     edge_bytes: dict[tuple[int, int], int] = {}
-    for flow in trace.flows:
+    for tid, flow in enumerate(trace.flows):
         src = layer_of.get(flow.creator, num_layers - 1)
         dsts = {layer_of.get(c, num_layers - 1) for c in flow.consumers} - {src}
         later = [d for d in dsts if d > src]
@@ -240,6 +244,8 @@ def _assemble(
         for cut in range(src, max(later)):
             crossing[cut] += flow.num_bytes
             crossing_count[cut] += 1
+            if tid not in returned_by[cut]:
+                foreign[cut] += 1
 
     def seconds(values: list[float] | None, li: int) -> float | None:
         if values is None:
@@ -266,7 +272,7 @@ def _assemble(
                 bwd_flops=bwd_flops[li],
                 activation_bytes=saved[li],
                 output_bytes=crossing[li] if li < num_layers - 1 else 0,
-                cut_after_ok=li < num_layers - 1 and crossing_count[li] > 0,
+                cut_after_ok=li < num_layers - 1 and crossing_count[li] > 0 and foreign[li] == 0,
                 fwd_s=seconds(fwd_s, li),
                 bwd_s=seconds(bwd_s, li),
                 **{k: v[li] for k, v in extra.items()},

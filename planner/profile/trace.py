@@ -64,6 +64,8 @@ class TraceResult:
     loose_param_use: dict[int, int]
     """Storage key of a parameter owned by no unit -> first unit whose ops used it."""
     uncounted_ops: Counter
+    returned: dict[int, set[int]] = field(default_factory=dict)
+    """Unit -> the flows (tensor ids) its forward returned."""
     io_bytes: dict[int, tuple[int, int]] = field(default_factory=dict)
     """id(module) of each nn.Linear / nn.Embedding -> (input bytes, output bytes) summed over calls."""
 
@@ -176,10 +178,10 @@ class _Recorder(TorchDispatchMode):
 def watch_units(
     units: list[Unit],
     enter: Callable[[int], None],
-    leave: Callable[[int], None] | None,
+    leave: Callable[[int, Any], None] | None,
     backward: Callable[[int], None],
 ) -> Iterator[None]:
-    """Call enter(i)/leave(i) around unit i's forward, and backward(i) when its outputs' first
+    """Call enter(i)/leave(i, output) around unit i's forward, and backward(i) when its outputs' first
     gradient arrives (the start of its backward)."""
 
     def hooks(index: int):
@@ -188,7 +190,7 @@ def watch_units(
 
         def post(module, args, output):
             if leave is not None:
-                leave(index)
+                leave(index, output)
             outs = [t for t in tensors_in(output) if t.requires_grad]
             if outs:
                 register_multi_grad_hook(outs, lambda _grad: backward(index), mode="any")
@@ -239,14 +241,18 @@ def run_trace(
             order.append(index)
         seg.stack.append(index)
 
-    def leave(index: int) -> None:
+    def leave(index: int, output: Any) -> None:
         seg.stack.pop()
         seg.last = index
+        returned.setdefault(index, set()).update(
+            recorder.ids[t] for t in tensors_in(output) if t in recorder.ids
+        )
 
     def entered_backward(index: int) -> None:
         seg.bwd_unit = index
 
     recorder = _Recorder(seg, param_keys, loose)
+    returned: dict[int, set[int]] = {}
     with watch_units(units, enter, leave, entered_backward), linear_io(model) as io_bytes, recorder:
         with saved_tensors_hooks(pack, lambda t: t):
             outputs = handle.forward(model, inputs)
@@ -265,6 +271,7 @@ def run_trace(
         loose_param_use=recorder.loose_use,
         uncounted_ops=recorder.uncounted,
         io_bytes=io_bytes,
+        returned=returned,
     )
 
 

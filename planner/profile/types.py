@@ -34,7 +34,8 @@ class LayerProfile:
     output_bytes: int
     """Bytes of the tensors that cross a pipeline cut right after this layer."""
     cut_after_ok: bool
-    """Whether a pipeline stage may end after this layer (one tensor or a known tuple crosses)."""
+    """Whether a pipeline stage may end after this layer: what crosses the cut is exactly what
+    this layer returned (a tensor or a tuple), so the next stage can start from it alone."""
     fwd_s: Optional[float] = None
     bwd_s: Optional[float] = None
     # -- what the cost model needs beyond the headline figures --------------------------------

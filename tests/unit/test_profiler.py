@@ -139,13 +139,22 @@ def test_identical_layers_share_a_kind_and_cuts_are_known():
     kinds = profile.kinds()
     blocks = [layer for layer in profile.layers if layer.name.startswith("blocks.")]
     assert len({b.kind for b in blocks}) == 1 and len(kinds[blocks[0].kind]) == len(blocks)
-    # Every boundary of a plain GPT is a valid cut; what crosses a block boundary is the hidden state.
-    assert profile.cut_points() == list(range(len(profile.layers) - 1))
+    # A cut is valid where the next layer starts from what this one returned: not between wte and
+    # wpe (wpe takes the positions, and their sum is formed after both), everywhere after that.
+    assert profile.cut_points() == list(range(1, len(profile.layers) - 1))
     hidden = profile.seq_len * 384 * 2  # batch 1, n_embd 384, bf16
     assert all(b.output_bytes == hidden for b in blocks)
     g = profile.graph()
     assert g.number_of_nodes() == len(profile.layers)
     assert all(g.has_edge(b.index, b.index + 1) for b in blocks)
+
+
+def test_hugging_face_blocks_cannot_be_split():
+    """HF GPT-2's blocks take the attention mask made before them besides the hidden state: no
+    stage could start from one block's output. The only valid cut is after the last block."""
+    profile = _profile(EXAMPLES / "hf_gpt2.py")
+    last_block = max(l.index for l in profile.layers if l.name.startswith("transformer.h."))
+    assert profile.cut_points() == [last_block]
 
 
 def test_resnet_blocks_are_layers():
