@@ -164,6 +164,9 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the run report as JSON instead of a table")
     p.add_argument("--timeout-s", type=float, default=600.0, help="stop the whole run after this many seconds (default 600)")
     p.add_argument("--force", action="store_true", help="overwrite an existing PLAN.run.json")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="save DCP checkpoints (model, optimizer, step) in DIR/step-NNNNNNNN")
+    p.add_argument("--checkpoint-every", metavar="K", type=_positive_int, help="save a checkpoint every K steps (needs --checkpoint-dir)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest verified checkpoint in --checkpoint-dir")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 
@@ -177,11 +180,33 @@ def cmd_run(argv: Sequence[str]) -> int:
 
     if args.timeout_s <= 0:
         raise BadInput(f"plan run: --timeout-s must be positive, got {args.timeout_s:g}")
+    if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
+        raise BadInput("plan run: --checkpoint-every and --resume need --checkpoint-dir DIR")
     prepared = prepare(args.plan, args.model)
     out = report_path(args.plan)
     run_dir = run_dir_for(args.plan)
+    ckpt = dict(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume)
+    if args.checkpoint_dir:
+        from pathlib import Path
+
+        from runtime.checkpoint import find_latest, plan_sha256, sha256_file, unsupported
+
+        why = unsupported(prepared.plan)
+        if why:
+            raise BadInput(f"plan run: {why}")
+        if args.resume:  # verified here too, so a refusal is a one-line error before anything starts
+            found = find_latest(Path(args.checkpoint_dir), plan_sha256(Path(args.plan)),
+                                sha256_file(Path(prepared.handle.path)))
+            if found is None:
+                print(f"--resume: no checkpoint in {args.checkpoint_dir}; starting from step 0", file=sys.stderr)
+            else:
+                for line in found.skipped:
+                    print(f"skipped {line}", file=sys.stderr)
+                if found.step >= args.steps:
+                    raise BadInput(f"{found.path} is at step {found.step}: --steps {args.steps} leaves nothing to run")
+                print(f"resuming from {found.path} (step {found.step})", file=sys.stderr)
     if args.dry_run:
-        cmd = torchrun_command([args.plan], prepared.world_size, run_dir, model=prepared.handle.path, steps=args.steps)
+        cmd = torchrun_command([args.plan], prepared.world_size, run_dir, model=prepared.handle.path, steps=args.steps, **ckpt)
         print(format_command(cmd))
         for line in describe(prepared.plan, prepared.layers) + [f"warning: {w}" for w in runtime_warnings(prepared.plan, prepared.layers)]:
             print(line)
@@ -189,7 +214,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     if out.exists() and not args.force:
         raise BadInput(f"{out}: already exists; pass --force to overwrite it")
     result = launch([args.plan], prepared.world_size, model=prepared.handle.path, steps=args.steps,
-                    timeout_s=args.timeout_s, run_dir=run_dir)
+                    timeout_s=args.timeout_s, run_dir=run_dir, **ckpt)
     report = result.reports[0]
     from planner import schema
 

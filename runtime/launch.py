@@ -73,6 +73,9 @@ def torchrun_command(
     port: int | None = None,
     pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S,
     save_params: bool = False,
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
 ) -> list[str]:
     """The launch command for one node hosting all `nproc` ranks."""
     cmd = [
@@ -89,6 +92,12 @@ def torchrun_command(
     cmd += ["--run-dir", str(Path(run_dir).resolve()), "--steps", str(steps), "--pg-timeout-s", f"{pg_timeout_s:g}"]
     if save_params:
         cmd.append("--save-params")
+    if checkpoint_dir is not None:
+        cmd += ["--checkpoint-dir", str(Path(checkpoint_dir).resolve())]
+        if checkpoint_every:
+            cmd += ["--checkpoint-every", str(checkpoint_every)]
+        if resume:
+            cmd.append("--resume")
     return cmd
 
 
@@ -136,6 +145,9 @@ def launch(
     run_dir: str | Path | None = None,
     save_params: bool = False,
     env: dict[str, str] | None = None,
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
 ) -> LaunchResult:
     """Run the plans (in turn, in one launch) on `nproc` local ranks; their RunReports.
 
@@ -144,7 +156,8 @@ def launch(
     run_dir.mkdir(parents=True, exist_ok=True)
     _clear_stale(run_dir)
     cmd = torchrun_command(
-        plan_paths, nproc, run_dir, model=model, steps=steps, pg_timeout_s=pg_timeout_s, save_params=save_params
+        plan_paths, nproc, run_dir, model=model, steps=steps, pg_timeout_s=pg_timeout_s, save_params=save_params,
+        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
     )
     log_path = run_dir / "launch.log"
     child_env = {**os.environ, **(env or {})}

@@ -210,7 +210,10 @@ def run_pipeline(
     rank: int,
     autocast_dtype: torch.dtype | None,
     save_params: bool,
+    checkpoint: Callable[[nn.Module, torch.optim.Optimizer], tuple[int, Callable[[int], None] | None]] | None = None,
 ) -> PipelineRun:
+    """`checkpoint(view, optimizer)` -> (first step, after-step hook): `view` holds the parameters
+    this rank's stages use, under their original names (runtime.checkpoint.StateView)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     p = plan.parallel
@@ -226,7 +229,7 @@ def run_pipeline(
     pp_group = mesh["pp"].get_group()
     mine = [(s, names) for s, (r, names) in enumerate(stages) if r == pp_index]
     recompute = set(plan.stages[pp_index].recompute_layers) | set(plan.stages[pp_index].selective_layers)
-    modules, wrapped_stages, params = [], [], {}
+    modules, wrapped_stages, params, owned = [], [], {}, {}
     for s, names in mine:
         module = build_stage_module(full, all_names, names, first=(s == 0))
         mine_layers = tuple(by_name[n] for n in names)
@@ -237,6 +240,12 @@ def run_pipeline(
         # before their backwards); the gradients are all-reduced over dp after the schedule instead.
         wrapped = module if p.zero == 0 else apply_dp(module, plan, mine_layers, mesh["dp"], device)
         params.update(dict(module.named_parameters()))
+        # The parameters this stage uses: all of stage 0's (the stubs have none), only its layers'
+        # elsewhere (a later stage's forward runs just its layers).
+        owned.update({
+            n: q for n, q in module.named_parameters()
+            if s == 0 or any(n.startswith(layer + ".") for layer in names)
+        })
         modules.append(module)
         wrapped_stages.append(PipelineStage(wrapped, s, len(stages), device, group=pp_group))
     del full
@@ -249,14 +258,20 @@ def run_pipeline(
     has_first = any(s == 0 for s, _ in mine)
     has_last = any(s == len(stages) - 1 for s, _ in mine)
 
-    optimizer = make_optimizer_for(plan, [q for m in modules for q in m.parameters()])
+    # Only the parameters the stages use (the others never get a gradient): what a checkpoint holds.
+    optimizer = make_optimizer_for(plan, list(owned.values()))
+    start_step, after_step = 0, None
+    if checkpoint is not None:
+        from runtime.checkpoint import StateView
+
+        start_step, after_step = checkpoint(StateView(owned), optimizer)
     local = p.micro_batch * p.num_microbatches
     dp_group = mesh["dp"].get_group() if p.dp > 1 else None
     losses: list[float] = []
     times: list[float] = []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    for step in range(steps):
+    for step in range(start_step, steps):
         inputs, targets = global_batch(handle, plan, step)
         inputs = to_device(slice_rows(inputs, dp_index * local, (dp_index + 1) * local), device)
         targets = to_device(slice_rows(targets, dp_index * local, (dp_index + 1) * local), device)
@@ -290,6 +305,8 @@ def run_pipeline(
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
         losses.append(float(total))
+        if after_step is not None:
+            after_step(step + 1)
     result = RankResult(rank, tuple(losses), tuple(times), peak_memory_bytes(device))
     gathered = None
     if save_params:

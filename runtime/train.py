@@ -15,7 +15,7 @@ import resource
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -114,15 +114,21 @@ def train(
     device: torch.device,
     rank: int,
     autocast_dtype: torch.dtype | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    start_step: int = 0,
+    after_step: Callable[[int], None] | None = None,
 ) -> RankResult:
-    """Run `steps` optimizer steps; per-step loss (mean over dp), wall time and peak memory."""
-    optimizer = make_optimizer(plan, model)
+    """Run optimizer steps `start_step`..`steps - 1`; per-step loss (mean over dp), wall time and
+    peak memory. `after_step(n)` runs after the n-th step (n counted from 1: a checkpoint hook)."""
+    if optimizer is None:
+        optimizer = make_optimizer(plan, model)
     num_mb = plan.parallel.num_microbatches
     losses: list[float] = []
     times: list[float] = []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    for step in range(steps):
+    for step in range(start_step, steps):
         batches = microbatches(handle, plan, step, dp_index)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -144,6 +150,8 @@ def train(
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
         losses.append(float(total))
+        if after_step is not None:
+            after_step(step + 1)
     return RankResult(rank, tuple(losses), tuple(times), peak_memory_bytes(device))
 
 

@@ -24,17 +24,19 @@ import traceback
 from dataclasses import asdict, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from planner.errors import BadInput
+from runtime.checkpoint import Checkpointer, CheckpointRefused, plan_sha256, sha256_file, unsupported
 from runtime.layout import coords, runtime_warnings
 from runtime.parallelize import apply_dp, apply_recompute, apply_tp, full_parameters
 from runtime.preflight import Prepared, load_for_worker
 from runtime.report import build_report
-from runtime.train import MODEL_SEED, RankResult, median_step_time, train
+from runtime.train import MODEL_SEED, RankResult, make_optimizer, median_step_time, train
 
 log = logging.getLogger("runtime.worker")
 DEFAULT_PG_TIMEOUT_S = 60
@@ -49,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--pg-timeout-s", type=float, default=DEFAULT_PG_TIMEOUT_S, help="process-group timeout")
     p.add_argument("--save-params", action="store_true", help="rank 0 saves every parameter gathered whole")
+    p.add_argument("--checkpoint-dir", help="DCP checkpoints go here (DIR/plan<i> when several plans share a launch)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (0: never)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest verified checkpoint")
     return p
 
 
@@ -70,7 +75,7 @@ def run_plan(index: int, prepared: Prepared, args: argparse.Namespace, rank: int
     out = Path(args.run_dir) / f"plan{index}"
     out.mkdir(parents=True, exist_ok=True)
     if p.pp > 1:
-        _run_pipeline_plan(out, prepared, args, rank, world_size, device, started)
+        _run_pipeline_plan(index, out, prepared, args, rank, world_size, device, started)
         return
     mesh = init_device_mesh(device_type, (p.dp, p.tp), mesh_dim_names=("dp", "tp"))
     c = coords(rank, p.dp, p.tp)
@@ -88,16 +93,59 @@ def run_plan(index: int, prepared: Prepared, args: argparse.Namespace, rank: int
     dp_group = mesh["dp"].get_group() if p.dp > 1 else None
     params = dict(model.named_parameters())  # the trained parameters, by their original names
 
+    optimizer = make_optimizer(plan, model)
+    ctx = _CheckpointContext(index, prepared, args, rank)
+    start_step, after_step = ctx.setup(model, optimizer) if ctx.enabled else (0, None)
     result = train(
         prepared.handle, plan, wrapped, model, c.dp_index, dp_group, args.steps, device, rank,
-        AUTOCAST.get(plan.training.precision),
+        AUTOCAST.get(plan.training.precision), optimizer=optimizer, start_step=start_step, after_step=after_step,
     )
     gathered = full_parameters(params) if args.save_params else None
-    _finish(out, prepared, args, rank, world_size, result, gathered, started)
+    _finish(out, prepared, args, rank, world_size, result, gathered, started, ctx)
+
+
+class _CheckpointContext:
+    """--checkpoint-dir/--checkpoint-every/--resume for one plan of the launch."""
+
+    def __init__(self, index: int, prepared: Prepared, args: argparse.Namespace, rank: int):
+        self.prepared, self.args, self.rank = prepared, args, rank
+        self.enabled = bool(args.checkpoint_dir)
+        self.start_step = 0
+        self.notes: list[str] = []
+        if self.enabled:
+            root = Path(args.checkpoint_dir)
+            self.root = root if len(args.plan) == 1 else root / f"plan{index}"
+            why = unsupported(prepared.plan)
+            if why:
+                raise CheckpointRefused(why)
+
+    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, Callable[[int], None] | None]:
+        """Load the newest verified checkpoint (with --resume); (first step, after-step hook)."""
+        args = self.args
+        ck = Checkpointer(
+            self.root, args.checkpoint_every, plan_sha256(self.prepared.plan_path),
+            sha256_file(Path(self.prepared.handle.path)), model, optimizer, self.rank,
+        )
+        if args.resume:
+            found = ck.load_latest()
+            if found is None:
+                self.notes.append(f"--resume: no checkpoint in {self.root}; started from step 0")
+            else:
+                self.notes.extend(f"skipped {line}" for line in found.skipped)
+                if found.step >= args.steps:
+                    raise BadInput(f"{found.path} is at step {found.step}: --steps {args.steps} leaves nothing to run")
+                self.start_step = found.step
+                self.notes.append(
+                    f"resumed from {found.path} (step {found.step}); the losses are steps {found.step + 1}-{args.steps}"
+                )
+        if self.rank == 0:
+            for note in self.notes:
+                log.info("%s", note)
+        return self.start_step, (ck.maybe_save if args.checkpoint_every > 0 else None)
 
 
 def _run_pipeline_plan(
-    out: Path, prepared: Prepared, args: argparse.Namespace, rank: int, world_size: int,
+    index: int, out: Path, prepared: Prepared, args: argparse.Namespace, rank: int, world_size: int,
     device: torch.device, started: float,
 ) -> None:
     """A plan with pp > 1: mesh (pp, dp, tp), the model split into pipeline stages (runtime.pipeline)."""
@@ -109,16 +157,17 @@ def _run_pipeline_plan(
     assert (mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()) == (
         c.pp_index, c.dp_index, c.tp_index
     ), f"rank {rank}: mesh coordinates differ from the layout {c}"
+    ctx = _CheckpointContext(index, prepared, args, rank)
     run = run_pipeline(
         prepared.handle, plan, prepared.layers, mesh, c.pp_index, c.dp_index, args.steps, device, rank,
-        AUTOCAST.get(plan.training.precision), args.save_params,
+        AUTOCAST.get(plan.training.precision), args.save_params, ctx.setup if ctx.enabled else None,
     )
-    _finish(out, prepared, args, rank, world_size, run.result, run.params, started)
+    _finish(out, prepared, args, rank, world_size, run.result, run.params, started, ctx)
 
 
 def _finish(
     out: Path, prepared: Prepared, args: argparse.Namespace, rank: int, world_size: int,
-    result: RankResult, gathered: dict | None, started: float,
+    result: RankResult, gathered: dict | None, started: float, ctx: _CheckpointContext,
 ) -> None:
     """Per-rank JSON, the gathered parameters and (rank 0) the RunReport."""
     plan = prepared.plan
@@ -131,12 +180,12 @@ def _finish(
     if rank == 0:
         done = [r for r in results if r is not None]
         report = build_report(
-            plan, str(prepared.plan_path), device_type, args.steps,
+            plan, str(prepared.plan_path), device_type, args.steps - ctx.start_step,
             step_time_s=max(median_step_time(r.step_times_s) for r in done),
             step_times_s=done[0].step_times_s,
             peak_memory_bytes=[r.peak_memory_bytes for r in done],
             losses=done[0].losses,
-            warnings=runtime_warnings(plan, prepared.layers),
+            warnings=[*runtime_warnings(plan, prepared.layers), *ctx.notes],
         )
         report = replace(report, wall_s=round(time.perf_counter() - started, 3))
         (out / "report.json").write_text(report.to_json())

@@ -26,6 +26,9 @@ from runtime.train import LEARNING_RATE, MODEL_SEED, global_batch
 from tests.conftest import EXAMPLES
 
 STEPS = 5
+CKPT_DIR = "ckpt_w2"
+CKPT_EVERY = 2
+RESUMED = ("ddp", "fsdp", "pp_1f1b")
 GLOBAL_BATCH = 8
 RTOL_LOSS = 1e-5
 ATOL_PARAM = 1e-5
@@ -120,7 +123,11 @@ def reference(plans) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def _launch(plans: dict[str, Path], world: int, tmp: Path) -> tuple[LaunchResult, list[str]]:
     names = [n for n, (w, _) in CONFIGS.items() if w == world]
-    result = launch([plans[n] for n in names], world, steps=STEPS, save_params=True, timeout_s=300, run_dir=tmp / f"w{world}")
+    # The 2-rank launch also checkpoints every CKPT_EVERY steps (DIR/plan<i>/step-NNNNNNNN): the
+    # resume tests start from those checkpoints.
+    ckpt = dict(checkpoint_dir=tmp / CKPT_DIR, checkpoint_every=CKPT_EVERY) if world == 2 else {}
+    result = launch([plans[n] for n in names], world, steps=STEPS, save_params=True, timeout_s=300,
+                    run_dir=tmp / f"w{world}", **ckpt)
     return result, names
 
 
@@ -229,3 +236,104 @@ def test_cli_run_writes_report(plans, capsys):
     assert json.loads(written.read_text())["measured"]["losses"] == report["measured"]["losses"]
     assert main(["run", str(path), "--steps", "2"]) == 2  # never overwritten without --force
     assert "already exists" in capsys.readouterr().err
+
+
+# --- checkpoint and resume (runtime/checkpoint.py) --------------------------------------------
+
+
+def _ckpt_of(workdir: Path, name: str, step: int) -> Path:
+    """The 2-rank launch's checkpoint of configuration `name` after `step` steps."""
+    index = [n for n, (w, _) in CONFIGS.items() if w == 2].index(name)
+    return workdir / CKPT_DIR / f"plan{index}" / f"step-{step:08d}"
+
+
+@pytest.fixture(scope="module")
+def resumed(plans, workdir, runs) -> dict[str, tuple[object, Path, Path]]:
+    """RESUMED configurations, resumed in one fresh launch from their step-2 checkpoints to STEPS."""
+    import shutil
+
+    root = workdir / "resume"
+    for i, name in enumerate(RESUMED):
+        shutil.copytree(_ckpt_of(workdir, name, 2), root / f"plan{i}" / "step-00000002")
+    result = launch([plans[n] for n in RESUMED], 2, steps=STEPS, save_params=True, timeout_s=300,
+                    run_dir=workdir / "w2resume", checkpoint_dir=root, checkpoint_every=CKPT_EVERY, resume=True)
+    return {n: (result.reports[i], result.run_dir / f"plan{i}" / "params.pt", root / f"plan{i}")
+            for i, n in enumerate(RESUMED)}
+
+
+def test_checkpoints_written_with_manifest(runs, workdir):
+    from runtime.checkpoint import MANIFEST, plan_sha256, sha256_file, verify
+
+    for name in ("ddp", "fsdp", "pp_interleaved"):
+        for step in (2, 4):
+            path = _ckpt_of(workdir, name, step)
+            manifest = json.loads((path / MANIFEST).read_text())
+            assert manifest["step"] == step and ".metadata" in manifest["files"]
+            assert verify(path, plan_sha256(workdir / f"{name}.json"), sha256_file(workdir / "model.py")) == step
+    assert not list((workdir / CKPT_DIR).glob("plan*/.step-*"))  # no partial directory left
+
+
+@pytest.mark.parametrize("name", RESUMED)
+def test_resume_matches_uninterrupted(name, resumed, reference):
+    ref_losses, ref_params = reference
+    report, params_path, root = resumed[name]
+    losses = report.measured.losses
+    assert len(losses) == STEPS - 2, f"{name}: resumed run should run steps 3-{STEPS}"
+    for step, (got, want) in enumerate(zip(losses, ref_losses[2:]), 2):
+        assert abs(got - want) <= RTOL_LOSS * abs(want), f"{name}: step {step} loss {got} != {want}"
+    params = torch.load(params_path)
+    for pname, want in ref_params.items():
+        diff = (params[pname] - want).abs().max().item()
+        assert diff <= ATOL_PARAM, f"{name}: {pname} differs by {diff:.2e} after resuming"
+    assert any("resumed from" in w and "step-00000002" in w for w in report.warnings)
+    assert (root / "step-00000004" / "manifest.json").exists()  # the resumed run checkpoints too
+
+
+def test_tampered_checkpoint_refused(plans, workdir, capsys):
+    import shutil
+
+    from runtime.checkpoint import find_latest, plan_sha256, sha256_file
+
+    root = workdir / "tampered"
+    good, bad = root / "step-00000002", root / "step-00000004"
+    shutil.copytree(_ckpt_of(workdir, "ddp", 2), good)
+    shutil.copytree(_ckpt_of(workdir, "ddp", 4), bad)
+    shard = sorted(bad.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    plan_hash, model_hash = plan_sha256(plans["ddp"]), sha256_file(workdir / "model.py")
+    # --resume skips the tampered newest checkpoint in favour of the older complete one, saying why
+    found = find_latest(root, plan_hash, model_hash)
+    assert found is not None and found.path == good and found.step == 2
+    assert len(found.skipped) == 1 and f"{shard.name} does not match its sha256" in found.skipped[0]
+    # the only checkpoint tampered: refused before launch, one line naming the file
+    shutil.rmtree(good)
+    assert main(["run", str(plans["ddp"]), "--checkpoint-dir", str(root), "--resume", "--force"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no usable checkpoint" in err and f"{shard.name} does not match its sha256 in the manifest" in err, err
+    assert "\n" not in err
+    # no manifest (incomplete), or another plan's checkpoint: refused with the reason
+    shutil.copytree(_ckpt_of(workdir, "ddp", 2), good)
+    (good / "manifest.json").unlink()
+    assert main(["run", str(plans["ddp"]), "--checkpoint-dir", str(root), "--resume", "--force"]) == 2
+    assert "no manifest.json (incomplete, or not written by plan run)" in capsys.readouterr().err
+    shutil.rmtree(root)
+    shutil.copytree(_ckpt_of(workdir, "fsdp", 2), good)
+    assert main(["run", str(plans["ddp"]), "--checkpoint-dir", str(root), "--resume", "--force"]) == 2
+    assert "made for a different plan" in capsys.readouterr().err
+    assert not plans["ddp"].with_name("ddp.run.json").exists()  # nothing started
+
+
+def test_prune_deletes_only_old_checkpoints_of_ours(tmp_path):
+    from runtime.checkpoint import FORMAT, MANIFEST, prune
+
+    for step in (2, 4, 6):
+        d = tmp_path / f"step-{step:08d}"
+        d.mkdir()
+        (d / MANIFEST).write_text(json.dumps({"format": FORMAT, "version": 1, "step": step}))
+    (tmp_path / "step-00000001").mkdir()  # no manifest: not provably ours
+    (tmp_path / "notes.txt").write_text("mine")
+    removed = prune(tmp_path, keep=2)
+    assert removed == [tmp_path / "step-00000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "step-00000001", "step-00000004", "step-00000006"]
