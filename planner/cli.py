@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
 from planner.errors import EXIT_BAD_INPUT, BadInput, PlanError
@@ -111,6 +112,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON on stdout")
     p.add_argument("-o", "--output", help="write the plan JSON to this file")
     p.add_argument("--force", action="store_true", help="overwrite the -o file if it exists")
+    p.add_argument("--run", action="store_true", help="then execute the plan here (torchrun), as `plan run` does")
+    p.add_argument("--steps", type=_positive_int, default=10, help="with --run: training steps (default 10)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 
@@ -123,8 +126,6 @@ def cmd_plan(argv: Sequence[str]) -> int:
     from planner.search.space import Fixed
 
     if args.output and not args.force:
-        from pathlib import Path
-
         if Path(args.output).exists():
             raise BadInput(f"{args.output}: already exists; pass --force to overwrite it")
     request = PlanRequest(
@@ -141,17 +142,26 @@ def cmd_plan(argv: Sequence[str]) -> int:
         ),
         top_k=args.top,
     )
+    if args.run and args.json:
+        raise BadInput("plan: --run prints tables; for JSON write the plan with -o and use `plan run PLAN --json`")
     plan = make_plan(load_model_file(args.model), request)
-    if args.output:
+    output = args.output
+    if args.run and not output:  # the run report is written next to the plan: a fresh folder
+        import tempfile
+
+        output = str(Path(tempfile.mkdtemp(prefix="plan-")) / "plan.json")
+    if output:
         from planner import schema
 
-        schema.write_new_file(args.output, plan.to_json(), force=args.force)
+        schema.write_new_file(output, plan.to_json(), force=args.force)
     if args.json:
         print(plan.to_json())
     else:
         render_plan(plan)
-        if args.output:
-            print(f"plan written to {args.output}")
+        if output:
+            print(f"plan written to {output}")
+    if args.run:
+        return cmd_run([output, "--model", args.model, "--steps", str(args.steps)] + (["--force"] if args.force else []))
     return 0
 
 
@@ -187,8 +197,6 @@ def cmd_run(argv: Sequence[str]) -> int:
     run_dir = run_dir_for(args.plan)
     ckpt = dict(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume)
     if args.checkpoint_dir:
-        from pathlib import Path
-
         from runtime.checkpoint import find_latest, plan_sha256, sha256_file, unsupported
 
         why = unsupported(prepared.plan)

@@ -24,6 +24,8 @@ from planner.search.space import Fixed
 DEFAULT_GPU = "h100-sxm-80gb"
 # Without --global-batch: GPUs x the largest micro-batch (a power of two up to this) that fits.
 MAX_DEFAULT_MICRO_BATCH = 64
+# ... up to 8 on the local CPU, whose steps are for checking a plan, not for training.
+MAX_DEFAULT_MICRO_BATCH_CPU = 8
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,8 @@ def search(profile: ModelProfile, request: PlanRequest, cluster: Cluster) -> tup
         return run_search(profile, cluster, training, request.fixed, request.top_k, factor), training
     # The largest micro-batch whose activations fit (without recompute, unless even a micro-batch
     # of 1 needs it): the per-GPU batch a practitioner would pick.
-    b = request.fixed.micro_batch or MAX_DEFAULT_MICRO_BATCH
+    cap = MAX_DEFAULT_MICRO_BATCH_CPU if cluster.gpu.origin == "measured" else MAX_DEFAULT_MICRO_BATCH
+    b = request.fixed.micro_batch or cap
     recompute = request.fixed.recompute or "none"
     while True:
         training = _training(request, cluster, request.gpus * b)

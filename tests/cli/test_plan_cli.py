@@ -111,3 +111,15 @@ def test_bad_flags_are_one_line_errors(capsys, args, message):
     assert main([GPT, *args]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_plan_then_run_on_cpu(capsys, tmp_path):
+    """`plan MODEL.py --gpu cpu --gpus N --run`: plans, prints the plan, executes it, reports."""
+    out = tmp_path / "plan.json"
+    code = main([GPT, "--gpu", "cpu", "--gpus", "2", "--global-batch", "4", "--run", "--steps", "2", "-o", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "Plan for gpt" in printed and "measured / predicted" in printed
+    report = json.loads((tmp_path / "plan.run.json").read_text())
+    assert report["schema"] == "planner.RunReport"
+    assert len(report["measured"]["losses"]) == 2 and report["measured"]["step_time_s"] > 0
