@@ -56,7 +56,9 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
     dp = plan.data_parallel
     if dp is not None:
         if dp.fits:
-            alt.add_row(f"plain data parallel: {dp.plan}", fmt_seconds(dp.step_time_s), f"{dp.step_time_s / pr.step_time_s:.2f}x slower" if dp.step_time_s > pr.step_time_s * 1.0001 else "this plan", fmt_bytes(dp.peak_memory_bytes))
+            ratio = dp.step_time_s / pr.step_time_s
+            versus = "this plan" if abs(ratio - 1) < 1e-4 else f"{ratio:.2f}x " + ("slower" if ratio > 1 else "the time: faster")
+            alt.add_row(f"plain data parallel: {dp.plan}", fmt_seconds(dp.step_time_s), versus, fmt_bytes(dp.peak_memory_bytes))
         else:
             alt.add_row("plain data parallel", "-", "does not fit", f"needs {fmt_bytes(dp.peak_memory_bytes)}")
     console.print(alt)

@@ -185,6 +185,13 @@ def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int
             "so each GPU trains a copy on its share of the batch (the rule of thumb: split the model "
             "only when it does not fit or when splitting is predicted faster)."
         )
+    elif dp_plan.step_time_s < best.step_time_s:  # the user's fixed choices cost speed
+        lines.append(
+            f"Plain data parallelism fits ({fmt_bytes(dp_plan.evaluation.peak_bytes)} per GPU) and is predicted "
+            f"{best.step_time_s / dp_plan.step_time_s - 1:.0%} faster than this configuration "
+            f"({fmt_seconds(dp_plan.step_time_s)} against {fmt_seconds(best.step_time_s)} per step): the fixed "
+            "choices (--tp/--pp/--dp/--zero/...) cost it speed."
+        )
     else:
         gain = dp_plan.step_time_s / best.step_time_s - 1
         lines.append(
