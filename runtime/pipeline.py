@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from planner.errors import BadInput
 from planner.model_file import ModelHandle
 from planner.plan import Plan
+from runtime.meta_init import BuildInfo, materialize, params_sha256, use_meta
 from runtime.parallelize import apply_dp, apply_recompute_layers, apply_tp, full_parameters
 from runtime.preflight import LayerSplit
 from runtime.train import (
@@ -196,6 +197,7 @@ def _all_reduce_grads(params: Any, group: dist.ProcessGroup, dp: int) -> None:
 class PipelineRun:
     result: RankResult
     params: dict[str, torch.Tensor] | None
+    build: BuildInfo
 
 
 def run_pipeline(
@@ -224,14 +226,28 @@ def run_pipeline(
     sample = slice_rows(global_batch(handle, plan, 0)[0], 0, p.micro_batch)
     check_sequential(handle, handle.name, all_names, split_points[0], sample)
 
-    torch.manual_seed(MODEL_SEED)  # identical initial weights on every rank and in one process
-    full = handle.build_model().to(device=device, dtype=torch.float32)
+    meta_full = handle.build_model("meta")
+    on_meta = use_meta(meta_full, device)
+    if on_meta:  # too large to build whole on every rank (or PLAN_RUNTIME_META=1): stubs, then to_empty
+        full = meta_full.to(dtype=torch.float32)
+    else:
+        del meta_full
+        torch.manual_seed(MODEL_SEED)  # identical initial weights on every rank and in one process
+        full = handle.build_model().to(device=device, dtype=torch.float32)
+    build = BuildInfo(path="meta" if on_meta else "cpu")
     pp_group = mesh["pp"].get_group()
     mine = [(s, names) for s, (r, names) in enumerate(stages) if r == pp_index]
     recompute = set(plan.stages[pp_index].recompute_layers) | set(plan.stages[pp_index].selective_layers)
     modules, wrapped_stages, params, owned = [], [], {}, {}
     for s, names in mine:
         module = build_stage_module(full, all_names, names, first=(s == 0))
+        if on_meta:
+            made = materialize(module, device, full, [n for n in all_names if n not in names])
+            build.materialized_parameters += made.materialized_parameters
+            build.materialized_names += made.materialized_names
+            build.init_sha256 = made.init_sha256 if not build.init_sha256 else build.init_sha256 + "," + made.init_sha256
+        else:
+            build.materialized_parameters += sum(q.numel() for q in module.parameters())
         mine_layers = tuple(by_name[n] for n in names)
         if p.tp > 1:
             apply_tp(module, mine_layers, mesh["tp"])
@@ -305,6 +321,8 @@ def run_pipeline(
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
         losses.append(float(total))
+        if on_meta and step + 1 == 1:  # data-parallel replicas must agree (a collective on every rank)
+            build.params_sha256_step1 = params_sha256(full_parameters(owned))
         if after_step is not None:
             after_step(step + 1)
     result = RankResult(rank, tuple(losses), tuple(times), peak_memory_bytes(device))
@@ -317,4 +335,4 @@ def run_pipeline(
         for d in everyone:
             for k, v in d.items():
                 gathered.setdefault(k, v)
-    return PipelineRun(result, gathered)
+    return PipelineRun(result, gathered, build)

@@ -6,6 +6,8 @@ same seed on every rank, TP -> recompute -> data parallel applied, and ``--steps
 training. A plan with pp > 1 gets a (pp, dp, tp) mesh and runs its pipeline stages
 (``runtime.pipeline``). Outputs go to ``RUN_DIR/plan<i>/``: ``rank<r>.json`` per rank, ``report.json`` (the
 RunReport, rank 0) and, with ``--save-params``, ``params.pt`` (every parameter gathered whole).
+A model too large for every rank to build it whole (or ``PLAN_RUNTIME_META=1``) is built on the
+meta device and only this rank's part materialised (``runtime.meta_init``).
 
 A rank that fails writes ``RUN_DIR/error.rank<r>.json`` (time, one-line error, traceback) and
 exits 1; torchrun then stops the other ranks, and the process group's timeout bounds any wait on
@@ -33,6 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from planner.errors import BadInput
 from runtime.checkpoint import Checkpointer, CheckpointRefused, plan_sha256, sha256_file, unsupported
 from runtime.layout import coords, runtime_warnings
+from runtime.meta_init import WARNING as META_WARNING, BuildInfo, materialize, params_sha256, use_meta
 from runtime.parallelize import apply_dp, apply_recompute, apply_tp, full_parameters
 from runtime.preflight import Prepared, load_for_worker
 from runtime.report import build_report
@@ -84,8 +87,16 @@ def run_plan(index: int, prepared: Prepared, args: argparse.Namespace, rank: int
         f"!= layout ({c.dp_index}, {c.tp_index})"
     )
 
-    torch.manual_seed(MODEL_SEED)  # identical initial weights on every rank
-    model = prepared.handle.build_model().to(device=device, dtype=torch.float32)
+    meta = prepared.handle.build_model("meta")
+    if use_meta(meta, device):
+        # Too large for every rank to build it whole (or PLAN_RUNTIME_META=1): to_empty + init
+        model = meta.to(dtype=torch.float32)
+        build = materialize(model, device)
+    else:
+        del meta
+        torch.manual_seed(MODEL_SEED)  # identical initial weights on every rank
+        model = prepared.handle.build_model().to(device=device, dtype=torch.float32)
+        build = BuildInfo(materialized_parameters=sum(q.numel() for q in model.parameters()))
     if p.tp > 1:
         apply_tp(model, prepared.layers, mesh["tp"])
     apply_recompute(model, plan)
@@ -96,12 +107,30 @@ def run_plan(index: int, prepared: Prepared, args: argparse.Namespace, rank: int
     optimizer = make_optimizer(plan, model)
     ctx = _CheckpointContext(index, prepared, args, rank)
     start_step, after_step = ctx.setup(model, optimizer) if ctx.enabled else (0, None)
+    after_step = _with_step1_hash(after_step, build, params, start_step)
     result = train(
         prepared.handle, plan, wrapped, model, c.dp_index, dp_group, args.steps, device, rank,
         AUTOCAST.get(plan.training.precision), optimizer=optimizer, start_step=start_step, after_step=after_step,
     )
     gathered = full_parameters(params) if args.save_params else None
-    _finish(out, prepared, args, rank, world_size, result, gathered, started, ctx)
+    _finish(out, prepared, args, rank, world_size, result, gathered, started, ctx, build)
+
+
+def _with_step1_hash(
+    after_step: Callable[[int], None] | None, build: BuildInfo, params: dict, start_step: int,
+) -> Callable[[int], None] | None:
+    """On the meta path, also hash every parameter gathered whole after step 1 (a collective on
+    every rank): data-parallel replicas must agree."""
+    if build.path != "meta" or start_step > 0:
+        return after_step
+
+    def hook(n: int) -> None:
+        if n == 1:
+            build.params_sha256_step1 = params_sha256(full_parameters(params))
+        if after_step is not None:
+            after_step(n)
+
+    return hook
 
 
 class _CheckpointContext:
@@ -162,17 +191,17 @@ def _run_pipeline_plan(
         prepared.handle, plan, prepared.layers, mesh, c.pp_index, c.dp_index, args.steps, device, rank,
         AUTOCAST.get(plan.training.precision), args.save_params, ctx.setup if ctx.enabled else None,
     )
-    _finish(out, prepared, args, rank, world_size, run.result, run.params, started, ctx)
+    _finish(out, prepared, args, rank, world_size, run.result, run.params, started, ctx, run.build)
 
 
 def _finish(
     out: Path, prepared: Prepared, args: argparse.Namespace, rank: int, world_size: int,
-    result: RankResult, gathered: dict | None, started: float, ctx: _CheckpointContext,
+    result: RankResult, gathered: dict | None, started: float, ctx: _CheckpointContext, build: BuildInfo,
 ) -> None:
-    """Per-rank JSON, the gathered parameters and (rank 0) the RunReport."""
+    """Per-rank JSON (with how the model was built), the gathered parameters and (rank 0) the RunReport."""
     plan = prepared.plan
     device_type = prepared.device_type
-    _write_json(out / f"rank{rank}.json", asdict(result))
+    _write_json(out / f"rank{rank}.json", {**asdict(result), "build": asdict(build)})
     results: list[RankResult | None] = [None] * world_size
     dist.all_gather_object(results, result)
     if gathered is not None and rank == 0:
@@ -185,7 +214,7 @@ def _finish(
             step_times_s=done[0].step_times_s,
             peak_memory_bytes=[r.peak_memory_bytes for r in done],
             losses=done[0].losses,
-            warnings=[*runtime_warnings(plan, prepared.layers), *ctx.notes],
+            warnings=[*runtime_warnings(plan, prepared.layers), *ctx.notes, *([META_WARNING] if build.path == "meta" else [])],
         )
         report = replace(report, wall_s=round(time.perf_counter() - started, 3))
         (out / "report.json").write_text(report.to_json())

@@ -56,6 +56,8 @@ def build_model():
 
 
 def sample_batch(batch_size):
+    if os.environ.get("PLAN_TEST_FIXED_DATA") == "1":  # one batch every step: a loss that can fall
+        return gpt_batch(CFG, batch_size, seed=0)
     # new data each step: the runtime seeds torch before each call
     return gpt_batch(CFG, batch_size, seed=int(torch.randint(0, 2**31 - 1, ())))
 """
@@ -337,3 +339,108 @@ def test_prune_deletes_only_old_checkpoints_of_ours(tmp_path):
     removed = prune(tmp_path, keep=2)
     assert removed == [tmp_path / "step-00000002"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "step-00000001", "step-00000004", "step-00000006"]
+
+
+# --- the meta-device build (runtime/meta_init.py; PLAN_RUNTIME_META=1) ---------------------------
+
+META_CONFIGS = ("pp_1f1b", "fsdp")
+META_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def meta_runs(plans, workdir) -> dict[str, tuple[object, list[dict]]]:
+    """pp2 and dp2 FSDP built on the meta device, one 2-rank launch on one fixed batch (random
+    tokens every step leave nothing to learn): name -> (report, rank JSONs)."""
+    result = launch([plans[n] for n in META_CONFIGS], 2, steps=META_STEPS, timeout_s=300,
+                    run_dir=workdir / "w2meta", env={"PLAN_RUNTIME_META": "1", "PLAN_TEST_FIXED_DATA": "1"})
+    out = {}
+    for i, name in enumerate(META_CONFIGS):
+        ranks = [json.loads((result.run_dir / f"plan{i}" / f"rank{r}.json").read_text()) for r in range(2)]
+        out[name] = (result.reports[i], ranks)
+    return out
+
+
+@pytest.mark.parametrize("name", META_CONFIGS)
+def test_meta_build_trains(name, meta_runs):
+    import itertools
+    import math
+
+    from runtime.meta_init import WARNING
+
+    report, ranks = meta_runs[name]
+    losses = report.measured.losses
+    assert len(losses) == META_STEPS and all(math.isfinite(x) for x in losses), losses
+    assert sum(b - a for a, b in itertools.pairwise(losses)) < 0, f"{name}: losses do not decrease: {losses}"
+    assert WARNING in report.warnings
+    assert all(r["build"]["path"] == "meta" for r in ranks)
+
+
+def test_meta_build_replicas_agree(meta_runs):
+    """dp2 FSDP: both replicas initialised the same weights (before sharding) without communication,
+    and hold the same parameters after step 1."""
+    _, ranks = meta_runs["fsdp"]
+    a, b = (r["build"] for r in ranks)
+    assert a["init_sha256"] and a["init_sha256"] == b["init_sha256"]
+    assert a["params_sha256_step1"] and a["params_sha256_step1"] == b["params_sha256_step1"]
+
+
+def test_meta_build_materialises_only_own_stage(meta_runs, reference, plans):
+    """pp2: rank 0 never allocated stage 1's layers (blocks.1, ...), rank 1 not stage 0's (blocks.0)."""
+    from planner.plan import Plan
+
+    _, ref_params = reference
+    _, ranks = meta_runs["pp_1f1b"]
+    r0, r1 = (r["build"] for r in ranks)
+    stages = [tuple(s.chunks[0]) for s in Plan.load(plans["pp_1f1b"]).stages]
+    assert "blocks.1" in stages[1] and "blocks.0" in stages[0]
+
+    def under(name: str, layers: tuple[str, ...]) -> bool:
+        return any(name == l or name.startswith(l + ".") for l in layers)
+
+    assert not any(under(n, stages[1]) for n in r0["materialized_names"])
+    assert not any(under(n, stages[0]) for n in r1["materialized_names"])
+    total = sum(p.numel() for p in ref_params.values())
+    other = sum(p.numel() for n, p in ref_params.items() if under(n, stages[1]))
+    assert other > 0 and r0["materialized_parameters"] == total - other
+
+
+def test_default_build_not_warned(runs):
+    from runtime.meta_init import WARNING
+
+    assert WARNING not in runs["ddp"][0].warnings
+
+
+def test_materialize_stage_with_init_hook_walking_every_layer():
+    """llama's init_weights walks every layer (RoPE tables): on a stage whose other layers are stubs
+    the meta layers are put back for the call; replicas built twice agree."""
+    import sys
+
+    sys.path.insert(0, str(EXAMPLES))
+    from llama import LlamaConfig, build_llama, rope_tables
+
+    from runtime.meta_init import materialize
+    from runtime.pipeline import build_stage_module
+
+    cfg = LlamaConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab=64, seq_len=16)
+    names = ["embed_tokens", *(f"layers.{i}" for i in range(4)), "norm", "lm_head"]
+    keep = ("layers.2", "layers.3", "norm", "lm_head")
+
+    def build():
+        with torch.device("meta"):
+            full = build_llama(cfg)
+        stage = build_stage_module(full, names, keep, first=False)
+        info = materialize(stage, torch.device("cpu"), full, [n for n in names if n not in keep])
+        return stage, info
+
+    (a, info_a), (b, info_b) = build(), build()
+    assert info_a.init_sha256 == info_b.init_sha256
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert not any(t.is_meta for t in (*a.parameters(), *a.buffers()))
+    assert not any(n.startswith(("layers.0.", "layers.1.", "embed_tokens")) for n in info_a.materialized_names)
+    cos, _ = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta)
+    assert torch.equal(a.get_submodule("layers.3").self_attn.rope_cos, cos)
+    assert torch.all(a.get_submodule("norm").weight == 1)
+    w = a.get_submodule("layers.2").mlp.up_proj.weight
+    assert abs(w.std().item() - 0.02) < 0.005
+    x = torch.randn(2, cfg.seq_len, cfg.dim)
+    assert torch.isfinite(a(x)).all()

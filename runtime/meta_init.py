@@ -1,0 +1,151 @@
+"""Build on the meta device and materialise only this rank's part (models too large for the
+default path, where every rank builds the whole model on the CPU from one seed).
+
+``use_meta`` decides (forced by ``PLAN_RUNTIME_META=1``, disabled by ``=0``; otherwise when
+parameters x 4 bytes x processes on this host exceed half of ``MemAvailable``; every rank takes
+the same decision). ``materialize`` then turns a module built under ``torch.device("meta")``
+(after the other pipeline stages' layers were replaced by stubs) into real tensors with
+``to_empty`` and initialises them:
+
+1. every submodule with ``reset_parameters()`` (and real tensors) calls it, after
+   ``torch.manual_seed`` from a hash of its name;
+2. the model's own ``init_weights()``, when the root has one (examples/gpt.py, examples/llama.py:
+   it also recomputes the non-persistent buffers), seeded from a hash of the names of the
+   parameters materialised here. The layers of other stages are put back from the meta build
+   for that call (on meta tensors init is a no-op), so a hook that walks every layer still works.
+
+Seeds come from names only, so every data-parallel (and tensor-parallel) replica of a stage gets
+identical weights without communication. The values differ from a single-process build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from planner.errors import BadInput
+
+log = logging.getLogger(__name__)
+ENV = "PLAN_RUNTIME_META"
+WARNING = (
+    "built on the meta device: only this rank's layers were materialised; initialisation differs "
+    "from a single-process build"
+)
+
+
+@dataclass
+class BuildInfo:
+    """How this rank built its model (written into rank<r>.json)."""
+
+    path: str = "cpu"  # "cpu": the whole model from the seed; "meta": meta, then to_empty
+    materialized_parameters: int = 0  # elements materialised on this rank (before TP/FSDP sharding)
+    materialized_names: tuple[str, ...] = ()
+    init_sha256: str = ""  # of the materialised parameters, before TP/DP
+    params_sha256_step1: str = ""  # of every parameter gathered whole after step 1 (meta path)
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def use_meta(meta_model: nn.Module, device: torch.device) -> bool:
+    """Whether to take the meta path; the same answer on every rank (a MAX all-reduce)."""
+    forced = os.environ.get(ENV)
+    if forced in ("0", "1"):
+        want = forced == "1"
+    else:
+        n = sum(p.numel() for p in meta_model.parameters())
+        procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        avail = _mem_available()
+        want = avail is not None and n * 4 * procs > 0.5 * avail
+        if want:
+            log.info("meta path: %d parameters x 4 B x %d processes > half of MemAvailable (%d B)", n, procs, avail)
+    if dist.is_initialized() and forced not in ("0", "1"):
+        flag = torch.tensor([int(want)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        want = bool(flag.item())
+    return want
+
+
+def name_seed(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"plan-runtime:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def _is_meta(m: nn.Module) -> bool:
+    return any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+
+
+def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    parent._modules[leaf] = new
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, device: torch.device, meta_full: nn.Module | None = None,
+                dropped: Iterable[str] = ()) -> BuildInfo:
+    """`module` (meta; `dropped` layers already stubs) -> real tensors on `device`, initialised.
+
+    `meta_full`: the meta build the stubs replaced layers of (put back for the root's
+    init_weights call)."""
+    module.to_empty(device=device)
+    dropped = list(dropped)
+    covered: set[int] = set()
+    for name, m in module.named_modules():
+        reset = getattr(m, "reset_parameters", None)
+        if callable(reset) and not _is_meta(m):
+            torch.manual_seed(name_seed(name))
+            reset()
+            covered.update(id(p) for p in m.parameters(recurse=False))
+    init = getattr(module, "init_weights", None)
+    names = [n for n, _ in module.named_parameters()]
+    if callable(init):
+        stubs = {n: module.get_submodule(n) for n in dropped}
+        if meta_full is not None:
+            for n in dropped:
+                _replace(module, n, meta_full.get_submodule(n))
+        try:
+            torch.manual_seed(name_seed("init_weights:" + ",".join(names)))
+            init()
+        finally:
+            for n, stub in stubs.items():
+                _replace(module, n, stub)
+    else:
+        missing = [n for n, p in module.named_parameters() if id(p) not in covered]
+        bufs = [n for n, m in module.named_modules() for b in getattr(m, "_non_persistent_buffers_set", ())]
+        if missing or bufs:
+            raise BadInput(
+                f"cannot build this model on the meta device: no init_weights() on the model, and "
+                f"{'parameters ' + ', '.join(missing[:3]) if missing else 'non-persistent buffers'} "
+                f"have no reset_parameters() to initialise them"
+            )
+    params = dict(module.named_parameters())
+    return BuildInfo(
+        path="meta",
+        materialized_parameters=sum(p.numel() for p in params.values()),
+        materialized_names=tuple(params),
+        init_sha256=params_sha256(params),
+    )
+
+
+def params_sha256(params: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(params):
+        t = params[name].detach().to("cpu", torch.float32).contiguous()
+        h.update(name.encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
