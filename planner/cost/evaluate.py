@@ -65,7 +65,7 @@ def evaluate(costs: StageCosts, bounds: list[int], choice: list[int]) -> Evaluat
     """`bounds`: S+1 atom indices (stage s holds atoms bounds[s]:bounds[s+1]); `choice`: 0/1/2 per
     atom (none/selective/full recompute)."""
     cand = costs.cand
-    p, dp, zero = cand.pp, cand.dp, cand.zero
+    p, dp = cand.pp, cand.dp
     assert len(bounds) == cand.num_stages + 1, f"bounds({len(bounds)}) != stages({cand.num_stages}) + 1"
     per_device: list[list[int]] = [[] for _ in range(p)]
     for s in range(cand.num_stages):
@@ -80,15 +80,16 @@ def evaluate(costs: StageCosts, bounds: list[int], choice: list[int]) -> Evaluat
         p2p = costs.p2p_s * stages_per_device
         t = compute + recompute + tp_comm + p2p
         params = sum(a.params for a in atoms)
-        w, g, o = costs.weight_bytes, costs.grad_bytes, costs.optim_bytes
+        g = costs.grad_bytes
         # data-parallel traffic every micro-batch (ZeRO-2/3): bytes overlap compute, latency does not
         t = max(t, costs.mb_comm_param_s * params) + costs.mb_comm_atom_s * len(atoms)
         one_backward = sum(a.bwd_s for a in atoms)
         exposed = max(costs.tail_s, costs.grad_sync(params * g) - one_backward, 0.0) if dp > 1 else 0.0
         sync = exposed + (costs.after_step_param_s + costs.optimizer_s_per_param) * params
-        weights = params * w / (dp if zero >= 3 else 1) + costs.zero3_gather_bytes
-        grads = params * g / (dp if zero >= 2 else 1)
-        optim = params * o / (dp if zero >= 1 else 1)
+        w_dev, g_dev, o_dev = costs.state_bytes_per_param()
+        weights = params * w_dev + costs.zero3_gather_bytes
+        grads = params * g_dev
+        optim = params * o_dev
         kept = sum(a.act_bytes[choice[k]] for a, k in zip(atoms, atom_ids))
         activations = costs.inflight[i] * kept + costs.working_bytes
         reserve = costs.reserve_fixed_bytes + FRAGMENTATION * (weights + grads + optim + activations)

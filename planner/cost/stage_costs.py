@@ -97,6 +97,17 @@ class StageCosts:
     def num_devices(self) -> int:
         return self.cand.pp
 
+    def state_bytes_per_param(self) -> tuple[float, float, float]:
+        """(weights, gradients, optimizer state) bytes per parameter on a device after ZeRO
+        sharding over the dp replicas: stage 1 shards the optimizer state, 2 also the gradients,
+        3 also the weights."""
+        dp, zero = self.cand.dp, self.cand.zero
+        return (
+            self.weight_bytes / (dp if zero >= 3 else 1),
+            self.grad_bytes / (dp if zero >= 2 else 1),
+            self.optim_bytes / (dp if zero >= 1 else 1),
+        )
+
 
 def _scale(profile: ModelProfile, micro_batch: int) -> float:
     return micro_batch / profile.batch_size

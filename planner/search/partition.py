@@ -192,9 +192,9 @@ def solve_partition(
     M = _var(prob, "M", 0)
     U = _var(prob, "U", 0)
     T = {}
-    w_b, g_b, o_b = costs.weight_bytes, costs.grad_bytes, costs.optim_bytes
-    dp, zero = cand.dp, cand.zero
-    per_param_bytes = w_b / (dp if zero >= 3 else 1) + g_b / (dp if zero >= 2 else 1) + o_b / (dp if zero >= 1 else 1)
+    g_b = costs.grad_bytes
+    dp = cand.dp
+    per_param_bytes = sum(costs.state_bytes_per_param())
     for i in range(p):
         T[i] = _var(prob, f"T_{i}", 0)
         params = rank_sum(i, params_of)

@@ -21,7 +21,7 @@ from planner.cost.setup import Candidate, Training
 from planner.cost.stage_costs import FULL, NONE, SELECTIVE, StageCosts, atom_table, atoms_of, stage_costs
 from planner.hardware import Cluster
 from planner.profile.types import ModelProfile
-from planner.search.partition import MIP_GAP, PartitionResult, solve_partition
+from planner.search.partition import MIP_GAP, PartitionResult, balanced_bounds, solve_partition
 from planner.search.space import Fixed, SpaceStats, candidates, memory_lower_bound, time_lower_bound
 
 RECOMPUTE_HEADROOM = 0.15
@@ -219,14 +219,10 @@ def _min_need(result: SearchResult, survivors: list[tuple[float, StageCosts]], l
     """Nothing fit: the least peak memory among candidates that passed the bound (balanced
     stages, the leanest recompute allowed), to tell the user how far off the limit they are."""
     for _, costs in survivors:
-        bounds = _balanced_bounds(len(costs.atoms), costs.cand.num_stages)
+        bounds = balanced_bounds([a.fwd_s + a.bwd_s for a in costs.atoms], costs.cand.num_stages, costs.cand.pp)
         ev = evaluate(costs, bounds, [leanest] * len(costs.atoms))
         if result.min_need_bytes is None or ev.peak_bytes < result.min_need_bytes:
             result.min_need_bytes, result.min_need_cand = ev.peak_bytes, costs.cand
-
-
-def _balanced_bounds(num_atoms: int, num_stages: int) -> list[int]:
-    return [round(num_atoms * s / num_stages) for s in range(num_stages + 1)]
 
 
 def _data_parallel_baseline(result, profile, cluster, training, costs_of, solver, num_atoms) -> None:

@@ -142,12 +142,7 @@ def memory_lower_bound(costs: StageCosts, recompute: str | None = None) -> float
     """
     cand = costs.cand
     k = {None: FULL, "full": FULL, "selective": SELECTIVE, "none": NONE}[recompute]
-    dp, zero = cand.dp, cand.zero
-    per_param = (
-        costs.weight_bytes / (dp if zero >= 3 else 1)
-        + costs.grad_bytes / (dp if zero >= 2 else 1)
-        + costs.optim_bytes / (dp if zero >= 1 else 1)
-    )
+    per_param = sum(costs.state_bytes_per_param())
     state = sum(a.params for a in costs.atoms) * per_param
     act = sum(min(a.act_bytes[k], a.act_bytes[NONE]) for a in costs.atoms)
     infl = costs.inflight
