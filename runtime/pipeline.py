@@ -41,7 +41,9 @@ from planner.errors import BadInput
 from planner.model_file import ModelHandle
 from planner.plan import Plan
 from runtime.meta_init import BuildInfo, materialize, params_sha256, use_meta
-from runtime.parallelize import apply_dp, apply_recompute_layers, apply_tp, full_parameters
+from runtime.data_parallel import apply_dp, full_parameters
+from runtime.recompute import apply_recompute_layers
+from runtime.tensor_parallel import apply_tp
 from runtime.preflight import LayerSplit
 from runtime.train import (
     MODEL_SEED, RankResult, global_batch, make_optimizer_for, peak_memory_bytes, slice_rows, to_device,

@@ -23,7 +23,7 @@ from torch import nn
 
 from planner.model_file import ModelHandle, call_model
 from planner.plan import Plan
-from runtime.parallelize import set_grad_sync
+from runtime.data_parallel import set_grad_sync
 
 MODEL_SEED = 1234
 """torch.manual_seed before build_model() on every rank: identical initial weights everywhere."""

@@ -36,7 +36,9 @@ from planner.errors import BadInput
 from runtime.checkpoint import Checkpointer, CheckpointRefused, plan_sha256, sha256_file, unsupported
 from runtime.layout import coords, runtime_warnings
 from runtime.meta_init import WARNING as META_WARNING, BuildInfo, materialize, params_sha256, use_meta
-from runtime.parallelize import apply_dp, apply_recompute, apply_tp, full_parameters
+from runtime.data_parallel import apply_dp, full_parameters
+from runtime.recompute import apply_recompute
+from runtime.tensor_parallel import apply_tp
 from runtime.preflight import Prepared, load_for_worker
 from runtime.report import build_report
 from runtime.train import MODEL_SEED, RankResult, make_optimizer, median_step_time, train

@@ -1,70 +1,26 @@
-"""Apply a plan to a model, in torchtitan's order: tensor parallel, then recompute, then data parallel.
+"""Data parallel over the mesh's "dp" axis, applied after TP and recompute (torchtitan's order).
 
-- TP: DTensor ``parallelize_module`` on each splittable layer, ``ColwiseParallel`` on the layer's
-  column-wise Linears and ``RowwiseParallel`` on its row-wise ones (names from the profiler's
-  TPInfo, relative to the layer). Embeddings and the head stay replicated in this slice.
-- Recompute: the forward of every layer in ``stages[0].recompute_layers`` (and, as full recompute,
-  ``selective_layers``) runs under ``torch.utils.checkpoint(use_reentrant=False)``.
-- Data parallel over the mesh's "dp" axis: ZeRO-0 is DDP (after TP, with the DTensor parameters
-  localised by ``_pre_dp_module_transform``); ZeRO 1/2/3 is FSDP2 ``fully_shard`` on every layer
-  and then the root, ``reshard_after_forward`` True for ZeRO-3 and False for 1/2.
+ZeRO-0 is DDP (after TP, with the DTensor parameters localised by ``_pre_dp_module_transform``);
+ZeRO 1/2/3 is FSDP2 ``fully_shard`` on every layer and then the root, ``reshard_after_forward``
+True for ZeRO-3 and False for 1/2.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.checkpoint import checkpoint
 
 from planner.plan import Plan
-from runtime.layout import tp_layers
 from runtime.preflight import LayerSplit
 
 log = logging.getLogger(__name__)
-
-
-def apply_tp(model: nn.Module, layers: tuple[LayerSplit, ...], tp_mesh: DeviceMesh) -> int:
-    """Shard the Linear pairs of every splittable layer over `tp_mesh`; returns the layer count."""
-    split = tp_layers(layers, tp_mesh.size())
-    for layer in split:
-        assert layer.tp is not None
-        plan: dict[str, Any] = {name: ColwiseParallel() for name in layer.tp.colwise}
-        plan.update({name: RowwiseParallel() for name in layer.tp.rowwise})
-        parallelize_module(model.get_submodule(layer.name), tp_mesh, plan)
-    log.info("tensor parallel: %d layer(s) over %d ranks", len(split), tp_mesh.size())
-    return len(split)
-
-
-def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    return run
-
-
-def apply_recompute(model: nn.Module, plan: Plan) -> list[str]:
-    """Recompute the plan's layers in backward (full checkpoint); returns their names."""
-    stage = plan.stages[0]
-    names = list(dict.fromkeys((*stage.recompute_layers, *stage.selective_layers)))
-    return apply_recompute_layers(model, names)
-
-
-def apply_recompute_layers(model: nn.Module, names: list[str]) -> list[str]:
-    """Recompute the named layers of `model` in backward (full checkpoint); returns the names."""
-    for name in names:
-        module = model.get_submodule(name)
-        # An instance attribute: the module's __call__ (and the hooks FSDP adds) still run around it.
-        module.forward = _checkpointed(module.forward)  # type: ignore[method-assign]
-    log.info("recompute: %d layer(s)", len(names))
-    return names
 
 
 def _separately_shardable(model: nn.Module, layers: tuple[LayerSplit, ...]) -> list[str]:
