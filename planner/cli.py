@@ -185,34 +185,19 @@ def cmd_run(argv: Sequence[str]) -> int:
     args = _run_parser().parse_args(argv)
     from runtime.launch import format_command, launch, run_dir_for, torchrun_command
     from runtime.layout import describe, runtime_warnings
-    from runtime.preflight import prepare
+    from runtime.preflight import check_checkpointing, prepare
     from runtime.report import render_report, report_path
 
     if args.timeout_s <= 0:
         raise BadInput(f"plan run: --timeout-s must be positive, got {args.timeout_s:g}")
-    if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
-        raise BadInput("plan run: --checkpoint-every and --resume need --checkpoint-dir DIR")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise BadInput("plan run: --checkpoint-every needs --checkpoint-dir DIR")
     prepared = prepare(args.plan, args.model)
     out = report_path(args.plan)
     run_dir = run_dir_for(args.plan)
     ckpt = dict(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume)
-    if args.checkpoint_dir:
-        from runtime.checkpoint import find_latest, plan_sha256, sha256_file, unsupported
-
-        why = unsupported(prepared.plan)
-        if why:
-            raise BadInput(f"plan run: {why}")
-        if args.resume:  # verified here too, so a refusal is a one-line error before anything starts
-            found = find_latest(Path(args.checkpoint_dir), plan_sha256(Path(args.plan)),
-                                sha256_file(Path(prepared.handle.path)))
-            if found is None:
-                print(f"--resume: no checkpoint in {args.checkpoint_dir}; starting from step 0", file=sys.stderr)
-            else:
-                for line in found.skipped:
-                    print(f"skipped {line}", file=sys.stderr)
-                if found.step >= args.steps:
-                    raise BadInput(f"{found.path} is at step {found.step}: --steps {args.steps} leaves nothing to run")
-                print(f"resuming from {found.path} (step {found.step})", file=sys.stderr)
+    for line in check_checkpointing(prepared, args.checkpoint_dir, args.resume, args.steps):
+        print(line, file=sys.stderr)
     if args.dry_run:
         cmd = torchrun_command([args.plan], prepared.world_size, run_dir, model=prepared.handle.path, steps=args.steps, **ckpt)
         print(format_command(cmd))

@@ -129,3 +129,28 @@ def prepare(plan_path: str | Path, model_path: str | Path | None = None, *, on_l
 def load_for_worker(plan_path: str | Path, model_path: str | Path | None) -> Prepared:
     """What a worker needs: the same checks (cheap), so every rank shards the same layers."""
     return prepare(plan_path, model_path, on_launcher=False)
+
+
+def check_checkpointing(prepared: Prepared, checkpoint_dir: str | Path | None, resume: bool, steps: int) -> list[str]:
+    """Refuse, before anything starts, a checkpointing request this plan cannot honour; returns the
+    lines to tell the user (which checkpoint a resume starts from, which ones were skipped).
+
+    The checkpoint a resume would load is verified here too (the workers verify it again), so a
+    tampered, foreign or too-recent checkpoint is a one-line error rather than a failed launch."""
+    if checkpoint_dir is None:
+        if resume:
+            raise BadInput("plan run: --resume needs --checkpoint-dir DIR")
+        return []
+    from runtime.checkpoint import find_latest, plan_sha256, sha256_file, unsupported
+
+    why = unsupported(prepared.plan)
+    if why:
+        raise BadInput(f"plan run: {why}")
+    if not resume:
+        return []
+    found = find_latest(Path(checkpoint_dir), plan_sha256(prepared.plan_path), sha256_file(Path(prepared.handle.path)))
+    if found is None:
+        return [f"--resume: no checkpoint in {checkpoint_dir}; starting from step 0"]
+    if found.step >= steps:
+        raise BadInput(f"{found.path} is at step {found.step}: --steps {steps} leaves nothing to run")
+    return [*(f"skipped {line}" for line in found.skipped), f"resuming from {found.path} (step {found.step})"]

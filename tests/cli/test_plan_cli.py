@@ -123,3 +123,16 @@ def test_plan_then_run_on_cpu(capsys, tmp_path):
     report = json.loads((tmp_path / "plan.run.json").read_text())
     assert report["schema"] == "planner.RunReport"
     assert len(report["measured"]["losses"]) == 2 and report["measured"]["step_time_s"] > 0
+
+
+def test_run_checkpoint_flags_need_a_directory(capsys, tmp_path):
+    """`plan run` refuses --checkpoint-every / --resume without --checkpoint-dir, before anything starts."""
+    out = tmp_path / "plan.json"
+    assert main([GPT, "--gpu", "cpu", "--gpus", "2", "--global-batch", "4", "-o", str(out)]) == 0
+    capsys.readouterr()
+    for flags, message in ((["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir"),
+                           (["--resume"], "--resume needs --checkpoint-dir")):
+        assert main(["run", str(out), *flags]) == EXIT_BAD_INPUT
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "plan.run.json").exists()
