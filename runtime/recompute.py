@@ -1,5 +1,19 @@
-"""Recompute: the forward of every layer the plan names runs under
-``torch.utils.checkpoint(use_reentrant=False)``; ``selective_layers`` run as full recompute in this slice.
+"""Recompute: the layers the plan names run their forward under
+``torch.utils.checkpoint(use_reentrant=False)`` and are recomputed in backward.
+
+- ``recompute_layers``: full checkpoint (only the layer's input is kept).
+- ``selective_layers``: selective activation checkpointing (PyTorch's SAC, torchtitan's op-level
+  "save matmuls" policy): ``create_selective_checkpoint_contexts`` with a policy that returns
+  ``MUST_SAVE`` for every matmul-like op and ``PREFER_RECOMPUTE`` for the rest (norms,
+  activations, softmax, dropout, elementwise). "Matmul-like" is exactly what the profiler counts
+  for ``activation_matmul_bytes``: an op with a FLOP formula in torch's ``flop_counter`` registry
+  plus the CPU flash-attention kernel the profiler registers (``planner.profile.flops.formula_for``):
+  mm, addmm, bmm, baddbmm, ``_scaled_mm``, the SDPA kernels (flash, efficient, cuDNN, CPU flash),
+  convolutions. ``nn.Linear`` reaches the dispatcher as addmm/mm, ``@`` as bmm/mm.
+
+The non-reentrant checkpoint stashes the RNG state (``preserve_rng_state=True``, the default) and
+restores it for the recompute, and the saved ops draw no random numbers, so dropout recomputes the
+same masks (tests/unit/test_recompute.py checks gradients equal the plain layer's with dropout).
 """
 
 from __future__ import annotations
@@ -8,32 +22,50 @@ import logging
 from typing import Any, Callable
 
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from planner.plan import Plan
+from planner.profile.flops import formula_for  # also registers the CPU flash-attention formula
 
 log = logging.getLogger(__name__)
 
 
-def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+def is_matmul_like(op: Any) -> bool:
+    """The profiler's "matmul-like" (an op with a FLOP formula): what selective recompute keeps."""
+    return getattr(op, "overloadpacket", None) is not None and formula_for(op) is not None
+
+
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if is_matmul_like(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context() -> Any:
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+def _checkpointed(forward: Callable[..., Any], selective: bool = False) -> Callable[..., Any]:
+    extra = {"context_fn": _selective_context} if selective else {}
+
     def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
     return run
 
 
 def apply_recompute(model: nn.Module, plan: Plan) -> list[str]:
-    """Recompute the plan's layers in backward (full checkpoint); returns their names."""
+    """Recompute the plan's layers in backward (full or selective); returns their names."""
     stage = plan.stages[0]
-    names = list(dict.fromkeys((*stage.recompute_layers, *stage.selective_layers)))
-    return apply_recompute_layers(model, names)
+    return apply_recompute_layers(model, list(stage.recompute_layers), list(stage.selective_layers))
 
 
-def apply_recompute_layers(model: nn.Module, names: list[str]) -> list[str]:
-    """Recompute the named layers of `model` in backward (full checkpoint); returns the names."""
-    for name in names:
+def apply_recompute_layers(model: nn.Module, names: list[str], selective: list[str] = ()) -> list[str]:  # type: ignore[assignment]
+    """Recompute the named layers of `model` in backward: `names` with a full checkpoint,
+    `selective` with the save-matmuls policy (a layer in both gets the full one). The names."""
+    full = list(dict.fromkeys(names))
+    sel = [n for n in dict.fromkeys(selective) if n not in set(full)]
+    for name, is_sel in [*((n, False) for n in full), *((n, True) for n in sel)]:
         module = model.get_submodule(name)
         # An instance attribute: the module's __call__ (and the hooks FSDP adds) still run around it.
-        module.forward = _checkpointed(module.forward)  # type: ignore[method-assign]
-    log.info("recompute: %d layer(s)", len(names))
-    return names
+        module.forward = _checkpointed(module.forward, is_sel)  # type: ignore[method-assign]
+    log.info("recompute: %d layer(s) full, %d selective", len(full), len(sel))
+    return full + sel
