@@ -30,12 +30,17 @@ PLANS = [  # (label, world size, fixed choices)
     ("FSDP dp=2 ZeRO-3", 2, Fixed(dp=2, tp=1, pp=1, zero=3)),
     ("TP tp=2", 2, Fixed(dp=1, tp=2, pp=1)),
     ("DDP dp=2, full recompute", 2, Fixed(dp=2, tp=1, pp=1, zero=0, recompute="full")),
+    ("DDP dp=2, selective recompute", 2, Fixed(dp=2, tp=1, pp=1, zero=0, recompute="selective")),
+    ("ZeRO-1 dp=2", 2, Fixed(dp=2, tp=1, pp=1, zero=1)),
+    ("PP pp=2 1F1B, 4 micro-batches", 2, Fixed(dp=1, tp=1, pp=2, micro_batch=2, schedule="1f1b")),
     ("DDP dp=4", 4, Fixed(dp=4, tp=1, pp=1, zero=0)),
+    ("TP tp=2 x dp=2", 4, Fixed(dp=2, tp=2, pp=1, zero=0)),
 ]
 
 
 def plan_file(handle, world: int, fixed: Fixed, global_batch: int, tmp: Path, label: str) -> Path:
-    fixed = Fixed(**{**vars(fixed), "micro_batch": global_batch // (fixed.dp or 1)})
+    if fixed.micro_batch is None:  # one micro-batch per step unless the row says otherwise
+        fixed = Fixed(**{**vars(fixed), "micro_batch": global_batch // (fixed.dp or 1)})
     request = PlanRequest(gpus=world, gpu="cpu", global_batch=global_batch, precision="fp32", optimizer="adamw", fixed=fixed)
     path = tmp / (label.replace(" ", "_").replace(",", "").replace("=", "") + ".json")
     path.write_text(make_plan(handle, request).to_json())
@@ -63,7 +68,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         print(f"{handle.name}, global batch {args.global_batch}, {args.steps} steps per run, fp32, AdamW, gloo")
-        print(f"{'plan':28s} {'predicted':>10s} {'measured':>10s} {'ratio':>6s} {'pred. mem':>10s} {'meas. mem':>10s} {'ratio':>6s}")
+        print(f"{'plan':32s} {'predicted':>10s} {'measured':>10s} {'ratio':>6s} {'pred. mem':>10s} {'meas. mem':>10s} {'ratio':>6s}")
         ddp2 = None
         for label, world, fixed in PLANS:
             path = plan_file(handle, world, fixed, args.global_batch, tmp, label)
@@ -71,10 +76,12 @@ def main() -> None:
             pred, meas = report.predicted, report.measured
             mem = max(meas.peak_memory_bytes)
             print(
-                f"{label:28s} {pred.step_time_s:9.3f}s {meas.step_time_s:9.3f}s {meas.step_time_s / pred.step_time_s:6.2f} "
+                f"{label:32s} {pred.step_time_s:9.3f}s {meas.step_time_s:9.3f}s {meas.step_time_s / pred.step_time_s:6.2f} "
                 f"{pred.peak_memory_bytes / 1e9:9.2f}G {mem / 1e9:9.2f}G {mem / pred.peak_memory_bytes:6.2f}",
                 flush=True,
             )
+            for warning in report.warnings:  # where the run differs from what the plan assumed
+                print(f"    warning: {warning}")
             if label == "DDP dp=2":
                 ddp2 = meas.step_time_s
         base = baseline(Path(args.model), 2, args.global_batch // 2, args.steps, tmp)
