@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -120,6 +121,29 @@ def first_error(run_dir: Path) -> tuple[int, str] | None:
     return rank, error
 
 
+_ROOT_CAUSE = re.compile(
+    r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)[^\n]*\n.*?traceback\s*:\s*([^\n]*)",
+    re.S,
+)
+
+
+def root_cause(log_text: str) -> tuple[int, str, bool] | None:
+    """(rank, what happened, killed by a signal) from torchrun's failure summary: its first
+    observed failure. A rank killed by a signal (out of memory, a crash in native code) records no
+    error itself, and the others then fail on a closed connection."""
+    m = _ROOT_CAUSE.search(log_text)
+    if m is None:
+        return None
+    rank, code, trace = int(m.group(1)), int(m.group(2)), m.group(3).strip()
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return rank, f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else ""), name != "SIGTERM"
+    return rank, f"exited with code {code}" + (f": {trace}" if trace and trace != "<N/A>" else ""), False
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     """Stop the torchrun we started and its workers (its own session: one process group)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -176,6 +200,10 @@ def launch(
     wall = time.perf_counter() - start
     if code != 0:
         err = first_error(run_dir)
+        died = root_cause(log_path.read_text(errors="replace"))
+        if died is not None and (died[2] or err is None):
+            rank, what, _ = died
+            raise RunFailed(f"rank {rank} died: {what}, without recording an error (exit code {code}; log: {log_path})")
         if err is not None:
             rank, message = err
             raise RunFailed(f"rank {rank} failed: {message} (exit code {code}; traceback and log in {run_dir})")
