@@ -166,13 +166,58 @@ def logits_of(outputs: Any) -> torch.Tensor:
 
 
 def default_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy for integer targets (class per position), MSE for float targets."""
+    """Cross-entropy for integer targets (class per position), MSE for float targets.
+
+    Logits that a tensor-parallel head left sharded over the vocabulary (a DTensor) get the same
+    cross-entropy computed on the shards (`sharded_cross_entropy`)."""
     logits = logits_of(outputs)
     if not isinstance(targets, torch.Tensor):
         raise BadInput("the default loss needs a Tensor of targets; define loss_fn(outputs, targets)")
+    sharded = type(logits).__name__ == "DTensor"
     if targets.is_floating_point():
+        if sharded:
+            logits = logits.full_tensor()  # type: ignore[attr-defined]
         return F.mse_loss(logits.float(), targets.float())
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    if sharded:
+        return sharded_cross_entropy(flat, targets.reshape(-1))
+    return F.cross_entropy(flat, targets.reshape(-1))
+
+
+class _WithGrad(torch.autograd.Function):
+    """Returns `value`; in backward hands `grad` (scaled by the incoming gradient) to `logits`."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, value: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(grad)
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, None, None]:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        (grad,) = ctx.saved_tensors
+        mesh = grad.device_mesh
+        scale = DTensor.from_local(grad_out.reshape(()), mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return grad * scale, None, None
+
+
+def sharded_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of (N, classes) logits sharded over the classes (a DTensor, Shard(1) on a
+    one-dimensional tensor-parallel mesh) and (N,) class indices, without gathering the logits:
+    torch's ``loss_parallel`` (max, sum of exponentials and the target logit all-reduced over the
+    shards). Its backward must run inside that context too, which the caller's ``loss.backward()``
+    does not, so the gradient of the logits is taken here, and handed back in backward; returns a
+    plain scalar tensor (the same on every rank)."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    needs_grad = logits.requires_grad and torch.is_grad_enabled()
+    leaf = logits.detach().requires_grad_(needs_grad)
+    with loss_parallel():
+        loss = F.cross_entropy(leaf, targets)
+        grad = torch.autograd.grad(loss, leaf)[0] if needs_grad else None
+    value = loss.detach().to_local()
+    return _WithGrad.apply(logits, value, grad) if grad is not None else value
 
 
 def load_model_file(path: str | Path) -> ModelHandle:

@@ -122,6 +122,7 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
     cluster = cluster_for(request)
     warnings = _check(request, cluster)
     profile = profile or profile_for(handle, request)
+    _check_pipeline_cuts(profile, request)
     result, training = search(profile, request, cluster)
     if result.best is None:
         raise Infeasible(_infeasible_message(profile, request, cluster, result, training))
@@ -143,6 +144,23 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
         result, profile, cluster, request.precision, request.optimizer, training.global_batch,
         training.memory_limit_bytes, str(handle.path), assumptions, warnings + list(profile.warnings),
     )
+
+
+def _check_pipeline_cuts(profile: ModelProfile, request: PlanRequest) -> None:
+    """A fixed --pp needs pp - 1 valid cuts (pp x virtual stages - 1 with --virtual-stages): one line why not."""
+    f = request.fixed
+    if f.pp is None or f.pp <= 1:
+        return
+    stages = f.pp * (f.virtual_stages or 1)
+    cuts = len(profile.cut_points())
+    if cuts + 1 >= stages:
+        return
+    what = f"--pp {f.pp}" + (f" --virtual-stages {f.virtual_stages}" if f.virtual_stages else "")
+    if cuts == 0:
+        why = profile.pipeline_split_note or "no layer boundary hands over just one layer's output"
+        raise BadInput(f"{what}: {profile.model_name} cannot be split into pipeline stages: {why}")
+    why = f"; {profile.pipeline_split_note}" if profile.pipeline_split_note else ""
+    raise BadInput(f"{what}: {profile.model_name} has {cuts} valid pipeline cut(s), {stages} stages need {stages - 1}{why}")
 
 
 def feasible(profile: ModelProfile, request: PlanRequest) -> bool:

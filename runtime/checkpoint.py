@@ -228,13 +228,25 @@ class Checkpointer:
                  model: nn.Module, optimizer: torch.optim.Optimizer, rank: int):
         self.root, self.every = Path(root), every
         self.plan_sha256, self.model_sha256 = plan_sha256, model_sha256
-        self.model, self.optimizer, self.rank = model, optimizer, rank
+        from runtime.train import local_optimizer
 
-    def _state(self) -> dict[str, Any]:
+        # ZeRO-1 (ZeroRedundancyOptimizer): the local optimizer, holding this rank's shard of the
+        # parameters and their state; its flattened keys name those parameters, so each dp rank
+        # saves and loads its own shard (the partition is deterministic: the same on resume).
+        self.model, self.optimizer, self.rank = model, local_optimizer(optimizer), rank
+
+    def _plain_state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS())
         return {"model": model_sd, "optim": optim_sd}
+
+    def _state(self) -> dict[str, Any]:
+        """What DCP saves and loads: the state dicts with every TP shard DDP holds as a plain local
+        tensor (``_st_info``: runtime.data_parallel.localize_tp_for_ddp) seen as its DTensor again,
+        a view of the same storage, so each tp rank's shard is saved as that shard (not as one
+        replicated tensor) and loaded in place."""
+        return _as_dtensors(self._plain_state(), self.model)
 
     def maybe_save(self, step: int) -> None:
         """After `step` steps: save when it is a multiple of `every`."""
@@ -284,11 +296,46 @@ class Checkpointer:
         found: Found | None = box[0]
         if found is None:
             return None
-        state = self._state()
-        dcp.load(state, checkpoint_id=str(found.path))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+        plain = self._plain_state()
+        state = _as_dtensors(plain, self.model)
+        dcp.load(state, checkpoint_id=str(found.path))  # tensors in place; other values replaced
+        loaded = {
+            part: {k: plain[part][k] if v is not plain[part].get(k) and _wrapped(v) else v for k, v in sd.items()}
+            for part, sd in state.items()
+        }
+        set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],
                        options=_OPTIONS())
         return found
+
+
+def _wrapped(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def _as_dtensors(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """`state` ({"model": ..., "optim": ...}, the optimizer's flattened) with the entries of TP shards
+    localised for DDP (a parameter with ``_st_info``, and its optimizer state of the same shape)
+    replaced by ``DTensor.from_local`` views of them; the dicts are copies, the tensors shared."""
+    from torch.distributed.tensor import DTensor
+
+    specs = {name: (p._st_info, p.shape) for name, p in model.named_parameters() if getattr(p, "_st_info", None) is not None}
+    if not specs:
+        return state
+
+    def view(t: Any, name: str) -> Any:
+        spec, local_shape = specs[name]
+        if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.shape != local_shape:
+            return t
+        return DTensor.from_local(t, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+
+    model_sd = {k: view(v, k) if k in specs else v for k, v in state["model"].items()}
+    optim_sd = {}
+    for k, v in state["optim"].items():
+        name = k[len("state."):].rpartition(".")[0] if k.startswith("state.") else ""
+        optim_sd[k] = view(v, name) if name in specs else v
+    return {"model": model_sd, "optim": optim_sd}
 
 
 def plan_sha256(plan_path: Path) -> str:
@@ -296,9 +343,7 @@ def plan_sha256(plan_path: Path) -> str:
 
 
 def unsupported(plan: Any) -> str | None:
-    """Why this plan's state cannot be checkpointed yet, or None."""
-    p = plan.parallel
-    if p.pp == 1 and p.zero == 0 and p.dp > 1 and p.tp > 1:
-        return ("checkpointing DDP over tensor parallel (ZeRO-0 with dp > 1 and tp > 1) is not supported yet "
-                "(DDP holds the TP shards as plain tensors): use ZeRO >= 1")
+    """Why this plan's state cannot be checkpointed yet, or None. None for every plan the runtime
+    runs: DDP over TP saves its shards as DTensors again (`_as_dtensors`), ZeRO-1 each rank's
+    optimizer shard under its own keys."""
     return None

@@ -1,14 +1,19 @@
 """Data parallel over the mesh's "dp" axis, applied after TP and recompute (torchtitan's order).
 
-ZeRO-0 is DDP (after TP, with the DTensor parameters localised by ``_pre_dp_module_transform``);
-ZeRO 1/2/3 is FSDP2 ``fully_shard`` on every layer and then the root, ``reshard_after_forward``
-True for ZeRO-3 and False for 1/2.
+ZeRO-0 is DDP (after TP, with the DTensor parameters localised by ``localize_tp_for_ddp``);
+ZeRO-1 is the same DDP, with the optimizer state sharded by ``ZeroRedundancyOptimizer`` over the
+same dp group (``runtime.train.make_optimizer_for``: full gradients all-reduced, each rank updates
+its shard of the parameters and broadcasts them after the step); ZeRO 2/3 is FSDP2
+``fully_shard`` on every layer and then the root, ``reshard_after_forward`` True for ZeRO-3 and
+False for ZeRO-2. Inside pipeline stages the same wrappers apply: ``PipelineStage`` runs a DDP
+stage's micro-batches under ``no_sync`` and syncs on the last backward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -37,22 +42,87 @@ def _separately_shardable(model: nn.Module, layers: tuple[LayerSplit, ...]) -> l
     ]
 
 
-def apply_dp(model: nn.Module, plan: Plan, layers: tuple[LayerSplit, ...], dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
+def _within(context: Callable[[], Any], forward: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with context():
+            return forward(*args, **kwargs)
+
+    return run
+
+
+def localize_tp_for_ddp(model: nn.Module) -> int:
+    """DDP over tensor parallel: every DTensor parameter (a TP shard) becomes a plain Parameter
+    holding the local shard (``_st_info``: its DTensorSpec), which DDP buckets and all-reduces over
+    dp; the forward of the module owning it runs with ``DTensor.from_local`` of it in its place and
+    puts the Parameter back when it returns or raises (the gradient flows through ``from_local``,
+    whose backward also turns a partial gradient of a replicated parameter into the whole one). The
+    number of parameters localised.
+
+    Unlike ``torch.distributed.tensor.parallel.ddp._pre_dp_module_transform`` (hooks on the root that
+    leave the first forward's DTensors behind as plain attributes), the parameters stay registered,
+    so ``parameters()`` after a forward still lists them (PipelineStage's ``scale_grads`` and the
+    checkpoint's state dict rely on it); a layer recomputed in backward (torch.utils.checkpoint)
+    swaps its DTensors in again, through the wrapped forward of the modules inside it or, for the
+    checkpointed layer itself, through ``_forward_context`` (runtime.recompute enters it). A TP shard
+    must be used inside its owning module's forward (TP shards Linear and Embedding weights)."""
+    localized: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        mine: dict[str, nn.Parameter] = {}
+        for leaf, p in list(module._parameters.items()):
+            if isinstance(p, DTensor):
+                local = localized.get(id(p))
+                if local is None:
+                    local = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
+                    local._st_info = p._spec  # type: ignore[attr-defined]
+                    localized[id(p)] = local
+                module._parameters[leaf] = local
+                mine[leaf] = local
+        if not mine:
+            continue
+
+        @contextlib.contextmanager
+        def views(mod: nn.Module = module, mine: dict[str, nn.Parameter] = mine) -> Iterator[None]:
+            for leaf, local in mine.items():
+                spec = local._st_info  # type: ignore[attr-defined]
+                mod._parameters[leaf] = DTensor.from_local(  # type: ignore[assignment]
+                    local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride,
+                )
+            try:
+                yield
+            finally:  # also when a recompute stops early (it raises through the forward)
+                for leaf, local in mine.items():
+                    mod._parameters[leaf] = local
+
+        module.forward = _within(views, module.forward)  # type: ignore[method-assign]
+        module._forward_context = views  # type: ignore[assignment]
+    return len(localized)
+
+
+def apply_dp(
+    model: nn.Module, plan: Plan, layers: tuple[LayerSplit, ...], dp_mesh: DeviceMesh, device: torch.device,
+    ignore: list[str] | tuple[str, ...] = (), pipeline: bool = False,
+) -> nn.Module:
     """Wrap the (TP-sharded, checkpointed) model for data parallelism over `dp_mesh`.
 
-    Returns the module to call: the DDP wrapper for ZeRO-0, the model itself (now an FSDPModule)
-    otherwise. With dp == 1 nothing is wrapped."""
+    Returns the module to call: the DDP wrapper for ZeRO-0/1, the model itself (now an FSDPModule)
+    otherwise. With dp == 1 nothing is wrapped. `ignore`: names of parameters the forward never
+    uses (a pipeline stage's parameters outside its layers), left out of DDP's buckets; `pipeline`:
+    the module is a ``PipelineStage``'s (DDP without bucket rebuild, below)."""
     zero = plan.parallel.zero
     if dp_mesh.size() == 1:
         return model
-    if zero == 0:
-        if any(isinstance(p, DTensor) for p in model.parameters()):
-            from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
-
-            _pre_dp_module_transform(model)
+    if zero <= 1:
+        localize_tp_for_ddp(model)
+        if ignore:
+            DDP._set_params_and_buffers_to_ignore_for_model(model, list(ignore))
         ids = [device.index] if device.type == "cuda" else None
-        log.info("data parallel: DDP over %d ranks", dp_mesh.size())
-        return DDP(model, process_group=dp_mesh.get_group(), device_ids=ids)
+        log.info("data parallel: DDP over %d ranks (ZeRO-%d)", dp_mesh.size(), zero)
+        # In a pipeline stage, find_unused_parameters=True: with it DDP never rebuilds its buckets,
+        # and the rebuild fails there (PipelineStage runs the micro-batches' backwards under no_sync
+        # and the reducer counts the gradients of all of them: "rebuilt parameter indices size is not
+        # same as original model parameters size", 36 vs 18 with two micro-batches; static_graph=True
+        # runs but gives wrong gradients). Buckets stay in reverse parameter order.
+        return DDP(model, process_group=dp_mesh.get_group(), device_ids=ids, find_unused_parameters=pipeline)
     reshard = zero == 3
     for name in _separately_shardable(model, layers):
         fully_shard(model.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard)
@@ -76,8 +146,7 @@ def set_grad_sync(wrapped: nn.Module, sync: bool) -> Any:
 def full_parameters(params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
     """Every parameter gathered whole (a collective: all ranks call it), by its original name.
 
-    `params`: ``dict(model.named_parameters())`` taken right after `apply_dp`, before any forward
-    (with DDP over TP, the localising hooks leave the forward's DTensors as plain attributes)."""
+    `params`: ``dict(model.named_parameters())`` (with DDP over TP, the local shards: ``_st_info``)."""
     out: dict[str, torch.Tensor] = {}
     for name, p in params.items():
         t: Any = p
@@ -90,3 +159,9 @@ def full_parameters(params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
             t = t.full_tensor()
         out[name] = t.detach().to("cpu", copy=True)
     return out
+
+
+def shards_parameters(plan: Plan) -> bool:
+    """Whether `apply_dp` shards the parameters (FSDP2), so it can wrap a model still on the meta
+    device; DDP needs real tensors."""
+    return plan.parallel.dp > 1 and plan.parallel.zero >= 2

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 from planner.plan import Plan
 from runtime.preflight import LayerSplit
+from runtime.tp_structure import NO_BLOCK
 
 DP_STYLE = {
     0: "ZeRO-0: DDP over the dp axis (gradients all-reduced)",
-    1: "ZeRO-1: FSDP2 fully_shard over the dp axis, reshard_after_forward=False (runs as ZeRO-2)",
+    1: "ZeRO-1: DDP over the dp axis + ZeroRedundancyOptimizer (optimizer state sharded over dp, updated parameters broadcast)",
     2: "ZeRO-2: FSDP2 fully_shard over the dp axis, reshard_after_forward=False",
     3: "ZeRO-3: FSDP2 fully_shard over the dp axis, reshard_after_forward=True",
 }
@@ -36,12 +37,81 @@ def coords(rank: int, dp: int, tp: int, pp: int = 1) -> RankCoords:
 
 
 def tp_layers(layers: tuple[LayerSplit, ...], tp: int) -> list[LayerSplit]:
-    """The layers tensor parallelism splits in this slice: blocks with a required Linear pair.
-
-    Vocabulary-parallel embeddings and heads (TPInfo.required False) stay replicated for now."""
+    """The blocks whose column/row-wise Linear pairs tensor parallelism splits (TPInfo.required)."""
     if tp == 1:
         return []
     return [l for l in layers if l.tp is not None and l.tp.required and l.tp.colwise and l.tp.rowwise]
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """What tensor parallelism runs, for the whole model at one TP degree (every pipeline stage
+    derives the same from its own layers, since each layer's TPRole carries the model's verdict)."""
+
+    blocks: tuple[LayerSplit, ...]
+    """Blocks with their Linear pairs split (column-wise, then row-wise)."""
+    vocab: tuple[LayerSplit, ...]
+    """Embeddings and the head split over the vocabulary (their weights' rows)."""
+    sequence_parallel: bool
+    """Hidden states between the Linear pairs sharded over the sequence (norms, dropout, residuals)."""
+    loss_parallel: bool
+    """The head's logits stay sharded over the vocabulary into the (default cross-entropy) loss."""
+    seq_len: int | None
+    warnings: tuple[str, ...]
+    """Where this departs from the plan's cost model (Megatron TP + SP, vocabulary-parallel)."""
+
+
+def tp_layout(layers: tuple[LayerSplit, ...], tp: int, sequence_parallel: bool = True) -> TPLayout:
+    """The TP layout of `layers` at degree `tp` (`sequence_parallel`: the plan's flag)."""
+    if tp == 1:
+        return TPLayout((), (), False, False, None, ())
+    blocks = tuple(tp_layers(layers, tp))
+    vocab_like = [l for l in layers if l.tp is not None and not l.tp.required]
+    warnings: list[str] = []
+    known = [l for l in layers if l.role is not None]
+    if len(known) != len(layers):  # no roles (the trace failed): the Linear pairs only
+        if vocab_like:
+            warnings.append(
+                f"embeddings and head ({', '.join(l.name for l in vocab_like)}) are replicated, not "
+                "vocabulary-parallel (the model could not be traced on fake tensors to check how)"
+            )
+        if sequence_parallel:
+            warnings.append("tensor parallelism runs without sequence parallelism (the model could not be traced on "
+                            "fake tensors); norms, dropout and residuals run replicated on every tp rank")
+        return TPLayout(blocks, (), False, False, None, tuple(warnings))
+    seq_len = known[0].role.seq_len if known else None
+    sp_blocker = next((l.role.sp_blocker for l in known if l.role.sp_blocker), "")
+    if not sp_blocker and seq_len and seq_len % tp:
+        sp_blocker = f"the sequence length {seq_len} is not a multiple of tp={tp}"
+    sp = sequence_parallel and not sp_blocker
+    if sequence_parallel and sp_blocker and sp_blocker != NO_BLOCK:
+        warnings.append(
+            f"tensor parallelism runs without sequence parallelism: {sp_blocker}; norms, dropout and residuals "
+            "run replicated on every tp rank (the plan divides their activations by tp)"
+        )
+    vocab: list[LayerSplit] = []
+    tied_to: list[str] = []  # parameters named in a tied warning already (its partner says nothing more)
+    for l in vocab_like:
+        assert l.tp is not None and l.role is not None
+        if l.role.kind not in ("embedding", "head") or not l.tp.legal(tp):
+            continue  # the plan keeps it replicated too (a vocabulary that tp does not divide)
+        if l.role.tied:
+            if not any(t == l.name or t.startswith(l.name + ".") for t in tied_to):
+                warnings.append(
+                    f"{l.name} shares its weight with {l.role.tied} (tied): both stay replicated, not "
+                    "vocabulary-parallel as planned"
+                )
+                tied_to.append(l.role.tied)
+            continue
+        vocab.append(l)
+    head = next((l for l in vocab if l.role is not None and l.role.kind == "head"), None)
+    loss_parallel = head is not None and not head.role.loss_blocker
+    if head is not None and head.role.loss_blocker:
+        warnings.append(
+            f"{head.name}'s logits are all-gathered over tp before the loss ({head.role.loss_blocker}): every "
+            "rank holds the whole logits, where the plan counts 1/tp of them"
+        )
+    return TPLayout(blocks, tuple(vocab), sp, loss_parallel, seq_len, tuple(warnings))
 
 
 def _pattern(name: str) -> str:
@@ -53,10 +123,25 @@ def _join(prefix: str, sub: str) -> str:
     return f"{prefix}.{sub}" if sub else prefix
 
 
-def shard_lines(layers: tuple[LayerSplit, ...], tp: int, tp_index: int) -> list[str]:
-    """One line per group of identically split layers, e.g.
-    ``tp shard 0/2 of blocks.*.attn.q, blocks.*.mlp.up (colwise); blocks.*.mlp.down (rowwise)``."""
-    split = tp_layers(layers, tp)
+def _rows(size: int, tp: int, index: int) -> str:
+    per = size // tp
+    return f"rows {index * per}-{(index + 1) * per - 1} of {size}"
+
+
+def shard_lines(
+    layers: tuple[LayerSplit, ...], tp: int, tp_index: int, sequence_parallel: bool = True,
+    all_layers: tuple[LayerSplit, ...] | None = None,
+) -> list[str]:
+    """What rank `tp_index` of a TP group holds of `layers`, one line per kind, e.g.
+    ``tp shard 0/2 of blocks.*.attn.q, blocks.*.mlp.up (colwise); blocks.*.mlp.down (rowwise)``,
+    ``tp shard 0/2 of the vocabulary: wte rows 0-31 of 64, lm_head rows 0-31 of 64 (...)``,
+    ``sequence parallel: positions 0-7 of 16 ...``. `all_layers`: the whole model (a pipeline
+    stage's layers decide with it)."""
+    if tp == 1:
+        return ["replicated: " + ", ".join(dict.fromkeys(_pattern(l.name) for l in layers))] if layers else []
+    layout = tp_layout(all_layers if all_layers is not None else layers, tp, sequence_parallel)
+    mine = {l.name for l in layers}
+    split = [l for l in layout.blocks if l.name in mine]
     groups: dict[tuple, list[str]] = {}
     for layer in split:
         assert layer.tp is not None
@@ -67,7 +152,31 @@ def shard_lines(layers: tuple[LayerSplit, ...], tp: int, tp_index: int) -> list[
         cols = ", ".join(_join(pattern, c) for c in col)
         rows = ", ".join(_join(pattern, r) for r in row)
         lines.append(f"tp shard {tp_index}/{tp} of {cols} (colwise); {rows} (rowwise)")
-    sharded = {l.name for l in split}
+    vocab = [l for l in layout.vocab if l.name in mine]
+    if vocab:
+        parts = []
+        for l in vocab:
+            assert l.tp is not None and l.role is not None
+            part = f"{l.name} {_rows(l.tp.divisors[0], tp, tp_index)}"
+            if l.role.kind == "head":
+                part += (" (logits stay vocabulary-sharded into the loss)" if layout.loss_parallel
+                         else " (logits all-gathered for the loss)")
+            parts.append(part)
+        lines.append(f"tp shard {tp_index}/{tp} of the vocabulary: " + ", ".join(parts))
+    if layout.sequence_parallel and layout.seq_len:
+        per = layout.seq_len // tp
+        norms: list[str] = []
+        for l in layers:
+            if l.role is not None and l.role.kind == "block":
+                norms += [_join(_pattern(l.name), n) for n in l.role.norms]
+            elif l.role is not None and l.role.kind == "norm":
+                norms.append(_pattern(l.name))
+        norms = list(dict.fromkeys(norms))
+        lines.append(
+            f"sequence parallel: positions {tp_index * per}-{(tp_index + 1) * per - 1} of {layout.seq_len} of the "
+            "hidden states outside the Linear pairs" + (f" ({', '.join(norms)} run on them)" if norms else "")
+        )
+    sharded = {l.name for l in split} | {l.name for l in vocab}
     rest = [l.name for l in layers if l.name not in sharded]
     if rest:
         lines.append("replicated: " + ", ".join(dict.fromkeys(_pattern(n) for n in rest)))
@@ -82,10 +191,11 @@ def describe(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
     if stage.recompute_layers or stage.selective_layers:
         full = list(dict.fromkeys(_pattern(n) for n in stage.recompute_layers))
         sel = list(dict.fromkeys(_pattern(n) for n in stage.selective_layers))
-        out.append(
-            "recompute (torch.utils.checkpoint): "
-            + ", ".join(full + [f"{n} (selective, run as full)" for n in sel])
-        )
+        parts = [f"full: {', '.join(full)}"] if full else []
+        if sel:
+            how = "run as full in pipeline stages" if p.pp > 1 else "matmul outputs saved, the rest recomputed"
+            parts.append(f"selective ({how}): {', '.join(sel)}")
+        out.append("recompute (torch.utils.checkpoint): " + "; ".join(parts))
     if p.pp > 1:
         out.append(f"pipeline: {p.pp} stages, {p.num_microbatches} micro-batches of {p.micro_batch}, schedule {p.schedule}")
     for rank in range(p.dp * p.tp * p.pp):
@@ -99,25 +209,17 @@ def describe(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
             mine = layers
             head = f"rank {rank}: dp {c.dp_index}/{p.dp}, tp {c.tp_index}/{p.tp}; layers {layers[0].name}..{layers[-1].name} ({len(layers)})"
         out.append(head)
-        out += [f"    {line}" for line in shard_lines(mine, p.tp, c.tp_index)]
+        out += [f"    {line}" for line in shard_lines(mine, p.tp, c.tp_index, p.sequence_parallel, layers)]
     return out
 
 
 def runtime_warnings(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
     """Where this runtime executes something other than what the plan's cost model assumed."""
     p = plan.parallel
-    stage = plan.stages[0]
     out = []
-    if p.pp > 1 and p.zero == 0 and p.dp > 1:
-        out.append("ZeRO-0 within a pipeline stage runs as one gradient all-reduce over dp after the schedule, not DDP")
     if p.tp > 1:
-        vocab = [l.name for l in layers if l.tp is not None and not l.tp.required]
-        if vocab:
-            out.append(f"embeddings and head ({', '.join(vocab)}) are replicated, not vocabulary-parallel")
-        if p.sequence_parallel:
-            out.append("tensor parallelism runs without sequence parallelism (norms and dropout replicated)")
-    if stage.selective_layers:
-        out.append(f"selective recompute of {len(stage.selective_layers)} layer(s) runs as full recompute")
-    if p.zero == 1:
-        out.append("ZeRO-1 runs as FSDP2 with reshard_after_forward=False (gradients sharded too: ZeRO-2)")
+        out += tp_layout(layers, p.tp, p.sequence_parallel).warnings
+    selective = sum(len(s.selective_layers) for s in plan.stages)
+    if p.pp > 1 and selective:
+        out.append(f"selective recompute of {selective} layer(s) runs as full recompute in pipeline stages")
     return out

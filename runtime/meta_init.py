@@ -35,7 +35,7 @@ from planner.errors import BadInput
 log = logging.getLogger(__name__)
 ENV = "PLAN_RUNTIME_META"
 WARNING = (
-    "built on the meta device: only this rank's layers were materialised; initialisation differs "
+    "built on the meta device: only this rank's layers (its shards, under FSDP) were materialised; initialisation differs "
     "from a single-process build"
 )
 
@@ -45,9 +45,10 @@ class BuildInfo:
     """How this rank built its model (written into rank<r>.json)."""
 
     path: str = "cpu"  # "cpu": the whole model from the seed; "meta": meta, then to_empty
-    materialized_parameters: int = 0  # elements materialised on this rank (before TP/FSDP sharding)
+    materialized_parameters: int = 0  # parameter elements allocated on this rank (meta path: its TP/FSDP shards)
     materialized_names: tuple[str, ...] = ()
-    init_sha256: str = ""  # of the materialised parameters, before TP/DP
+    init_sha256: str = ""  # of the full values of the parameters and buffers this rank holds (a shard of), before training
+    largest_unit_elements: int = 0  # meta path: the most elements held whole at once (one layer) while initialising
     params_sha256_step1: str = ""  # of every parameter gathered whole after step 1 (meta path)
 
 
@@ -139,6 +140,103 @@ def materialize(module: nn.Module, device: torch.device, meta_full: nn.Module | 
         materialized_parameters=sum(p.numel() for p in params.values()),
         materialized_names=tuple(params),
         init_sha256=params_sha256(params),
+    )
+
+
+def _owner(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    parent, _, leaf = fqn.rpartition(".")
+    return (root.get_submodule(parent) if parent else root), leaf
+
+
+def _set_tensor(root: nn.Module, fqn: str, value: torch.Tensor) -> None:
+    """Put `value` in place of the parameter or buffer `fqn` of `root` (keeping its kind)."""
+    module, leaf = _owner(root, fqn)
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=module._parameters[leaf].requires_grad)
+    else:
+        module._buffers[leaf] = value
+
+
+def units_of(names: Iterable[str], layers: Iterable[str]) -> dict[str, list[str]]:
+    """Parameter/buffer names grouped by the layer that holds them ("" for the rest: the root's)."""
+    layers = sorted(layers, key=len, reverse=True)  # the innermost layer first
+    out: dict[str, list[str]] = {}
+    for fqn in names:
+        unit = next((l for l in layers if fqn.startswith(l + ".")), "")
+        out.setdefault(unit, []).append(fqn)
+    return out
+
+
+@torch.no_grad()
+def materialize_sharded(module: nn.Module, pristine: nn.Module, device: torch.device, layers: Iterable[str]) -> BuildInfo:
+    """Give `module` real tensors on `device` after it was parallelised on the meta device.
+
+    `module` was built under ``torch.device("meta")`` and then cut to its pipeline stage, split by
+    tensor parallelism and sharded by FSDP2, all on meta: ``to_empty`` allocates only this rank's
+    shards. The values come from `pristine`, an untouched meta build of the whole model, one layer
+    at a time (`layers`: the profile's layer names; what lies outside every layer is one more
+    unit): that unit's tensors are made real, initialised (``reset_parameters()`` of each of its
+    modules seeded from the module's name, then the root's ``init_weights()`` seeded from the
+    unit's name: on the other, still meta, tensors it does nothing), and this rank's shard of
+    each (``distribute_tensor`` to the parameter's own mesh and placements, computed locally) is
+    copied in; then the unit goes back to meta. So a rank holds its shards plus one whole layer at
+    most, and every rank, whatever the plan, derives the same full values from the names alone."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    module.to_empty(device=device)
+    targets: dict[str, torch.Tensor] = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    init = getattr(pristine, "init_weights", None)
+    modules = dict(pristine.named_modules())
+    param_names = {n for n, _ in pristine.named_parameters()}
+
+    def tensor(fqn: str) -> torch.Tensor:
+        return pristine.get_parameter(fqn) if fqn in param_names else pristine.get_buffer(fqn)
+
+    covered: set[str] = set()
+    h = hashlib.sha256()
+    largest = 0
+    for unit, fqns in units_of(targets, layers).items():
+        for fqn in fqns:
+            _set_tensor(pristine, fqn, torch.empty_like(tensor(fqn), device=device))
+        owners = dict.fromkeys(fqn.rpartition(".")[0] for fqn in fqns)
+        for name in owners:
+            reset = getattr(modules[name], "reset_parameters", None)
+            if callable(reset) and not _is_meta(modules[name]):
+                torch.manual_seed(name_seed(name))
+                reset()
+                covered.update(f"{name}.{leaf}" if name else leaf for leaf in modules[name]._parameters)
+        if callable(init):
+            torch.manual_seed(name_seed("init_weights:" + unit))
+            init()
+        else:
+            missing = [f for f in fqns if f not in covered and f in param_names]
+            bufs = [f for f in fqns if f.rpartition(".")[2] in getattr(modules[f.rpartition(".")[0]], "_non_persistent_buffers_set", ())]
+            if missing or bufs:
+                raise BadInput(
+                    f"cannot build this model on the meta device: no init_weights() on the model, and "
+                    f"{'parameters ' + ', '.join(missing[:3]) if missing else 'non-persistent buffers'} "
+                    f"have no reset_parameters() to initialise them"
+                )
+        size = 0
+        for fqn in fqns:
+            full = tensor(fqn)
+            size += full.numel()
+            h.update(fqn.encode())
+            h.update(full.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+            target = targets[fqn]
+            if isinstance(target, DTensor):
+                local = distribute_tensor(full.detach().to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+                target.to_local().copy_(local.to_local())
+            else:
+                target.copy_(full.detach())
+            _set_tensor(pristine, fqn, torch.empty_like(full, device="meta"))
+        largest = max(largest, size)
+    return BuildInfo(
+        path="meta",
+        materialized_parameters=sum((q.to_local() if isinstance(q, DTensor) else q).numel() for q in module.parameters()),
+        materialized_names=tuple(n for n, _ in module.named_parameters()),
+        init_sha256=h.hexdigest(),
+        largest_unit_elements=largest,
     )
 
 

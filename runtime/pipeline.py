@@ -16,12 +16,24 @@ stage exactly as to a whole model.
   on the meta device: each layer's input is the previous layer's output and the model's output is
   the last layer's); a model that is not gets a one-line error naming it.
 
+Traced split: a model whose forward is not such a sequence (Hugging Face blocks take a mask and
+position arguments; glue between layers) is split with ``torch.distributed.pipelining.pipeline()``
+before the first layer of every later stage (planner/profile/split.py): each stage is a traced
+GraphModule that keeps the original parameter names and layer submodules, and the tracer sends
+whatever crosses a boundary. Built on every rank from the same seed; a weight tied across stages
+(lm_head and the token embedding) is one copy per stage, their gradients summed over the pipeline
+ranks that hold them after each step. Recompute and DP apply to the traced stage; TP and the
+meta-device build are refused with one line. When the tracer fails, one line names the module.
+
 Schedules: GPipe, 1F1B, interleaved 1F1B, each with ``num_microbatches`` micro-batches of this dp
 rank's rows; the loss is the model file's loss on each micro-batch and the schedule scales the
-gradients by 1/num_microbatches (``scale_grads``). Data parallelism within a stage: ZeRO-0 averages
-the gradients over dp with one all-reduce per parameter after the schedule (DDP's bucket rebuild
-fails when a schedule runs several forwards before their backwards); ZeRO 1-3 is FSDP2, whose
-gradient sync PipelineStage turns on for the last micro-batch only.
+gradients by 1/num_microbatches (``scale_grads``). Data parallelism within a stage is applied by
+``runtime.data_parallel.apply_dp`` as without pipelining: ZeRO-0/1 is DDP (ZeRO-1 adds
+``ZeroRedundancyOptimizer``), which PipelineStage runs under ``no_sync`` except for the last
+backward, where its buckets are all-reduced as the gradients become ready (built with
+``find_unused_parameters=True``, which keeps DDP from rebuilding its buckets: the rebuild fails
+under a schedule's no_sync micro-batches); ZeRO 2/3 is FSDP2, whose gradient sync PipelineStage
+turns on for the last micro-batch only.
 """
 
 from __future__ import annotations
@@ -107,6 +119,18 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 def check_sequential(handle: ModelHandle, model_name: str, names: list[str], first_split: str, sample: Any) -> None:
     """The model's forward, from `first_split` on, must be a plain sequence of its layers (checked
     on the meta device); a clear error otherwise."""
+    why = sequential_reason(handle, names, first_split, sample)
+    if why:
+        raise BadInput(
+            f"cannot split {model_name} into pipeline stages: its forward is not a plain sequence of "
+            f"its layers from {first_split} on ({why})"
+        )
+
+
+def sequential_reason(handle: ModelHandle, names: list[str], first_split: str, sample: Any) -> str | None:
+    """None when the model's forward, from `first_split` on, is a plain sequence of its layers
+    (each layer called once on the previous one's output alone, the model returning the last
+    one's), checked on the meta device; otherwise why not."""
     with torch.device("meta"):
         meta = handle.build_model()
     seen: dict[str, tuple[Any, Any]] = {}
@@ -119,10 +143,15 @@ def check_sequential(handle: ModelHandle, model_name: str, names: list[str], fir
             a, k, o, n = seen[name]
             seen[name] = (a, k, o, n + 1)
         handles.append(meta.get_submodule(name).register_forward_hook(hook, with_kwargs=True))
-    with torch.no_grad():
-        output = _call(meta, to_device(sample, torch.device("meta")))
-    for h in handles:
-        h.remove()
+    try:
+        with torch.no_grad():
+            output = _call(meta, to_device(sample, torch.device("meta")))
+    except Exception as exc:  # noqa: BLE001 - e.g. value-dependent mask code, which meta tensors refuse
+        lines = str(exc).strip().splitlines()
+        return f"its forward fails on meta tensors: {type(exc).__name__}: {lines[0] if lines else ''}"
+    finally:
+        for h in handles:
+            h.remove()
     start = names.index(first_split)
     why = ""
     prev_out = None
@@ -141,11 +170,7 @@ def check_sequential(handle: ModelHandle, model_name: str, names: list[str], fir
     else:
         if output is not prev_out:
             why = f"its output is not {names[-1]}'s output"
-    if why:
-        raise BadInput(
-            f"cannot split {model_name} into pipeline stages: its forward is not a plain sequence of "
-            f"its layers from {first_split} on ({why})"
-        )
+    return why or None
 
 
 def _call(model: nn.Module, inputs: Any) -> Any:
@@ -183,16 +208,156 @@ def build_stage_module(full: nn.Module, all_names: list[str], names: tuple[str, 
     return model
 
 
-def _all_reduce_grads(params: Any, group: dist.ProcessGroup, dp: int) -> None:
-    """Average the gradients over the dp group (ZeRO-0 within a pipeline stage)."""
+def _used_parameter_names(stage: nn.Module) -> set[str]:
+    """Qualified names of the parameters a traced stage's graphs read (``get_attr``): a stage
+    module can hold others it never uses (a tied weight's other owner). A submodule without a
+    graph that a graph calls (run as it is) uses all its parameters."""
+    used: set[str] = set()
+    for prefix, mod in stage.named_modules():
+        graph = getattr(mod, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for node in graph.nodes:
+            target = f"{prefix}.{node.target}" if prefix else str(node.target)
+            if node.op == "get_attr":
+                used.add(target)
+            elif node.op == "call_module":
+                called = stage.get_submodule(target)
+                if not isinstance(getattr(called, "graph", None), torch.fx.Graph):
+                    used.update(f"{target}.{n}" for n, _ in called.named_parameters())
+    return used
+
+
+def _output_spec(full: nn.Module, sample: Any) -> Any:
+    """The pytree structure of the model's output (the last traced stage returns its leaves)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+            out = _call(full, tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, sample))
+    except Exception:  # noqa: BLE001 - a forward fake tensors refuse: run it for real
+        with torch.no_grad():
+            out = _call(full, sample)
+    return tree_flatten(out)[1]
+
+
+def _traced_stages(
+    handle: ModelHandle, plan: Plan, full: nn.Module, stages: list[tuple[int, tuple[str, ...]]],
+    mine: list[tuple[int, tuple[str, ...]]], sample: Any, device: torch.device, mesh: DeviceMesh,
+    recompute: set[str], not_sequential: str, layers: tuple[LayerSplit, ...] = (),
+) -> tuple[list[nn.Module], list[Any], dict[str, nn.Parameter], dict[str, nn.Parameter],
+           list[tuple[str, dist.ProcessGroup]], Callable[[Any, Any], torch.Tensor], list[str]]:
+    """This rank's stages split by ``torch.distributed.pipelining.pipeline()`` (the tracer) before
+    the first layer of each later stage. Returns (stage modules, PipelineStages, parameters by
+    original name, the parameters the stages use, tied-weight groups, the loss function, the names
+    of the first stage's inputs in order: keyword inputs are passed to it positionally, since the
+    multi-stage schedules hand the keyword arguments to every stage of the first rank).
+
+    A parameter used by several stages (tied weights: GPT-2's lm_head and token embedding) is
+    copied into each by the tracer; the copies start identical (built from one seed), their
+    gradients are summed over the pipeline ranks holding them after each schedule step
+    (`_sum_tied_grads`), so they stay identical and equal one process's."""
+    from torch.distributed.pipelining._IR import _modify_graph_op_device
+    from torch.distributed.pipelining.stage import _PipelineStage
+    from torch.utils._pytree import tree_unflatten
+
+    from planner.profile.split import SplitFailed, trace_split
+
+    p = plan.parallel
+    if p.tp > 1:
+        raise BadInput(
+            f"{handle.name}: tensor parallelism on pipeline stages split by the tracer is not supported yet "
+            f"(the split is traced because {not_sequential}): re-plan with --tp 1"
+        )
+    canonical: dict[str, str] = {}  # every name of a parameter -> its first name (tied weights)
+    first_name: dict[int, str] = {}
+    for n, q in full.named_parameters(remove_duplicate=False):
+        canonical[n] = first_name.setdefault(id(q), n)
+    spec = _output_spec(full, sample)
+    try:
+        pipe = trace_split(full, sample, [names[0] for _, names in stages[1:]])
+    except SplitFailed as exc:
+        raise BadInput(
+            f"cannot split {handle.name} into pipeline stages: its forward is not a plain sequence of its "
+            f"layers ({not_sequential}) and {exc}"
+        ) from exc
+    info = pipe.info()
+    used = {s: {n for n in _used_parameter_names(pipe.get_stage_module(s))} for s in range(len(stages))}
+    stage_params = {
+        s: {n: q for n, q in pipe.get_stage_module(s).named_parameters() if n in used[s]} for s in range(len(stages))
+    }
+    # Tied weights: the same original parameter in several stages. On one rank, the copies are made
+    # one parameter again (autograd sums the uses); across ranks, one group per set of holders.
+    holders: dict[str, set[int]] = {}
+    for s, named in stage_params.items():
+        for n in named:
+            holders.setdefault(canonical.get(n, n), set()).add(s)
+    pp_index = mesh["pp"].get_local_rank()
+    dp_index, tp_index = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    ranks = mesh.mesh  # (pp, dp, tp) -> global rank
+    tied: list[tuple[str, dist.ProcessGroup]] = []
+    for name in sorted(n for n, ss in holders.items() if len(ss) > 1):
+        pp_ranks = sorted({s % p.pp for s in holders[name]})
+        if len(pp_ranks) < 2:
+            continue
+        for d in range(p.dp):  # every rank creates every group, in the same order
+            for t in range(p.tp):
+                group = dist.new_group([int(ranks[r, d, t]) for r in pp_ranks])
+                if (d, t) == (dp_index, tp_index) and pp_index in pp_ranks:
+                    tied.append((name, group))
+    modules, wrapped_stages, params, owned = [], [], {}, {}
+    local: dict[str, nn.Parameter] = {}
+    for s, names in mine:
+        module = pipe.get_stage_module(s)
+        for n, q in list(stage_params[s].items()):
+            key = canonical.get(n, n)
+            if key in local and local[key] is not q:  # a tied copy on this rank: tie it again
+                parent_name, _, leaf = n.rpartition(".")
+                parent = module.get_submodule(parent_name) if parent_name else module
+                setattr(parent, leaf, local[key])
+            else:
+                local[key] = q
+        todo = [n for n in names if n in recompute]
+        for n in todo:
+            try:
+                module.get_submodule(n)
+            except AttributeError as exc:
+                raise BadInput(f"{handle.name}: cannot recompute {n}: the traced pipeline stage has no such module") from exc
+        apply_recompute_layers(module, todo)
+        if isinstance(module, torch.fx.GraphModule):
+            _modify_graph_op_device(module, device)  # devices the trace burned into the graph
+        unused = [n for n, _ in module.named_parameters() if n not in used[s]]
+        stage_layers_ = tuple(l for l in layers if l.name in names)
+        wrapped = apply_dp(module, plan, stage_layers_, mesh["dp"], device, ignore=unused, pipeline=True)
+        if wrapped is not module:  # DDP: the traced PipelineStage reads the stage's graph from it
+            wrapped.graph = module.graph
+        # After apply_dp: FSDP2 replaces the parameters by sharded ones.
+        params.update({canonical.get(n, n): q for n, q in module.named_parameters() if n in used[s]})
+        for n, q in module.named_parameters():
+            if n in used[s]:
+                owned.setdefault(canonical.get(n, n), q)
+        modules.append(module)
+        wrapped_stages.append(_PipelineStage(wrapped, s, info, device, mesh["pp"].get_group()))
+
+    def loss_fn(output: Any, target: Any) -> torch.Tensor:
+        leaves = list(output) if isinstance(output, (tuple, list)) else [output]
+        return handle.loss(tree_unflatten(leaves, spec) if len(leaves) == spec.num_leaves else output, target)
+
+    input_names = [str(n.target) for n in pipe.split_gm.graph.nodes if n.op == "placeholder"]
+    return modules, wrapped_stages, params, owned, tied, loss_fn, input_names
+
+
+def _sum_tied_grads(tied: list[tuple[str, dist.ProcessGroup]], owned: dict[str, nn.Parameter]) -> None:
+    """Sum the gradients of a tied weight's copies over the pipeline ranks holding them."""
     from torch.distributed.tensor import DTensor
 
-    for q in params:
+    for name, group in tied:
+        q = owned[name]
         if q.grad is None:
-            continue
+            q.grad = torch.zeros_like(q)
         g = q.grad.to_local() if isinstance(q.grad, DTensor) else q.grad
         dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
-        g /= dp
 
 
 @dataclass
@@ -226,7 +391,9 @@ def run_pipeline(
     by_name = {l.name: l for l in layers}
     split_points = [names[0] for _, names in stages[1:]]
     sample = slice_rows(global_batch(handle, plan, 0)[0], 0, p.micro_batch)
-    check_sequential(handle, handle.name, all_names, split_points[0], sample)
+    # A forward that is not a plain sequence of its layers from the first split on is split by the
+    # pipelining tracer instead (runtime/pipeline.py's docstring, "Traced split").
+    not_sequential = sequential_reason(handle, all_names, split_points[0], sample)
 
     meta_full = handle.build_model("meta")
     on_meta = use_meta(meta_full, device)
@@ -241,7 +408,24 @@ def run_pipeline(
     mine = [(s, names) for s, (r, names) in enumerate(stages) if r == pp_index]
     recompute = set(plan.stages[pp_index].recompute_layers) | set(plan.stages[pp_index].selective_layers)
     modules, wrapped_stages, params, owned = [], [], {}, {}
-    for s, names in mine:
+    loss_fn: Callable[[Any, Any], torch.Tensor] = handle.loss
+    tied: list[tuple[str, dist.ProcessGroup]] = []
+    input_names: list[str] | None = None
+    if not_sequential is not None:
+        if on_meta:
+            raise BadInput(
+                f"{handle.name}: the meta-device build (PLAN_RUNTIME_META=1, or a model too large for every "
+                f"rank to build whole) is not supported with a pipeline split by the tracer (needed because "
+                f"{not_sequential}); set PLAN_RUNTIME_META=0 or re-plan without --pp"
+            )
+        traced = _traced_stages(
+            handle, plan, full, stages, mine, to_device(sample, device), device, mesh, recompute, not_sequential, layers,
+        )
+        modules, wrapped_stages, params, owned, tied, loss_fn, input_names = traced
+        if rank == 0:
+            log.info("pipeline: split by the pipelining tracer (the forward is not a plain sequence: %s)", not_sequential)
+        build.materialized_parameters = sum(q.numel() for q in owned.values())
+    for s, names in (mine if not_sequential is None else []):
         module = build_stage_module(full, all_names, names, first=(s == 0))
         if on_meta:
             made = materialize(module, device, full, [n for n in all_names if n not in names])
@@ -254,9 +438,10 @@ def run_pipeline(
         if p.tp > 1:
             apply_tp(module, mine_layers, mesh["tp"])
         apply_recompute_layers(module, [n for n in names if n in recompute])
-        # ZeRO-0: no DDP wrapper (its bucket rebuild breaks when a schedule runs several forwards
-        # before their backwards); the gradients are all-reduced over dp after the schedule instead.
-        wrapped = module if p.zero == 0 else apply_dp(module, plan, mine_layers, mesh["dp"], device)
+        # ZeRO-0/1: DDP (PipelineStage runs its micro-batches under no_sync and reduces on the last
+        # backward), parameters outside this stage's layers (unused) left out; ZeRO 2/3: FSDP2.
+        unused = [n for n, _ in module.named_parameters() if s != 0 and not any(n.startswith(l + ".") for l in names)]
+        wrapped = apply_dp(module, plan, mine_layers, mesh["dp"], device, ignore=unused, pipeline=True)
         params.update(dict(module.named_parameters()))
         # The parameters this stage uses: all of stage 0's (the stubs have none), only its layers'
         # elsewhere (a later stage's forward runs just its layers).
@@ -267,7 +452,6 @@ def run_pipeline(
         modules.append(module)
         wrapped_stages.append(PipelineStage(wrapped, s, len(stages), device, group=pp_group))
     del full
-    loss_fn: Callable[[Any, Any], torch.Tensor] = handle.loss
     if p.schedule == "interleaved":
         schedule = ScheduleInterleaved1F1B(wrapped_stages, n_microbatches=p.num_microbatches, loss_fn=loss_fn)
     else:
@@ -277,7 +461,7 @@ def run_pipeline(
     has_last = any(s == len(stages) - 1 for s, _ in mine)
 
     # Only the parameters the stages use (the others never get a gradient): what a checkpoint holds.
-    optimizer = make_optimizer_for(plan, list(owned.values()))
+    optimizer = make_optimizer_for(plan, list(owned.values()), mesh["dp"].get_group() if p.dp > 1 else None)
     start_step, after_step = 0, None
     if checkpoint is not None:
         from runtime.checkpoint import StateView
@@ -301,7 +485,9 @@ def run_pipeline(
         args: tuple = ()
         kwargs: dict[str, Any] = {}
         if has_first:
-            if isinstance(inputs, dict):
+            if isinstance(inputs, dict) and input_names is not None:
+                args = tuple(inputs[n] for n in input_names)  # traced stage 0 takes them positionally
+            elif isinstance(inputs, dict):
                 kwargs = dict(inputs)
             elif isinstance(inputs, (tuple, list)):
                 args = tuple(inputs)
@@ -309,8 +495,7 @@ def run_pipeline(
                 args = (inputs,)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             schedule.step(*args, target=targets if has_last else None, losses=micro if has_last else None, **kwargs)
-        if dp_group is not None and p.zero == 0:
-            _all_reduce_grads(params.values(), dp_group, p.dp)
+        _sum_tied_grads(tied, owned)
         optimizer.step()
         total = torch.zeros((), device=device)
         if has_last:

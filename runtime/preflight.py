@@ -11,7 +11,7 @@ and the planner always agree on what a "layer" is.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from planner.model_file import ModelHandle, load_model_file
 from planner.plan import Plan
 from planner.profile import profile_model
 from planner.profile.types import TPInfo
+from runtime.tp_structure import TPRole, tp_roles
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class LayerSplit:
     """The layer's main module (``blocks.3``), as in plan.model.layer_names."""
     tp: TPInfo | None
     """Its tensor-parallel plan (column-/row-wise Linear names relative to the layer), or None."""
+    role: TPRole | None = None
+    """What else tensor parallelism does to it (vocabulary-parallel embedding or head, sequence
+    parallelism; runtime.tp_structure); None when unknown (its Linear pair only, as before)."""
 
 
 @dataclass(frozen=True)
@@ -54,10 +58,17 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def discover_layers(handle: ModelHandle, precision: str) -> tuple[LayerSplit, ...]:
-    """The profiler's layers (names and TP split), from a trace on fake tensors."""
-    profile = profile_model(handle, batch_size=1, dtype=precision, force_meta=True, measure=False)
-    return tuple(LayerSplit(layer.name, layer.tp) for layer in profile.layers)
+def discover_layers(handle: ModelHandle, precision: str, roles: bool = True) -> tuple[LayerSplit, ...]:
+    """The profiler's layers (names and TP split), from a trace on fake tensors; `roles`: with their
+    TPRole (one more forward on fake tensors)."""
+    profile = profile_model(handle, batch_size=1, dtype=precision, force_meta=True, measure=False, check_split=False)
+    layers = tuple(LayerSplit(layer.name, layer.tp) for layer in profile.layers)
+    if not roles or not any(layer.tp is not None for layer in layers):
+        return layers
+    found = tp_roles(handle, layers)
+    if isinstance(found, str):
+        return layers
+    return tuple(replace(layer, role=role) for layer, role in zip(layers, found))
 
 
 def check_devices(plan: Plan, plan_path: Path, world_size: int) -> str:
@@ -104,7 +115,7 @@ def prepare(plan_path: str | Path, model_path: str | Path | None = None, *, on_l
     if _sha256(path) != plan.model.source_sha256:
         raise BadInput(f"{path.name} changed since the plan was made: re-plan")
     handle = load_model_file(path)
-    layers = discover_layers(handle, plan.training.precision)
+    layers = discover_layers(handle, plan.training.precision, roles=p.tp > 1)
     names = tuple(layer.name for layer in layers)
     if names != tuple(plan.model.layer_names):
         missing = [n for n in plan.model.layer_names if n not in names]

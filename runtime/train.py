@@ -11,6 +11,7 @@ computing it on the whole batch (the parity tests check it).
 
 from __future__ import annotations
 
+import logging
 import resource
 import statistics
 import time
@@ -25,6 +26,7 @@ from planner.model_file import ModelHandle, call_model
 from planner.plan import Plan
 from runtime.data_parallel import set_grad_sync
 
+log = logging.getLogger(__name__)
 MODEL_SEED = 1234
 """torch.manual_seed before build_model() on every rank: identical initial weights everywhere."""
 DATA_SEED = 5678
@@ -42,16 +44,33 @@ class RankResult:
     peak_memory_bytes: int
 
 
-def make_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer:
-    return make_optimizer_for(plan, list(model.parameters()))
+def make_optimizer(plan: Plan, model: nn.Module, dp_group: dist.ProcessGroup | None = None) -> torch.optim.Optimizer:
+    return make_optimizer_for(plan, list(model.parameters()), dp_group)
 
 
-def make_optimizer_for(plan: Plan, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def make_optimizer_for(
+    plan: Plan, params: list[nn.Parameter], dp_group: dist.ProcessGroup | None = None,
+) -> torch.optim.Optimizer:
+    """The plan's optimizer over `params`. ZeRO-1 with a dp group (dp > 1): wrapped in
+    ``ZeroRedundancyOptimizer`` over that group, so each rank holds and updates the optimizer state
+    of its shard of the parameters and broadcasts the updated ones after the step."""
     name = plan.training.optimizer
     lr = LEARNING_RATE[name]
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    return torch.optim.AdamW(params, lr=lr)
+    cls = torch.optim.SGD if name == "sgd" else torch.optim.AdamW
+    if plan.parallel.zero == 1 and dp_group is not None and dist.get_world_size(dp_group) > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        log.info("optimizer: ZeroRedundancyOptimizer(%s) over %d dp ranks", cls.__name__, dist.get_world_size(dp_group))
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=dp_group, lr=lr)
+    return cls(params, lr=lr)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer holding this rank's state: ZeroRedundancyOptimizer's local one (its shard of
+    the parameters), the optimizer itself otherwise."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
 def slice_rows(batch: Any, start: int, stop: int) -> Any:

@@ -35,8 +35,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from planner.errors import BadInput
 from runtime.checkpoint import Checkpointer, CheckpointRefused, plan_sha256, sha256_file, unsupported
 from runtime.layout import coords, runtime_warnings
-from runtime.meta_init import WARNING as META_WARNING, BuildInfo, materialize, params_sha256, use_meta
-from runtime.data_parallel import apply_dp, full_parameters
+from runtime.meta_init import WARNING as META_WARNING, BuildInfo, materialize_sharded, params_sha256, use_meta
+from runtime.data_parallel import apply_dp, full_parameters, shards_parameters
 from runtime.recompute import apply_recompute
 from runtime.tensor_parallel import apply_tp
 from runtime.preflight import Prepared, load_for_worker
@@ -90,23 +90,30 @@ def run_plan(index: int, prepared: Prepared, args: argparse.Namespace, rank: int
     )
 
     meta = prepared.handle.build_model("meta")
-    if use_meta(meta, device):
-        # Too large for every rank to build it whole (or PLAN_RUNTIME_META=1): to_empty + init
+    on_meta = use_meta(meta, device)
+    if on_meta:
+        # Too large for every rank to build it whole (or PLAN_RUNTIME_META=1): TP, recompute and
+        # FSDP2 apply on the meta device, then only this rank's shards are allocated and filled.
         model = meta.to(dtype=torch.float32)
-        build = materialize(model, device)
+        pristine = prepared.handle.build_model("meta").to(dtype=torch.float32)
     else:
         del meta
         torch.manual_seed(MODEL_SEED)  # identical initial weights on every rank
         model = prepared.handle.build_model().to(device=device, dtype=torch.float32)
         build = BuildInfo(materialized_parameters=sum(q.numel() for q in model.parameters()))
     if p.tp > 1:
-        apply_tp(model, prepared.layers, mesh["tp"])
+        apply_tp(model, prepared.layers, mesh["tp"], p.sequence_parallel)
     apply_recompute(model, plan)
+    layer_names = [layer.name for layer in prepared.layers]
+    if on_meta and not shards_parameters(plan):  # DDP needs real tensors to wrap
+        build = materialize_sharded(model, pristine, device, layer_names)
     wrapped = apply_dp(model, plan, prepared.layers, mesh["dp"], device)
+    if on_meta and shards_parameters(plan):
+        build = materialize_sharded(model, pristine, device, layer_names)
     dp_group = mesh["dp"].get_group() if p.dp > 1 else None
     params = dict(model.named_parameters())  # the trained parameters, by their original names
 
-    optimizer = make_optimizer(plan, model)
+    optimizer = make_optimizer(plan, model, dp_group)
     ctx = _CheckpointContext(index, prepared, args, rank)
     start_step, after_step = ctx.setup(model, optimizer) if ctx.enabled else (0, None)
     after_step = _with_step1_hash(after_step, build, params, start_step)

@@ -26,6 +26,7 @@ from planner.errors import BadInput
 from planner.model_file import ModelHandle
 from planner.profile import materialize as mat
 from planner.profile.layers import Unit, find_units, group_units, has_params
+from planner.profile.split import meta_trace_split
 from planner.profile.timing import time_units
 from planner.profile.trace import BEFORE_ANY, TraceResult, run_trace, storage_key
 from planner.profile.tp_plan import find_tp_plan, tp_param_count
@@ -87,7 +88,10 @@ def profile_model(
     force_meta: bool = False,
     measure: bool = True,
     repeats: int = 3,
+    check_split: bool = True,
 ) -> ModelProfile:
+    """`check_split`: when some cut is not a plain hand-over of one layer's output, try the
+    pipelining tracer on the meta-built model (seconds) to see whether it can be cut there."""
     start = time.perf_counter()
     tdtype = mat.torch_dtype(dtype)
     inputs, targets = handle.sample_batch(batch_size)
@@ -136,6 +140,14 @@ def profile_model(
         fwd_s, bwd_s = time_units(handle, model, units, first, inputs, targets, repeats)
 
     layers, edges = _assemble(model, units, trace, fwd_s, bwd_s, warnings)
+    split, split_note = "sequential", None
+    # The tracer (seconds) is tried only where it can open a cut worth having: next to a block of a
+    # stack (a cut between two embeddings, as in examples/gpt.py, is not worth the time).
+    stacked = {u.name for u in units if u.in_container}
+    in_stack = [any(m in stacked for m in layer.modules) for layer in layers]
+    open_cuts = [i for i in range(len(layers) - 1) if not layers[i].cut_after_ok and (in_stack[i] or in_stack[i + 1])]
+    if check_split and open_cuts:
+        layers, split, split_note = _traced_cuts(handle, tdtype, inputs, layers)
     totals = ProfileTotals(
         num_params=sum(lp.num_params for lp in layers),
         param_bytes=sum(lp.param_bytes for lp in layers),
@@ -164,7 +176,23 @@ def profile_model(
         warnings=tuple(warnings),
         profile_s=round(time.perf_counter() - start, 3),
         num_threads=torch.get_num_threads() if fwd_s is not None else None,
+        pipeline_split=split,
+        pipeline_split_note=split_note,
     )
+
+
+def _traced_cuts(
+    handle: ModelHandle, dtype: torch.dtype, inputs: Any, layers: list[LayerProfile]
+) -> tuple[list[LayerProfile], str, str | None]:
+    """Some cuts carry more than one layer's output: they are valid when the pipelining tracer
+    splits the model before every layer (tried once, all boundaries at once, on the meta-built
+    model; the runtime splits at a subset of them the same way). (layers, split, note)."""
+    reason = meta_trace_split(handle, dtype, inputs, [layer.name for layer in layers[1:]])
+    if reason is None:
+        last = len(layers) - 1
+        return [replace(layer, cut_after_ok=True) if layer.index < last else layer for layer in layers], "traced", None
+    split = "sequential" if any(layer.cut_after_ok for layer in layers[:-1]) else "none"
+    return layers, split, reason
 
 
 def _assemble(

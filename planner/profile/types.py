@@ -35,7 +35,9 @@ class LayerProfile:
     """Bytes of the tensors that cross a pipeline cut right after this layer."""
     cut_after_ok: bool
     """Whether a pipeline stage may end after this layer: what crosses the cut is exactly what
-    this layer returned (a tensor or a tuple), so the next stage can start from it alone."""
+    this layer returned (a tensor or a tuple), so the next stage can start from it alone; or the
+    model's ``pipeline_split`` is "traced": torch.distributed.pipelining's tracer splits it there
+    and sends whatever crosses (masks, position embeddings, ...; all counted in output_bytes)."""
     fwd_s: Optional[float] = None
     bwd_s: Optional[float] = None
     # -- what the cost model needs beyond the headline figures --------------------------------
@@ -117,6 +119,16 @@ class ModelProfile(schema.Versioned):
     profile_s: float = 0.0
     num_threads: Optional[int] = None
     """torch's intra-op threads when the times were measured (None: not timed)."""
+    pipeline_split: str = "sequential"
+    """How the runtime splits this model into pipeline stages: "sequential" (the valid cuts hand
+    over one layer's output; the tracer was not needed, or it failed and some such cuts remain;
+    profiles made before this field existed read so), "traced" (some cuts carry other tensors
+    too: torch.distributed.pipelining's tracer splits the model, and it succeeded on the
+    meta-built model at every layer boundary, so every cut is valid) or "none" (no valid cut: the
+    tracer failed, see pipeline_split_note). The tracer is tried only when a cut next to a block
+    of a stack (ModuleList/Sequential) is not a plain hand-over."""
+    pipeline_split_note: Optional[str] = None
+    """Why the tracer could not split the model (one line), when it was tried and failed."""
     schema: str = field(default="planner.ModelProfile")
     version: int = field(default=1)
 

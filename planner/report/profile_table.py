@@ -67,5 +67,9 @@ def render_profile(profile: ModelProfile, console: Console | None = None) -> Non
         f"sent by a pipeline cut after the layer) are for the whole batch of {profile.batch_size}; "
         f"profiled in {profile.profile_s:.1f} s"
     )
+    if profile.pipeline_split == "traced":
+        console.print("pipeline cuts: split by torch.distributed.pipelining's tracer (cut B counts every tensor crossing)")
+    elif profile.pipeline_split_note:
+        console.print(f"pipeline cuts: only where one layer's output is all that crosses; {profile.pipeline_split_note}")
     for w in profile.warnings:
         console.print(f"[yellow]warning:[/yellow] {w}")

@@ -28,7 +28,10 @@ from tests.conftest import EXAMPLES
 STEPS = 5
 CKPT_DIR = "ckpt_w2"
 CKPT_EVERY = 2
-RESUMED = ("ddp", "fsdp", "pp_1f1b")
+RESUMED = ("ddp", "fsdp", "pp_1f1b", "zero1")
+RESUMED_W4 = ("dp_tp", "dp_tp_zero1")
+"""4-rank configurations resumed too (DDP over TP; with ZeRO-1): their own launch runs 2 steps with a
+checkpoint, a second one resumes it to STEPS."""
 GLOBAL_BATCH = 8
 RTOL_LOSS = 1e-5
 ATOL_PARAM = 1e-5
@@ -48,6 +51,10 @@ class MaybeFailing(GPT):
         fail = os.environ.get("PLAN_TEST_FAIL_RANK")
         if fail is not None and os.environ.get("RANK") == fail and not isinstance(idx, FakeTensor):
             raise RuntimeError("injected failure")
+        kill = os.environ.get("PLAN_TEST_KILL_RANK")
+        if kill is not None and os.environ.get("RANK") == kill and not isinstance(idx, FakeTensor):
+            import signal
+            os.kill(os.getpid(), signal.SIGKILL)  # dies without a word, as the OOM killer does
         return super().forward(idx)
 
 
@@ -65,11 +72,14 @@ def sample_batch(batch_size):
 # name -> (world size, Fixed): the configurations each launch runs in turn
 CONFIGS = {
     "ddp": (2, Fixed(dp=2, tp=1, pp=1, zero=0, micro_batch=2, recompute="none")),
+    "ddp_selective": (2, Fixed(dp=2, tp=1, pp=1, zero=0, micro_batch=2, recompute="selective")),
+    "zero1": (2, Fixed(dp=2, tp=1, pp=1, zero=1, micro_batch=2, recompute="none")),
     "fsdp": (2, Fixed(dp=2, tp=1, pp=1, zero=3, micro_batch=2, recompute="full")),
     "fsdp_zero2": (2, Fixed(dp=2, tp=1, pp=1, zero=2, micro_batch=4, recompute="none")),
     "tp": (2, Fixed(dp=1, tp=2, pp=1, zero=0, micro_batch=4, recompute="none")),
     "dp_tp": (4, Fixed(dp=2, tp=2, pp=1, zero=0, micro_batch=2, recompute="none")),
     "dp_tp_recompute": (4, Fixed(dp=2, tp=2, pp=1, zero=0, micro_batch=2, recompute="full")),
+    "dp_tp_zero1": (4, Fixed(dp=2, tp=2, pp=1, zero=1, micro_batch=2, recompute="none")),
     "fsdp_tp": (4, Fixed(dp=2, tp=2, pp=1, zero=3, micro_batch=2, recompute="full")),
     # pipeline parallel (torch.distributed.pipelining): each schedule, then with dp and tp
     "pp_gpipe": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="gpipe")),
@@ -77,6 +87,7 @@ CONFIGS = {
     "pp_interleaved": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none",
                                 schedule="interleaved", virtual_stages=2)),
     "pp_dp": (4, Fixed(dp=2, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
+    "pp_dp_zero1": (4, Fixed(dp=2, tp=1, pp=2, zero=1, micro_batch=2, recompute="none", schedule="1f1b")),
     "pp_dp_tp": (8, Fixed(dp=2, tp=2, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
 }
 
@@ -174,6 +185,18 @@ def test_failing_rank_stops_the_run(plans, workdir):
     assert elapsed < 60, f"the run took {elapsed:.0f} s to stop"
 
 
+def test_killed_rank_stops_the_run(plans, workdir):
+    """A rank killed by a signal (no Python error to record) is still named, from torchrun's summary."""
+    start = time.perf_counter()
+    with pytest.raises(RunFailed) as info:
+        launch([plans["ddp"]], 2, steps=STEPS, timeout_s=120, pg_timeout_s=20,
+               run_dir=workdir / "killed", env={"PLAN_TEST_KILL_RANK": "0"})
+    elapsed = time.perf_counter() - start
+    message = str(info.value)
+    assert "rank 0 died: killed by SIGKILL" in message and "\n" not in message, message
+    assert elapsed < 60, f"the run took {elapsed:.0f} s to stop"
+
+
 def test_changed_model_refused_before_launch(plans, workdir, capsys):
     changed = workdir / "changed" / "model.py"
     changed.parent.mkdir()
@@ -192,6 +215,16 @@ def test_plan_shapes(plans):
     assert inter.parallel.schedule == "interleaved" and all(len(s.chunks) == 2 for s in inter.stages)
     assert Plan.load(plans["pp_gpipe"]).parallel.schedule == "gpipe"
     assert Plan.load(plans["pp_dp_tp"]).parallel.num_microbatches == 2
+    selective = Plan.load(plans["ddp_selective"]).stages[0]
+    assert selective.selective_layers and not selective.recompute_layers
+    assert Plan.load(plans["zero1"]).parallel.zero == 1
+
+
+@pytest.mark.parametrize("name", ["ddp_selective", "zero1", "pp_dp", "pp_dp_zero1"])
+def test_runs_as_planned(name, runs):
+    """Selective recompute (SAC), ZeRO-1 (DDP + ZeroRedundancyOptimizer) and DDP inside pipeline
+    stages run as the plan says: no departure is reported."""
+    assert not runs[name][0].warnings, runs[name][0].warnings
 
 
 def test_pipeline_and_layer_mismatch_refused(plans, workdir, capsys):
@@ -215,6 +248,27 @@ def test_pipeline_and_layer_mismatch_refused(plans, workdir, capsys):
     renamed.write_text(json.dumps(data))
     assert main(["run", str(renamed)]) == 2
     assert "layers differ from the plan's" in capsys.readouterr().err
+
+
+def test_tp_runs_vocabulary_and_sequence_parallel(runs, plans, capsys):
+    """What the cost model assumes for tp > 1 (Megatron TP + sequence parallelism, vocabulary-parallel
+    embeddings and head, the loss on vocabulary-sharded logits) is what ran: no run warning about it,
+    each rank's log says so, and --dry-run shows the shards. (The parity tests above: it trains as one
+    process does.)"""
+    ran = "vocabulary-parallel: wte, wpe, lm_head; sequence parallel: True; lm_head's logits stay vocabulary-sharded"
+    for name in ("tp", "dp_tp", "dp_tp_recompute", "fsdp_tp", "pp_dp_tp"):
+        report, params_path = runs[name]
+        assert not any("vocabulary" in w or "sequence parallel" in w or "logits" in w for w in report.warnings), (
+            name, report.warnings)
+        log = (params_path.parent.parent / "launch.log").read_text(errors="replace")
+        assert ran in log or name == "pp_dp_tp", name  # a pipeline stage logs its own layers
+    log = (runs["pp_dp_tp"][1].parent.parent / "launch.log").read_text(errors="replace")
+    assert "vocabulary-parallel: wte, wpe; sequence parallel: True" in log
+    assert "vocabulary-parallel: lm_head; sequence parallel: True; lm_head's logits stay vocabulary-sharded" in log
+    assert main(["run", str(plans["tp"]), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "tp shard 1/2 of the vocabulary: wte rows 32-63 of 64, wpe rows 8-15 of 16, lm_head rows 32-63 of 64" in out
+    assert "sequence parallel: positions 8-15 of 16 of the hidden states" in out
 
 
 def test_dry_run_prints_command_and_layout(plans, capsys):
@@ -259,8 +313,17 @@ def resumed(plans, workdir, runs) -> dict[str, tuple[object, Path, Path]]:
         shutil.copytree(_ckpt_of(workdir, name, 2), root / f"plan{i}" / "step-00000002")
     result = launch([plans[n] for n in RESUMED], 2, steps=STEPS, save_params=True, timeout_s=300,
                     run_dir=workdir / "w2resume", checkpoint_dir=root, checkpoint_every=CKPT_EVERY, resume=True)
-    return {n: (result.reports[i], result.run_dir / f"plan{i}" / "params.pt", root / f"plan{i}")
-            for i, n in enumerate(RESUMED)}
+    out = {n: (result.reports[i], result.run_dir / f"plan{i}" / "params.pt", root / f"plan{i}")
+           for i, n in enumerate(RESUMED)}
+    root4 = workdir / "resume_w4"
+    four = [plans[n] for n in RESUMED_W4]
+    launch(four, 4, steps=CKPT_EVERY, timeout_s=300, run_dir=workdir / "w4ckpt", checkpoint_dir=root4,
+           checkpoint_every=CKPT_EVERY)
+    result = launch(four, 4, steps=STEPS, save_params=True, timeout_s=300, run_dir=workdir / "w4resume",
+                    checkpoint_dir=root4, checkpoint_every=CKPT_EVERY, resume=True)
+    out.update({n: (result.reports[i], result.run_dir / f"plan{i}" / "params.pt", root4 / f"plan{i}")
+                for i, n in enumerate(RESUMED_W4)})
+    return out
 
 
 def test_checkpoints_written_with_manifest(runs, workdir):
@@ -275,7 +338,7 @@ def test_checkpoints_written_with_manifest(runs, workdir):
     assert not list((workdir / CKPT_DIR).glob("plan*/.step-*"))  # no partial directory left
 
 
-@pytest.mark.parametrize("name", RESUMED)
+@pytest.mark.parametrize("name", RESUMED + RESUMED_W4)
 def test_resume_matches_uninterrupted(name, resumed, reference):
     ref_losses, ref_params = reference
     report, params_path, root = resumed[name]
@@ -343,13 +406,13 @@ def test_prune_deletes_only_old_checkpoints_of_ours(tmp_path):
 
 # --- the meta-device build (runtime/meta_init.py; PLAN_RUNTIME_META=1) ---------------------------
 
-META_CONFIGS = ("pp_1f1b", "fsdp")
+META_CONFIGS = ("pp_1f1b", "fsdp", "tp")
 META_STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def meta_runs(plans, workdir) -> dict[str, tuple[object, list[dict]]]:
-    """pp2 and dp2 FSDP built on the meta device, one 2-rank launch on one fixed batch (random
+    """pp2, dp2 FSDP and tp2 built on the meta device, one 2-rank launch on one fixed batch (random
     tokens every step leave nothing to learn): name -> (report, rank JSONs)."""
     result = launch([plans[n] for n in META_CONFIGS], 2, steps=META_STEPS, timeout_s=300,
                     run_dir=workdir / "w2meta", env={"PLAN_RUNTIME_META": "1", "PLAN_TEST_FIXED_DATA": "1"})
@@ -382,6 +445,18 @@ def test_meta_build_replicas_agree(meta_runs):
     a, b = (r["build"] for r in ranks)
     assert a["init_sha256"] and a["init_sha256"] == b["init_sha256"]
     assert a["params_sha256_step1"] and a["params_sha256_step1"] == b["params_sha256_step1"]
+
+
+def test_meta_build_fsdp_allocates_only_shards(meta_runs, reference):
+    """dp2 FSDP on the meta path: sharded before materialising, so each rank allocates about half of
+    the parameters and holds at most one layer whole while initialising."""
+    _, ref_params = reference
+    total = sum(p.numel() for p in ref_params.values())
+    _, ranks = meta_runs["fsdp"]
+    for r in ranks:
+        build = r["build"]
+        assert 0.45 * total <= build["materialized_parameters"] <= 0.55 * total, (build["materialized_parameters"], total)
+        assert 0 < build["largest_unit_elements"] < 0.5 * total
 
 
 def test_meta_build_materialises_only_own_stage(meta_runs, reference, plans):

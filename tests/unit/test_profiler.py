@@ -149,12 +149,16 @@ def test_identical_layers_share_a_kind_and_cuts_are_known():
     assert all(g.has_edge(b.index, b.index + 1) for b in blocks)
 
 
-def test_hugging_face_blocks_cannot_be_split():
+def test_hugging_face_blocks_split_by_the_tracer():
     """HF GPT-2's blocks take the attention mask made before them besides the hidden state: no
-    stage could start from one block's output. The only valid cut is after the last block."""
+    stage could start from one block's output alone, so the only plain cut is after the last
+    block. The pipelining tracer (which carries the mask too) splits it at every boundary."""
+    plain = _profile(EXAMPLES / "hf_gpt2.py", check_split=False)
+    last_block = max(l.index for l in plain.layers if l.name.startswith("transformer.h."))
+    assert plain.cut_points() == [last_block] and plain.pipeline_split == "sequential"
     profile = _profile(EXAMPLES / "hf_gpt2.py")
-    last_block = max(l.index for l in profile.layers if l.name.startswith("transformer.h."))
-    assert profile.cut_points() == [last_block]
+    assert profile.pipeline_split == "traced"
+    assert profile.cut_points() == list(range(len(profile.layers) - 1))
 
 
 def test_resnet_blocks_are_layers():

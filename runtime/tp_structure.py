@@ -1,0 +1,307 @@
+"""What tensor parallelism may do to each layer beyond its Linear pairs: found once, on fake tensors.
+
+The profiler's `TPInfo` names a block's column-/row-wise Linears and marks embeddings and the LM head
+vocabulary-parallel. Sequence parallelism (Korthikanti et al. 2022, the cost model's assumption) and
+a loss on vocabulary-sharded logits also need to know how tensors flow, which a forward on fake
+tensors shows: this module runs the model once under FakeTensorMode, as the profiler does (batch 2,
+hooks on every module)
+and gives each layer a `TPRole`:
+
+- ``embedding`` (an ``nn.Embedding`` with a vocabulary-parallel TPInfo): the dim of its output that
+  is the sequence (the last dim of its index input, whose length is the sequence length);
+- ``block`` (a Linear pair): its norm-like submodules (SequenceParallel), the submodules whose single
+  input feeds all their column-wise Linears (gathered once: torchtitan's ``PrepareModuleInput`` on
+  ``attention``/``feed_forward``), and the column-wise Linears that gather their own input;
+- ``norm`` (a layer that is one norm-like module, e.g. the final norm);
+- ``head`` (the vocabulary-parallel last Linear): whether its logits may stay sharded into the loss;
+- ``other``: anything else (no sequence-parallel form).
+
+Sequence parallelism is all or nothing: every layer must take and give hidden states
+[batch, seq, hidden] (the sequence dim known, 1 in blocks), a block may hold parameters only in its
+Linear pair and in norm-like modules (LayerNorm, RMSNorm: per position over the last dim), and there
+is nothing else. The first reason it cannot run is copied into every layer's role
+(`sp_blocker`), so every pipeline stage, which sees only its own layers, decides the same.
+Not checked: code outside the gathered submodules that mixes positions (``x[:, -1]``, a cumulative
+sum) runs on this rank's sequence shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from planner.model_file import ModelHandle, call_model, logits_of
+from planner.profile.types import TPInfo
+
+NO_BLOCK = "the model has no block with a column/row-wise Linear pair"
+"""The sp_blocker of a model where only embeddings and the head split (nothing to warn about)."""
+TRACE_BATCH = 2
+"""Batch size of the trace (a [batch, seq, hidden] tensor is recognised by its leading dims)."""
+
+
+@dataclass(frozen=True)
+class TPRole:
+    """How tensor parallelism treats one layer besides its TPInfo (names relative to the layer)."""
+
+    kind: str
+    """"embedding", "block", "norm", "head" or "other"."""
+    seq_len: int | None = None
+    """The model's sequence length (the second dim of its 2-D integer input), None without one."""
+    seq_dim: int | None = None
+    """embedding: the dim of its output that is the sequence (1 for [batch, seq, hidden], 0 for
+    position embeddings [seq, hidden]); None when it has none."""
+    norms: tuple[str, ...] = ()
+    """block: norm-like submodules on the hidden states, run sequence-parallel."""
+    gathers: tuple[str, ...] = ()
+    """block: submodules whose one input feeds all their column-wise Linears: gathered once."""
+    sp_blocker: str = ""
+    """Why sequence parallelism cannot run in this model ("" when it can): the same in every layer."""
+    tied: str = ""
+    """embedding/head: the parameter of another layer that shares its weight ("" when none)."""
+    loss_blocker: str = ""
+    """head: why its logits cannot stay vocabulary-sharded into the loss ("" when they can)."""
+    shard_dropout: tuple[str, ...] = ()
+    """Dropout modules (p > 0) of the model outside the gathered submodules: with sequence
+    parallelism they run on each rank's sequence shard (the same in every layer)."""
+
+
+def _tensors(args: Any, kwargs: dict) -> list[torch.Tensor]:
+    vals = list(args) + list(kwargs.values())
+    return [v for v in vals if isinstance(v, torch.Tensor)]
+
+
+def _seq_len(inputs: Any) -> int | None:
+    """The second dim of the first 2-D integer input (token ids), as the profiler's."""
+    values = inputs.values() if isinstance(inputs, dict) else ([inputs] if isinstance(inputs, torch.Tensor) else inputs)
+    for t in values:
+        if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point():
+            return int(t.shape[1])
+    return None
+
+
+def is_norm_like(module: nn.Module) -> bool:
+    """A LayerNorm/RMSNorm-like module: per-position over the last dim, its own 1-D parameters only."""
+    own = list(module.parameters(recurse=False))
+    if not own or any(True for c in module.children() for _ in c.parameters()):
+        return False
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        return True
+    name = type(module).__name__.lower()
+    if "norm" not in name or any(x in name for x in ("batch", "group", "instance", "weight", "spectral")):
+        return False
+    return all(p.dim() == 1 and p.shape == own[0].shape for p in own)
+
+
+class _Calls:
+    """Every call of every module of the traced model: (args, kwargs, output), in order."""
+
+    def __init__(self, model: nn.Module):
+        self.calls: dict[str, list[tuple[tuple, dict, Any]]] = {}
+        self.handles = []
+        for name, mod in model.named_modules():
+            def hook(m, args, kwargs, out, name=name):
+                self.calls.setdefault(name, []).append((args, kwargs, out))
+            self.handles.append(mod.register_forward_hook(hook, with_kwargs=True))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def get(self, name: str) -> list[tuple[tuple, dict, Any]]:
+        return self.calls.get(name, [])
+
+
+def _join(prefix: str, sub: str) -> str:
+    return f"{prefix}.{sub}" if sub else prefix
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+class _Analysis:
+    def __init__(self, model: nn.Module, calls: _Calls, seq_len: int | None):
+        self.model, self.calls, self.S = model, calls, seq_len
+
+    def hidden(self, t: Any) -> bool:
+        """A [batch, seq, hidden] tensor of this trace."""
+        return isinstance(t, torch.Tensor) and t.dim() == 3 and tuple(t.shape[:2]) == (TRACE_BATCH, self.S)
+
+    def one_hidden_call(self, name: str, what: str) -> tuple[str, torch.Tensor | None]:
+        """("", its input) when `name` is called with one [batch, seq, hidden] tensor and returns
+        one of the same shape; (why not, None) otherwise."""
+        calls = self.calls.get(name)
+        if not calls:
+            return f"{what} {name} is not called in forward", None
+        for args, kwargs, out in calls:
+            ts = _tensors(args, kwargs)
+            if len(ts) != 1 or not args or ts[0] is not args[0]:
+                return f"{what} {name} takes {len(ts)} tensors, not only the hidden states", None
+            if not self.hidden(args[0]):
+                return f"{what} {name}'s input {tuple(args[0].shape)} is not [batch, seq, hidden]", None
+            if not isinstance(out, torch.Tensor) or out.shape != args[0].shape:
+                return f"{what} {name} does not return one tensor shaped like its input", None
+        return "", calls[0][0][0]
+
+    def owner_of(self, param: nn.Parameter, exclude: str) -> str:
+        """A parameter name outside module `exclude` that is `param` (a tied weight), or ""."""
+        for n, p in self.model.named_parameters(remove_duplicate=False):
+            if p is param and not (n == exclude or n.startswith(exclude + ".")):
+                return n
+        return ""
+
+    def embedding(self, name: str, module: nn.Embedding) -> TPRole:
+        tied = self.owner_of(module.weight, name)
+        calls = self.calls.get(name)
+        blocker, seq_dim = "", None
+        if self.S is None:
+            blocker = "the model has no 2-D integer input (token ids), so no sequence dimension is known"
+        elif not calls or len(calls) != 1 or not calls[0][0] or not isinstance(calls[0][0][0], torch.Tensor):
+            blocker = f"embedding {name} is not called once with its indices"
+        else:
+            idx = calls[0][0][0]
+            if idx.dim() not in (1, 2) or idx.shape[-1] != self.S:
+                blocker = f"embedding {name}'s input {tuple(idx.shape)} does not end in the sequence ({self.S})"
+            else:
+                seq_dim = idx.dim() - 1
+        return TPRole("embedding", self.S, seq_dim, sp_blocker=blocker, tied=tied)
+
+    def block(self, name: str, module: nn.Module, tp: TPInfo) -> TPRole:
+        linears = set(tp.colwise) | set(tp.rowwise)
+        if self.S is None:
+            return TPRole("block", None, sp_blocker="the model has no 2-D integer input (token ids), so no sequence dimension is known")
+        why, _ = self.one_hidden_call(name, "layer")
+        if why:
+            return TPRole("block", self.S, sp_blocker=why)
+        # Submodules whose single input feeds every column-wise Linear under them: gathered once.
+        gathers: list[str] = []
+        by_parent: dict[str, list[str]] = {}
+        for c in tp.colwise:
+            by_parent.setdefault(_parent(c), []).append(c)
+        for parent, cols in by_parent.items():
+            calls = self.calls.get(_join(name, parent)) or []
+            if not parent or len(calls) != 1:
+                continue
+            args, kwargs, _ = calls[0]
+            ts = _tensors(args, kwargs)
+            if len(ts) != 1 or not args or ts[0] is not args[0] or not self.hidden(args[0]):
+                continue
+            if all(any(a and a[0] is args[0] for a, _, _ in self.calls.get(_join(name, c)) or []) for c in cols):
+                gathers.append(parent)
+
+        def inside(sub: str) -> bool:
+            return any(sub == g or sub.startswith(g + ".") for g in gathers)
+
+        norms: list[str] = []
+        for sub, m in module.named_modules():
+            if not any(True for _ in m.parameters(recurse=False)) or sub in linears:
+                continue
+            if not is_norm_like(m):
+                return TPRole("block", self.S, sp_blocker=(
+                    f"{_join(name, sub)} ({type(m).__name__}) holds parameters and is neither a Linear of "
+                    "the column/row-wise pair nor a norm"))
+            if inside(sub):
+                continue  # runs on the gathered (whole-sequence) input, replicated
+            why_n, _ = self.one_hidden_call(_join(name, sub), "norm")
+            if why_n:
+                return TPRole("block", self.S, sp_blocker=why_n)
+            norms.append(sub)
+        for c in tp.colwise:
+            if inside(c):
+                continue
+            calls = self.calls.get(_join(name, c)) or []
+            if not calls or not all(a and self.hidden(a[0]) for a, _, _ in calls):
+                return TPRole("block", self.S, sp_blocker=f"column-wise {_join(name, c)}'s input is not [batch, seq, hidden]")
+        for r in tp.rowwise:
+            calls = self.calls.get(_join(name, r)) or []
+            if not calls or not all(self.hidden(o) for _, _, o in calls):
+                return TPRole("block", self.S, sp_blocker=f"row-wise {_join(name, r)}'s output is not [batch, seq, hidden]")
+        return TPRole("block", self.S, norms=tuple(norms), gathers=tuple(gathers))
+
+    def head(self, name: str, module: nn.Linear, handle: ModelHandle, output: Any, targets: Any) -> TPRole:
+        tied = self.owner_of(module.weight, name)
+        calls = self.calls.get(name) or []
+        blocker = ""
+        if self.S is None:
+            blocker = "the model has no 2-D integer input (token ids), so no sequence dimension is known"
+        elif len(calls) != 1 or not calls[0][0] or not self.hidden(calls[0][0][0]):
+            blocker = f"the head {name}'s input is not [batch, seq, hidden]"
+        loss = ""
+        try:
+            logits = logits_of(output)
+        except Exception:  # noqa: BLE001 - the model's own loss_fn reads its output
+            logits = None
+        if handle.has_loss_fn:
+            loss = "the model file's loss_fn gets whole logits; only the default cross-entropy runs on vocabulary-sharded ones"
+        elif not isinstance(targets, torch.Tensor) or targets.is_floating_point():
+            loss = "the default loss for float targets (MSE) needs whole logits"
+        elif not calls or logits is not calls[-1][2]:
+            loss = f"the model's output is not {name}'s logits as they are"
+        return TPRole("head", self.S, sp_blocker=blocker, tied=tied, loss_blocker=loss)
+
+
+def tp_roles(handle: ModelHandle, layers: tuple[Any, ...]) -> tuple[TPRole, ...] | str:
+    """Each layer's TPRole (in `layers`' order: objects with `name` and `tp`), or why none could be
+    found (the forward on fake tensors failed)."""
+    import logging
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from planner.profile import materialize as mat
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    calls = None
+    try:
+        inputs, targets = handle.sample_batch(TRACE_BATCH)
+        model = mat.build_fake(handle, torch.float32, fake_mode)
+        calls = _Calls(model)
+        with fake_mode, torch.no_grad():
+            output = call_model(model, mat.fake_batch(inputs, fake_mode))
+    except Exception as exc:  # noqa: BLE001
+        return f"the trace on fake tensors failed ({type(exc).__name__}: {exc})"
+    finally:
+        fake_log.setLevel(level)
+        if calls is not None:
+            calls.remove()
+    a = _Analysis(model, calls, _seq_len(inputs))
+    roles: list[TPRole] = []
+    for i, layer in enumerate(layers):
+        module = model.get_submodule(layer.name)
+        tp = layer.tp
+        if tp is not None and not tp.required and isinstance(module, nn.Embedding):
+            role = a.embedding(layer.name, module)
+        elif tp is not None and not tp.required and isinstance(module, nn.Linear) and i == len(layers) - 1:
+            role = a.head(layer.name, module, handle, output, targets)
+        elif tp is not None and tp.required and tp.colwise and tp.rowwise:
+            role = a.block(layer.name, module, tp)
+        elif tp is None and is_norm_like(module):
+            why, _ = a.one_hidden_call(layer.name, "norm") if a.S is not None else ("no sequence dimension is known", None)
+            role = TPRole("norm", a.S, sp_blocker=why)
+        else:
+            role = TPRole("other", a.S, sp_blocker=(
+                f"layer {layer.name} ({type(module).__name__}) is neither an embedding, a block with a "
+                "column/row-wise Linear pair, a norm nor the head"))
+        roles.append(role)
+    first = next((r.sp_blocker for r in roles if r.sp_blocker), "")
+    if not any(r.kind == "block" for r in roles):
+        first = NO_BLOCK  # only embeddings and the head split: nothing to run sequence-parallel
+    # Dropout on the sequence shards: outside the gathered submodules, or on a row-wise output.
+    gathered = [_join(l.name, g) for l, r in zip(layers, roles) if r.kind == "block" for g in r.gathers]
+    rowwise_out = {
+        id(out) for l, r in zip(layers, roles) if r.kind == "block" and l.tp is not None
+        for row in l.tp.rowwise for _, _, out in calls.get(_join(l.name, row))
+    }
+    dropout = tuple(
+        n for n, m in model.named_modules()
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and (
+            not any(n.startswith(g + ".") for g in gathered)
+            or any(args and id(args[0]) in rowwise_out for args, _, _ in calls.get(n))
+        )
+    )
+    return tuple(replace(r, sp_blocker=first, shard_dropout=dropout) for r in roles)

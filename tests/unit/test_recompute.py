@@ -1,0 +1,83 @@
+"""runtime/recompute.py in one process: selective recompute (save-matmuls SAC) of an examples/gpt.py
+block keeps fewer bytes than no recompute and more than full recompute, and its gradients equal the
+plain block's bit for bit, dropout included (the checkpoint restores the RNG state)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import sys
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from runtime.recompute import apply_recompute_layers, is_matmul_like
+from tests.conftest import EXAMPLES
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Every storage an op creates during the forward (weakly): what is still alive afterwards is
+    what the autograd graph (and the checkpoint's cache) keeps for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                self.refs[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+        return out
+
+    def live_bytes(self, exclude: set[int]) -> int:
+        gc.collect()
+        return sum(n for ptr, (ref, n) in self.refs.items() if not ref.expired() and ptr not in exclude)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "math"])
+def test_selective_between_none_and_full_with_equal_gradients(attn):
+    sys.path.insert(0, str(EXAMPLES))
+    from gpt import Block, GPTConfig
+
+    cfg = GPTConfig(vocab=64, seq_len=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1, attn=attn)
+    torch.manual_seed(0)
+    plain = torch.nn.ModuleDict({"block": Block(cfg)})
+    results = {}
+    for kind in ("none", "selective", "full"):
+        model = copy.deepcopy(plain)
+        apply_recompute_layers(model, ["block"] if kind == "full" else [], ["block"] if kind == "selective" else [])
+        torch.manual_seed(1)
+        x = torch.randn(4, cfg.seq_len, cfg.n_embd, requires_grad=True)
+        torch.manual_seed(2)  # the dropout masks
+        with _LiveStorages() as mode:
+            y = model["block"](x)
+        exclude = {y.untyped_storage().data_ptr(), *(p.untyped_storage().data_ptr() for p in model.parameters())}
+        kept = mode.live_bytes(exclude)
+        y.pow(2).sum().backward()
+        results[kind] = (kept, x.grad.clone(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    kept = {k: v[0] for k, v in results.items()}
+    assert kept["full"] < kept["selective"] < kept["none"], kept
+    _, x_grad, grads = results["none"]
+    for kind in ("selective", "full"):
+        assert torch.equal(results[kind][1], x_grad), kind
+        for name, g in grads.items():
+            assert torch.equal(results[kind][2][name], g), f"{kind}: {name}"
+
+
+def test_matmul_like_is_the_profilers_set():
+    from planner.profile.flops import formula_for
+
+    aten = torch.ops.aten
+    for op in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default):
+        assert is_matmul_like(op) and formula_for(op) is not None
+    cpu_flash = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if cpu_flash is not None:
+        assert is_matmul_like(cpu_flash.default)
+    for op in (aten.native_layer_norm.default, aten.gelu.default, aten._softmax.default,
+               aten.native_dropout.default, aten.add.Tensor):
+        assert not is_matmul_like(op)

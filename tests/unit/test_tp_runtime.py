@@ -1,0 +1,142 @@
+"""What tensor parallelism runs, decided before launch (runtime.tp_structure, runtime.layout): the
+GPT gets vocabulary-parallel embeddings and head, sequence parallelism and a loss on sharded logits
+(no run warning); models that cannot get one of them get it replaced, with a warning saying why.
+The distributed parity tests (tests/distributed/test_parity.py: tp, dp_tp, fsdp_tp, pp_dp_tp) check
+that this trains exactly as one process does."""
+
+from __future__ import annotations
+
+from planner.model_file import load_model_file
+from runtime.layout import shard_lines, tp_layout
+from runtime.preflight import discover_layers
+
+GPT = """
+import torch
+from gpt import GPT, GPTConfig, gpt_batch
+
+CFG = GPTConfig(vocab=64, seq_len=16, n_layer=2, n_head=2, n_embd=32)
+
+
+def build_model():
+    return GPT(CFG)
+
+
+def sample_batch(batch_size):
+    return gpt_batch(CFG, batch_size)
+"""
+
+
+def _layers(model_file, source: str):
+    return discover_layers(load_model_file(model_file(source)), "fp32")
+
+
+def test_gpt_runs_as_planned(model_file):
+    layers = _layers(model_file, GPT)
+    roles = {l.name: l.role for l in layers}
+    assert roles["wte"].kind == "embedding" and roles["wte"].seq_dim == 1
+    assert roles["wpe"].seq_dim == 0  # position embeddings [seq, hidden]: sharded on dim 0
+    assert roles["blocks.0"].norms == ("ln_1", "ln_2") and roles["blocks.0"].gathers == ("attn", "mlp")
+    assert roles["ln_f"].kind == "norm" and roles["lm_head"].kind == "head"
+    layout = tp_layout(layers, 2)
+    assert layout.sequence_parallel and layout.loss_parallel
+    assert [l.name for l in layout.vocab] == ["wte", "wpe", "lm_head"]
+    assert [l.name for l in layout.blocks] == ["blocks.0", "blocks.1"]
+    assert layout.warnings == ()
+    assert not tp_layout(layers, 2, sequence_parallel=False).sequence_parallel
+
+
+def test_dry_run_shard_lines(model_file):
+    layers = _layers(model_file, GPT)
+    lines = shard_lines(layers, 2, 1)
+    assert lines[0] == (
+        "tp shard 1/2 of blocks.*.attn.q, blocks.*.attn.k, blocks.*.attn.v, blocks.*.mlp.up (colwise); "
+        "blocks.*.attn.proj, blocks.*.mlp.down (rowwise)"
+    )
+    assert lines[1] == (
+        "tp shard 1/2 of the vocabulary: wte rows 32-63 of 64, wpe rows 8-15 of 16, "
+        "lm_head rows 32-63 of 64 (logits stay vocabulary-sharded into the loss)"
+    )
+    assert lines[2].startswith("sequence parallel: positions 8-15 of 16 of the hidden states")
+    assert "blocks.*.ln_1, blocks.*.ln_2, ln_f" in lines[2]
+    assert lines[3] == "replicated: ln_f"  # its weights; it runs on the sequence shard
+    # a pipeline stage's lines: its own layers, decided with the whole model
+    stage = tuple(l for l in layers if l.name in ("ln_f", "lm_head"))
+    tail = shard_lines(stage, 2, 0, all_layers=layers)
+    assert tail[0] == "tp shard 0/2 of the vocabulary: lm_head rows 0-31 of 64 (logits stay vocabulary-sharded into the loss)"
+    assert tail[1].startswith("sequence parallel: positions 0-7 of 16")
+
+
+def test_own_loss_fn_gets_gathered_logits(model_file):
+    layers = _layers(model_file, GPT + """
+import torch.nn.functional as F
+
+
+def loss_fn(outputs, targets):
+    return F.cross_entropy(outputs.flatten(0, 1), targets.flatten())
+""")
+    layout = tp_layout(layers, 2)
+    assert layout.sequence_parallel and not layout.loss_parallel
+    assert "lm_head" in [l.name for l in layout.vocab]  # its weight is still split
+    (warning,) = layout.warnings
+    assert warning.startswith("lm_head's logits are all-gathered over tp before the loss (the model file's loss_fn")
+    assert "(logits all-gathered for the loss)" in shard_lines(layers, 2, 0)[1]
+
+
+def test_block_with_other_parameters_runs_without_sequence_parallelism(model_file):
+    layers = _layers(model_file, GPT.replace("def build_model():\n    return GPT(CFG)", """
+class ScaledBlock(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.inner = block
+        self.scale = torch.nn.Parameter(torch.ones(CFG.n_embd))
+
+    def forward(self, x):
+        return self.inner(x) * self.scale
+
+
+def build_model():
+    model = GPT(CFG)
+    model.blocks = torch.nn.ModuleList(ScaledBlock(b) for b in model.blocks)
+    return model"""))
+    layout = tp_layout(layers, 2)
+    assert not layout.sequence_parallel and layout.loss_parallel
+    assert [l.name for l in layout.vocab] == ["wte", "wpe", "lm_head"]
+    (warning,) = layout.warnings
+    assert warning.startswith(
+        "tensor parallelism runs without sequence parallelism: blocks.0 (ScaledBlock) holds parameters and is "
+        "neither a Linear of the column/row-wise pair nor a norm"
+    ), warning
+    assert not any(line.startswith("sequence parallel") for line in shard_lines(layers, 2, 0))
+
+
+def test_sequence_length_not_divisible(model_file):
+    layers = _layers(model_file, GPT.replace("seq_len=16", "seq_len=15"))
+    layout = tp_layout(layers, 2)
+    assert not layout.sequence_parallel
+    assert any("the sequence length 15 is not a multiple of tp=2" in w for w in layout.warnings)
+
+
+def test_tied_weights_stay_replicated(model_file):
+    layers = _layers(model_file, GPT.replace("def build_model():\n    return GPT(CFG)", """
+def build_model():
+    model = GPT(CFG)
+    model.lm_head.weight = model.wte.weight
+    return model"""))
+    layout = tp_layout(layers, 2)
+    assert [l.name for l in layout.vocab] == ["wpe"]
+    assert layout.sequence_parallel and not layout.loss_parallel
+    assert layout.warnings == (
+        "wte shares its weight with lm_head.weight (tied): both stay replicated, not vocabulary-parallel as planned",
+    )
+
+
+def test_dropout_on_sequence_shards_found(model_file):
+    """Dropout that runs on the sequence shards (outside attention/MLP, or after a row-wise Linear)
+    draws a mask of its own on every tp rank (tensor_parallel._own_dropout_masks); attention dropout
+    (on head shards) is not among them."""
+    layers = _layers(model_file, GPT.replace("n_embd=32)", "n_embd=32, dropout=0.1, attn='math')"))
+    layout = tp_layout(layers, 2)
+    assert layout.sequence_parallel and layout.warnings == ()
+    assert layers[0].role.shard_dropout == (
+        "drop", "blocks.0.attn.resid_dropout", "blocks.0.mlp.dropout", "blocks.1.attn.resid_dropout", "blocks.1.mlp.dropout",
+    )
