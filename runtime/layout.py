@@ -186,15 +186,13 @@ def shard_lines(
 def describe(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
     """The per-rank layout, as printed by ``plan run --dry-run``."""
     p = plan.parallel
-    stage = plan.stages[0]
     out = [f"plan: {p.one_line()}", f"data parallel: {DP_STYLE[p.zero]}"]
-    if stage.recompute_layers or stage.selective_layers:
-        full = list(dict.fromkeys(_pattern(n) for n in stage.recompute_layers))
-        sel = list(dict.fromkeys(_pattern(n) for n in stage.selective_layers))
+    full = list(dict.fromkeys(_pattern(n) for s in plan.stages for n in s.recompute_layers))
+    sel = list(dict.fromkeys(_pattern(n) for s in plan.stages for n in s.selective_layers))
+    if full or sel:
         parts = [f"full: {', '.join(full)}"] if full else []
         if sel:
-            how = "run as full in pipeline stages" if p.pp > 1 else "matmul outputs saved, the rest recomputed"
-            parts.append(f"selective ({how}): {', '.join(sel)}")
+            parts.append(f"selective (matmul outputs saved, the rest recomputed): {', '.join(sel)}")
         out.append("recompute (torch.utils.checkpoint): " + "; ".join(parts))
     if p.pp > 1:
         out.append(f"pipeline: {p.pp} stages, {p.num_microbatches} micro-batches of {p.micro_batch}, schedule {p.schedule}")
@@ -219,7 +217,4 @@ def runtime_warnings(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
     out = []
     if p.tp > 1:
         out += tp_layout(layers, p.tp, p.sequence_parallel).warnings
-    selective = sum(len(s.selective_layers) for s in plan.stages)
-    if p.pp > 1 and selective:
-        out.append(f"selective recompute of {selective} layer(s) runs as full recompute in pipeline stages")
     return out

@@ -3,19 +3,20 @@ default path, where every rank builds the whole model on the CPU from one seed).
 
 ``use_meta`` decides (forced by ``PLAN_RUNTIME_META=1``, disabled by ``=0``; otherwise when
 parameters x 4 bytes x processes on this host exceed half of ``MemAvailable``; every rank takes
-the same decision). ``materialize`` then turns a module built under ``torch.device("meta")``
-(after the other pipeline stages' layers were replaced by stubs) into real tensors with
-``to_empty`` and initialises them:
+the same decision). The worker then cuts the meta model to its pipeline stage and applies TP,
+recompute and FSDP2 to it on meta, as torchtitan does, and ``materialize_sharded`` allocates only
+this rank's shards (``to_empty``) and fills them from an untouched meta build, one layer at a time:
 
-1. every submodule with ``reset_parameters()`` (and real tensors) calls it, after
-   ``torch.manual_seed`` from a hash of its name;
+1. the unit's tensors are made real; every module of it with ``reset_parameters()`` calls it,
+   after ``torch.manual_seed`` from a hash of its name;
 2. the model's own ``init_weights()``, when the root has one (examples/gpt.py, examples/llama.py:
-   it also recomputes the non-persistent buffers), seeded from a hash of the names of the
-   parameters materialised here. The layers of other stages are put back from the meta build
-   for that call (on meta tensors init is a no-op), so a hook that walks every layer still works.
+   it also recomputes the non-persistent buffers), runs seeded from a hash of the unit's name: on
+   the other units' tensors, still meta, it does nothing, so a hook that walks every layer works;
+3. this rank's shard of each tensor is cut locally (``distribute_tensor(..., src_data_rank=None)``
+   to the parameter's own mesh and placements) and copied in; the unit goes back to meta.
 
-Seeds come from names only, so every data-parallel (and tensor-parallel) replica of a stage gets
-identical weights without communication. The values differ from a single-process build.
+Seeds come from names only, so every data-parallel and tensor-parallel rank derives the same full
+values without communication, whatever the plan. The values differ from a single-process build.
 """
 
 from __future__ import annotations
@@ -88,59 +89,6 @@ def name_seed(name: str) -> int:
 
 def _is_meta(m: nn.Module) -> bool:
     return any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
-
-
-def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, leaf = name.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    parent._modules[leaf] = new
-
-
-@torch.no_grad()
-def materialize(module: nn.Module, device: torch.device, meta_full: nn.Module | None = None,
-                dropped: Iterable[str] = ()) -> BuildInfo:
-    """`module` (meta; `dropped` layers already stubs) -> real tensors on `device`, initialised.
-
-    `meta_full`: the meta build the stubs replaced layers of (put back for the root's
-    init_weights call)."""
-    module.to_empty(device=device)
-    dropped = list(dropped)
-    covered: set[int] = set()
-    for name, m in module.named_modules():
-        reset = getattr(m, "reset_parameters", None)
-        if callable(reset) and not _is_meta(m):
-            torch.manual_seed(name_seed(name))
-            reset()
-            covered.update(id(p) for p in m.parameters(recurse=False))
-    init = getattr(module, "init_weights", None)
-    names = [n for n, _ in module.named_parameters()]
-    if callable(init):
-        stubs = {n: module.get_submodule(n) for n in dropped}
-        if meta_full is not None:
-            for n in dropped:
-                _replace(module, n, meta_full.get_submodule(n))
-        try:
-            torch.manual_seed(name_seed("init_weights:" + ",".join(names)))
-            init()
-        finally:
-            for n, stub in stubs.items():
-                _replace(module, n, stub)
-    else:
-        missing = [n for n, p in module.named_parameters() if id(p) not in covered]
-        bufs = [n for n, m in module.named_modules() for b in getattr(m, "_non_persistent_buffers_set", ())]
-        if missing or bufs:
-            raise BadInput(
-                f"cannot build this model on the meta device: no init_weights() on the model, and "
-                f"{'parameters ' + ', '.join(missing[:3]) if missing else 'non-persistent buffers'} "
-                f"have no reset_parameters() to initialise them"
-            )
-    params = dict(module.named_parameters())
-    return BuildInfo(
-        path="meta",
-        materialized_parameters=sum(p.numel() for p in params.values()),
-        materialized_names=tuple(params),
-        init_sha256=params_sha256(params),
-    )
 
 
 def _owner(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:

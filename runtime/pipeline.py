@@ -50,13 +50,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from planner.errors import BadInput
-from planner.model_file import ModelHandle
+from planner.model_file import ModelHandle, call_model
 from planner.plan import Plan
-from runtime.meta_init import BuildInfo, materialize, params_sha256, use_meta
-from runtime.data_parallel import apply_dp, full_parameters
+from runtime.data_parallel import apply_dp, full_parameters, shards_parameters
+from runtime.meta_init import BuildInfo, materialize_sharded, params_sha256, use_meta
+from runtime.pipeline_traced import sum_tied_grads, traced_stages
+from runtime.preflight import LayerSplit
 from runtime.recompute import apply_recompute_layers
 from runtime.tensor_parallel import apply_tp
-from runtime.preflight import LayerSplit
 from runtime.train import (
     MODEL_SEED, RankResult, global_batch, make_optimizer_for, peak_memory_bytes, slice_rows, to_device,
 )
@@ -145,7 +146,7 @@ def sequential_reason(handle: ModelHandle, names: list[str], first_split: str, s
         handles.append(meta.get_submodule(name).register_forward_hook(hook, with_kwargs=True))
     try:
         with torch.no_grad():
-            output = _call(meta, to_device(sample, torch.device("meta")))
+            output = call_model(meta, to_device(sample, torch.device("meta")))
     except Exception as exc:  # noqa: BLE001 - e.g. value-dependent mask code, which meta tensors refuse
         lines = str(exc).strip().splitlines()
         return f"its forward fails on meta tensors: {type(exc).__name__}: {lines[0] if lines else ''}"
@@ -171,14 +172,6 @@ def sequential_reason(handle: ModelHandle, names: list[str], first_split: str, s
         if output is not prev_out:
             why = f"its output is not {names[-1]}'s output"
     return why or None
-
-
-def _call(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
 
 
 def build_stage_module(full: nn.Module, all_names: list[str], names: tuple[str, ...], first: bool) -> nn.Module:
@@ -208,156 +201,12 @@ def build_stage_module(full: nn.Module, all_names: list[str], names: tuple[str, 
     return model
 
 
-def _used_parameter_names(stage: nn.Module) -> set[str]:
-    """Qualified names of the parameters a traced stage's graphs read (``get_attr``): a stage
-    module can hold others it never uses (a tied weight's other owner). A submodule without a
-    graph that a graph calls (run as it is) uses all its parameters."""
-    used: set[str] = set()
-    for prefix, mod in stage.named_modules():
-        graph = getattr(mod, "graph", None)
-        if not isinstance(graph, torch.fx.Graph):
-            continue
-        for node in graph.nodes:
-            target = f"{prefix}.{node.target}" if prefix else str(node.target)
-            if node.op == "get_attr":
-                used.add(target)
-            elif node.op == "call_module":
-                called = stage.get_submodule(target)
-                if not isinstance(getattr(called, "graph", None), torch.fx.Graph):
-                    used.update(f"{target}.{n}" for n, _ in called.named_parameters())
-    return used
-
-
-def _output_spec(full: nn.Module, sample: Any) -> Any:
-    """The pytree structure of the model's output (the last traced stage returns its leaves)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._pytree import tree_flatten, tree_map
-
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
-            out = _call(full, tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, sample))
-    except Exception:  # noqa: BLE001 - a forward fake tensors refuse: run it for real
-        with torch.no_grad():
-            out = _call(full, sample)
-    return tree_flatten(out)[1]
-
-
-def _traced_stages(
-    handle: ModelHandle, plan: Plan, full: nn.Module, stages: list[tuple[int, tuple[str, ...]]],
-    mine: list[tuple[int, tuple[str, ...]]], sample: Any, device: torch.device, mesh: DeviceMesh,
-    recompute: set[str], not_sequential: str, layers: tuple[LayerSplit, ...] = (),
-) -> tuple[list[nn.Module], list[Any], dict[str, nn.Parameter], dict[str, nn.Parameter],
-           list[tuple[str, dist.ProcessGroup]], Callable[[Any, Any], torch.Tensor], list[str]]:
-    """This rank's stages split by ``torch.distributed.pipelining.pipeline()`` (the tracer) before
-    the first layer of each later stage. Returns (stage modules, PipelineStages, parameters by
-    original name, the parameters the stages use, tied-weight groups, the loss function, the names
-    of the first stage's inputs in order: keyword inputs are passed to it positionally, since the
-    multi-stage schedules hand the keyword arguments to every stage of the first rank).
-
-    A parameter used by several stages (tied weights: GPT-2's lm_head and token embedding) is
-    copied into each by the tracer; the copies start identical (built from one seed), their
-    gradients are summed over the pipeline ranks holding them after each schedule step
-    (`_sum_tied_grads`), so they stay identical and equal one process's."""
-    from torch.distributed.pipelining._IR import _modify_graph_op_device
-    from torch.distributed.pipelining.stage import _PipelineStage
-    from torch.utils._pytree import tree_unflatten
-
-    from planner.profile.split import SplitFailed, trace_split
-
-    p = plan.parallel
-    if p.tp > 1:
-        raise BadInput(
-            f"{handle.name}: tensor parallelism on pipeline stages split by the tracer is not supported yet "
-            f"(the split is traced because {not_sequential}): re-plan with --tp 1"
-        )
-    canonical: dict[str, str] = {}  # every name of a parameter -> its first name (tied weights)
-    first_name: dict[int, str] = {}
-    for n, q in full.named_parameters(remove_duplicate=False):
-        canonical[n] = first_name.setdefault(id(q), n)
-    spec = _output_spec(full, sample)
-    try:
-        pipe = trace_split(full, sample, [names[0] for _, names in stages[1:]])
-    except SplitFailed as exc:
-        raise BadInput(
-            f"cannot split {handle.name} into pipeline stages: its forward is not a plain sequence of its "
-            f"layers ({not_sequential}) and {exc}"
-        ) from exc
-    info = pipe.info()
-    used = {s: {n for n in _used_parameter_names(pipe.get_stage_module(s))} for s in range(len(stages))}
-    stage_params = {
-        s: {n: q for n, q in pipe.get_stage_module(s).named_parameters() if n in used[s]} for s in range(len(stages))
-    }
-    # Tied weights: the same original parameter in several stages. On one rank, the copies are made
-    # one parameter again (autograd sums the uses); across ranks, one group per set of holders.
-    holders: dict[str, set[int]] = {}
-    for s, named in stage_params.items():
-        for n in named:
-            holders.setdefault(canonical.get(n, n), set()).add(s)
-    pp_index = mesh["pp"].get_local_rank()
-    dp_index, tp_index = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
-    ranks = mesh.mesh  # (pp, dp, tp) -> global rank
-    tied: list[tuple[str, dist.ProcessGroup]] = []
-    for name in sorted(n for n, ss in holders.items() if len(ss) > 1):
-        pp_ranks = sorted({s % p.pp for s in holders[name]})
-        if len(pp_ranks) < 2:
-            continue
-        for d in range(p.dp):  # every rank creates every group, in the same order
-            for t in range(p.tp):
-                group = dist.new_group([int(ranks[r, d, t]) for r in pp_ranks])
-                if (d, t) == (dp_index, tp_index) and pp_index in pp_ranks:
-                    tied.append((name, group))
-    modules, wrapped_stages, params, owned = [], [], {}, {}
-    local: dict[str, nn.Parameter] = {}
-    for s, names in mine:
-        module = pipe.get_stage_module(s)
-        for n, q in list(stage_params[s].items()):
-            key = canonical.get(n, n)
-            if key in local and local[key] is not q:  # a tied copy on this rank: tie it again
-                parent_name, _, leaf = n.rpartition(".")
-                parent = module.get_submodule(parent_name) if parent_name else module
-                setattr(parent, leaf, local[key])
-            else:
-                local[key] = q
-        todo = [n for n in names if n in recompute]
-        for n in todo:
-            try:
-                module.get_submodule(n)
-            except AttributeError as exc:
-                raise BadInput(f"{handle.name}: cannot recompute {n}: the traced pipeline stage has no such module") from exc
-        apply_recompute_layers(module, todo)
-        if isinstance(module, torch.fx.GraphModule):
-            _modify_graph_op_device(module, device)  # devices the trace burned into the graph
-        unused = [n for n, _ in module.named_parameters() if n not in used[s]]
-        stage_layers_ = tuple(l for l in layers if l.name in names)
-        wrapped = apply_dp(module, plan, stage_layers_, mesh["dp"], device, ignore=unused, pipeline=True)
-        if wrapped is not module:  # DDP: the traced PipelineStage reads the stage's graph from it
-            wrapped.graph = module.graph
-        # After apply_dp: FSDP2 replaces the parameters by sharded ones.
-        params.update({canonical.get(n, n): q for n, q in module.named_parameters() if n in used[s]})
-        for n, q in module.named_parameters():
-            if n in used[s]:
-                owned.setdefault(canonical.get(n, n), q)
-        modules.append(module)
-        wrapped_stages.append(_PipelineStage(wrapped, s, info, device, mesh["pp"].get_group()))
-
-    def loss_fn(output: Any, target: Any) -> torch.Tensor:
-        leaves = list(output) if isinstance(output, (tuple, list)) else [output]
-        return handle.loss(tree_unflatten(leaves, spec) if len(leaves) == spec.num_leaves else output, target)
-
-    input_names = [str(n.target) for n in pipe.split_gm.graph.nodes if n.op == "placeholder"]
-    return modules, wrapped_stages, params, owned, tied, loss_fn, input_names
-
-
-def _sum_tied_grads(tied: list[tuple[str, dist.ProcessGroup]], owned: dict[str, nn.Parameter]) -> None:
-    """Sum the gradients of a tied weight's copies over the pipeline ranks holding them."""
-    from torch.distributed.tensor import DTensor
-
-    for name, group in tied:
-        q = owned[name]
-        if q.grad is None:
-            q.grad = torch.zeros_like(q)
-        g = q.grad.to_local() if isinstance(q.grad, DTensor) else q.grad
-        dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
+def _add_build(build: BuildInfo, made: BuildInfo) -> None:
+    """Add one stage's meta-path materialisation to this rank's BuildInfo."""
+    build.materialized_parameters += made.materialized_parameters
+    build.materialized_names += made.materialized_names
+    build.init_sha256 = made.init_sha256 if not build.init_sha256 else build.init_sha256 + "," + made.init_sha256
+    build.largest_unit_elements = max(build.largest_unit_elements, made.largest_unit_elements)
 
 
 @dataclass
@@ -397,8 +246,8 @@ def run_pipeline(
 
     meta_full = handle.build_model("meta")
     on_meta = use_meta(meta_full, device)
-    if on_meta:  # too large to build whole on every rank (or PLAN_RUNTIME_META=1): stubs, then to_empty
-        full = meta_full.to(dtype=torch.float32)
+    if on_meta:  # too large to build whole on every rank (or PLAN_RUNTIME_META=1): stubs, TP and FSDP
+        full = meta_full.to(dtype=torch.float32)  # on meta, then only this rank's shards (meta_init)
     else:
         del meta_full
         torch.manual_seed(MODEL_SEED)  # identical initial weights on every rank and in one process
@@ -406,7 +255,7 @@ def run_pipeline(
     build = BuildInfo(path="meta" if on_meta else "cpu")
     pp_group = mesh["pp"].get_group()
     mine = [(s, names) for s, (r, names) in enumerate(stages) if r == pp_index]
-    recompute = set(plan.stages[pp_index].recompute_layers) | set(plan.stages[pp_index].selective_layers)
+    full_rc, selective = set(plan.stages[pp_index].recompute_layers), set(plan.stages[pp_index].selective_layers)
     modules, wrapped_stages, params, owned = [], [], {}, {}
     loss_fn: Callable[[Any, Any], torch.Tensor] = handle.loss
     tied: list[tuple[str, dist.ProcessGroup]] = []
@@ -418,8 +267,8 @@ def run_pipeline(
                 f"rank to build whole) is not supported with a pipeline split by the tracer (needed because "
                 f"{not_sequential}); set PLAN_RUNTIME_META=0 or re-plan without --pp"
             )
-        traced = _traced_stages(
-            handle, plan, full, stages, mine, to_device(sample, device), device, mesh, recompute, not_sequential, layers,
+        traced = traced_stages(
+            handle, plan, full, stages, mine, to_device(sample, device), device, mesh, (full_rc, selective), not_sequential, layers,
         )
         modules, wrapped_stages, params, owned, tied, loss_fn, input_names = traced
         if rank == 0:
@@ -427,21 +276,20 @@ def run_pipeline(
         build.materialized_parameters = sum(q.numel() for q in owned.values())
     for s, names in (mine if not_sequential is None else []):
         module = build_stage_module(full, all_names, names, first=(s == 0))
-        if on_meta:
-            made = materialize(module, device, full, [n for n in all_names if n not in names])
-            build.materialized_parameters += made.materialized_parameters
-            build.materialized_names += made.materialized_names
-            build.init_sha256 = made.init_sha256 if not build.init_sha256 else build.init_sha256 + "," + made.init_sha256
-        else:
-            build.materialized_parameters += sum(q.numel() for q in module.parameters())
         mine_layers = tuple(by_name[n] for n in names)
         if p.tp > 1:
-            apply_tp(module, mine_layers, mesh["tp"])
-        apply_recompute_layers(module, [n for n in names if n in recompute])
+            apply_tp(module, mine_layers, mesh["tp"], p.sequence_parallel)
+        apply_recompute_layers(module, [n for n in names if n in full_rc], [n for n in names if n in selective])
+        if on_meta and not shards_parameters(plan):  # DDP wraps real tensors
+            _add_build(build, materialize_sharded(module, full, device, all_names))
         # ZeRO-0/1: DDP (PipelineStage runs its micro-batches under no_sync and reduces on the last
         # backward), parameters outside this stage's layers (unused) left out; ZeRO 2/3: FSDP2.
         unused = [n for n, _ in module.named_parameters() if s != 0 and not any(n.startswith(l + ".") for l in names)]
         wrapped = apply_dp(module, plan, mine_layers, mesh["dp"], device, ignore=unused, pipeline=True)
+        if on_meta and shards_parameters(plan):  # FSDP2 sharded the meta stage: only the shards are allocated
+            _add_build(build, materialize_sharded(module, full, device, all_names))
+        elif not on_meta:
+            build.materialized_parameters += sum(q.numel() for q in module.parameters())
         params.update(dict(module.named_parameters()))
         # The parameters this stage uses: all of stage 0's (the stubs have none), only its layers'
         # elsewhere (a later stage's forward runs just its layers).
@@ -495,7 +343,7 @@ def run_pipeline(
                 args = (inputs,)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             schedule.step(*args, target=targets if has_last else None, losses=micro if has_last else None, **kwargs)
-        _sum_tied_grads(tied, owned)
+        sum_tied_grads(tied, owned)
         optimizer.step()
         total = torch.zeros((), device=device)
         if has_last:

@@ -5,19 +5,20 @@
 - ``selective_layers``: selective activation checkpointing (PyTorch's SAC, torchtitan's op-level
   "save matmuls" policy): ``create_selective_checkpoint_contexts`` with a policy that returns
   ``MUST_SAVE`` for every matmul-like op and ``PREFER_RECOMPUTE`` for the rest (norms,
-  activations, softmax, dropout, elementwise). "Matmul-like" is exactly what the profiler counts
-  for ``activation_matmul_bytes``: an op with a FLOP formula in torch's ``flop_counter`` registry
-  plus the CPU flash-attention kernel the profiler registers (``planner.profile.flops.formula_for``):
-  mm, addmm, bmm, baddbmm, ``_scaled_mm``, the SDPA kernels (flash, efficient, cuDNN, CPU flash),
-  convolutions. ``nn.Linear`` reaches the dispatcher as addmm/mm, ``@`` as bmm/mm.
+  activations, softmax, dropout, elementwise). "Matmul-like" is the profiler's test for
+  ``activation_matmul_bytes`` (``planner.profile.flops.kept_by_selective``): an op with a FLOP
+  formula (mm, addmm, ``_scaled_mm``, the SDPA kernels including the CPU flash one, convolutions;
+  ``nn.Linear`` reaches the dispatcher as addmm/mm) except the batched matmuls of an unfused
+  attention (bmm, baddbmm: Q K^T and the scores times V), whose s x s inputs and outputs are what
+  Megatron-LM's selective recompute drops (Korthikanti et al. 2022).
 
 The non-reentrant checkpoint stashes the RNG state (``preserve_rng_state=True``, the default) and
 restores it for the recompute, and the saved ops draw no random numbers, so dropout recomputes the
 same masks (tests/unit/test_recompute.py checks gradients equal the plain layer's with dropout).
 
 SAC keeps every matmul output, also one autograd would not save (a projection feeding a residual
-add), while the profile's ``activation_matmul_bytes`` counts only the saved tensors a matmul made:
-SAC holds more than the plan's selective figure (examples/gpt.py's block: 98 KB against 49-66 KB).
+add); the profile's ``activation_matmul_bytes`` counts exactly those outputs, so the plan's
+selective figure is what runs (tests/unit/test_recompute.py: 90,112 bytes both, examples/gpt.py's block).
 """
 
 from __future__ import annotations
@@ -30,14 +31,15 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from planner.plan import Plan
-from planner.profile.flops import formula_for  # also registers the CPU flash-attention formula
+from planner.profile.flops import kept_by_selective  # also registers the CPU flash-attention formula
 
 log = logging.getLogger(__name__)
 
 
 def is_matmul_like(op: Any) -> bool:
-    """The profiler's "matmul-like" (an op with a FLOP formula): what selective recompute keeps."""
-    return getattr(op, "overloadpacket", None) is not None and formula_for(op) is not None
+    """What selective recompute keeps (``planner.profile.flops.kept_by_selective``): matmul-like
+    ops other than an unfused attention's batched matmuls."""
+    return getattr(op, "overloadpacket", None) is not None and kept_by_selective(op)
 
 
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -72,6 +72,20 @@ def formula_for(func):
     return flop_registry.get(func.overloadpacket)
 
 
+_ATTENTION_CORE = {torch.ops.aten.bmm, torch.ops.aten.baddbmm}
+"""Batched matmuls: in an unfused attention, Q K^T and (softmax) V, whose outputs hold the
+s x s scores and are what Megatron-LM's selective recompute exists to drop (Korthikanti et al.
+2022, section 5); projections reach the dispatcher as mm/addmm, fused attention as SDPA kernels."""
+
+
+def kept_by_selective(func) -> bool:
+    """Whether selective recompute keeps this op's outputs: a matmul-like op (a FLOP formula:
+    mm/addmm projections, SDPA kernels, convolutions) other than the attention core's batched
+    matmuls. The runtime's checkpoint policy (runtime/recompute.py) and the profile's
+    activation_matmul_bytes use this one test, so the plan's selective figure is what runs."""
+    return formula_for(func) is not None and func.overloadpacket not in _ATTENTION_CORE
+
+
 def is_cheap(func) -> bool:
     if torch.Tag.pointwise in getattr(func, "tags", ()) or getattr(func, "is_view", False):
         return True

@@ -244,7 +244,7 @@ def _assemble(
     fwd_flops, bwd_flops = per_layer(trace.fwd.flops), per_layer(trace.bwd.flops)
     saved = per_layer(trace.saved_bytes)
     extra = {
-        "activation_matmul_bytes": per_layer(trace.saved_matmul_bytes),
+        "activation_matmul_bytes": per_layer(trace.matmul_out_bytes),
         "fwd_matmul_io_bytes": per_layer(trace.fwd.matmul_io_bytes),
         "fwd_other_io_bytes": per_layer(trace.fwd.other_io_bytes),
         "bwd_matmul_io_bytes": per_layer(trace.bwd.matmul_io_bytes),

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from planner.model_file import ModelHandle
-from planner.profile.flops import formula_for, is_cheap, op_name
+from planner.profile.flops import formula_for, is_cheap, kept_by_selective, op_name
 from planner.profile.layers import Unit
 
 BEFORE_ANY = -1  # segment of glue that runs before the first unit
@@ -58,8 +58,10 @@ class TraceResult:
     fwd: PhaseCosts
     bwd: PhaseCosts
     saved_bytes: Counter
-    saved_matmul_bytes: Counter
-    """The part of saved_bytes made by matmul-like ops (what selective recompute keeps)."""
+    matmul_out_bytes: Counter
+    """Bytes of every output the forward's matmul-like ops made (with grad enabled): what selective
+    recompute keeps, since its save-matmuls policy stores each one whether or not autograd saves it
+    (a projection feeding a residual add too)."""
     flows: list[TensorFlow]
     loose_param_use: dict[int, int]
     """Storage key of a parameter owned by no unit -> first unit whose ops used it."""
@@ -116,7 +118,7 @@ class _Recorder(TorchDispatchMode):
         self.flows: list[TensorFlow] = []
         self.loose_use: dict[int, int] = {}
         self.storage_creator: dict[int, int] = {}
-        self.matmul_storages: set[int] = set()
+        self.matmul_out: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -138,11 +140,11 @@ class _Recorder(TorchDispatchMode):
             costs.ops[seg] += 1
         if not self.seg.backward:
             new = self._track(seg, args, kwargs, out)
-            # a storage made by a matmul-like op (its address may be reused by a later storage)
-            if formula is not None:
-                self.matmul_storages.update(new)
-            else:
-                self.matmul_storages.difference_update(new)
+            # what selective recompute keeps: every new output of a matmul-like op (not the
+            # attention core's batched matmuls), whether or not autograd saves it
+            if kept_by_selective(func) and torch.is_grad_enabled():
+                made = {storage_key(t): t.untyped_storage().nbytes() for t in tensors_in(out)}
+                self.matmul_out[seg] += sum(made[k] for k in new if k in made)
         return out
 
     def _track(self, seg: int, args, kwargs, out) -> set[int]:
@@ -223,7 +225,6 @@ def run_trace(
     owned = {storage_key(p) for u in units for p in u.module.parameters()}
     loose = {storage_key(p) for p in model.parameters()} - owned
     saved: Counter = Counter()
-    saved_matmul: Counter = Counter()
     seen_storages: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -232,8 +233,6 @@ def run_trace(
             seen_storages.add(key)
             unit = recorder.storage_creator.get(key, seg.current())
             saved[unit] += t.untyped_storage().nbytes()
-            if key in recorder.matmul_storages:
-                saved_matmul[unit] += t.untyped_storage().nbytes()
         return t
 
     def enter(index: int) -> None:
@@ -266,7 +265,7 @@ def run_trace(
         fwd=recorder.fwd,
         bwd=recorder.bwd,
         saved_bytes=saved,
-        saved_matmul_bytes=saved_matmul,
+        matmul_out_bytes=recorder.matmul_out,
         flows=recorder.flows,
         loose_param_use=recorder.loose_use,
         uncounted_ops=recorder.uncounted,

@@ -42,7 +42,9 @@ class LayerProfile:
     bwd_s: Optional[float] = None
     # -- what the cost model needs beyond the headline figures --------------------------------
     activation_matmul_bytes: int = 0
-    """The part of activation_bytes made by matmul-like ops: what selective recompute keeps."""
+    """Bytes of the forward's matmul-like outputs: what selective recompute (save matmuls, recompute
+    the rest) keeps besides the layer's input. Every such output, including those autograd would
+    not save, as PyTorch's selective checkpointing policy stores them all."""
     fwd_matmul_io_bytes: int = 0
     """Bytes read and written by the forward's matmul-like ops (their arithmetic intensity)."""
     fwd_other_io_bytes: int = 0

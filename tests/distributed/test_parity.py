@@ -82,7 +82,7 @@ CONFIGS = {
     "dp_tp_zero1": (4, Fixed(dp=2, tp=2, pp=1, zero=1, micro_batch=2, recompute="none")),
     "fsdp_tp": (4, Fixed(dp=2, tp=2, pp=1, zero=3, micro_batch=2, recompute="full")),
     # pipeline parallel (torch.distributed.pipelining): each schedule, then with dp and tp
-    "pp_gpipe": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="gpipe")),
+    "pp_gpipe": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="selective", schedule="gpipe")),
     "pp_1f1b": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
     "pp_interleaved": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none",
                                 schedule="interleaved", virtual_stages=2)),
@@ -217,10 +217,11 @@ def test_plan_shapes(plans):
     assert Plan.load(plans["pp_dp_tp"]).parallel.num_microbatches == 2
     selective = Plan.load(plans["ddp_selective"]).stages[0]
     assert selective.selective_layers and not selective.recompute_layers
+    assert any(s.selective_layers for s in Plan.load(plans["pp_gpipe"]).stages)
     assert Plan.load(plans["zero1"]).parallel.zero == 1
 
 
-@pytest.mark.parametrize("name", ["ddp_selective", "zero1", "pp_dp", "pp_dp_zero1"])
+@pytest.mark.parametrize("name", ["ddp_selective", "zero1", "pp_gpipe", "pp_dp", "pp_dp_zero1"])
 def test_runs_as_planned(name, runs):
     """Selective recompute (SAC), ZeRO-1 (DDP + ZeroRedundancyOptimizer) and DDP inside pipeline
     stages run as the plan says: no departure is reported."""
@@ -493,7 +494,7 @@ def test_materialize_stage_with_init_hook_walking_every_layer():
     sys.path.insert(0, str(EXAMPLES))
     from llama import LlamaConfig, build_llama, rope_tables
 
-    from runtime.meta_init import materialize
+    from runtime.meta_init import materialize_sharded
     from runtime.pipeline import build_stage_module
 
     cfg = LlamaConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab=64, seq_len=16)
@@ -504,7 +505,7 @@ def test_materialize_stage_with_init_hook_walking_every_layer():
         with torch.device("meta"):
             full = build_llama(cfg)
         stage = build_stage_module(full, names, keep, first=False)
-        info = materialize(stage, torch.device("cpu"), full, [n for n in names if n not in keep])
+        info = materialize_sharded(stage, full, torch.device("cpu"), names)
         return stage, info
 
     (a, info_a), (b, info_b) = build(), build()

@@ -73,11 +73,43 @@ def test_matmul_like_is_the_profilers_set():
     from planner.profile.flops import formula_for
 
     aten = torch.ops.aten
-    for op in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default):
+    for op in (aten.mm.default, aten.addmm.default):
         assert is_matmul_like(op) and formula_for(op) is not None
+    for op in (aten.bmm.default, aten.baddbmm.default):  # an unfused attention's core: recomputed
+        assert formula_for(op) is not None and not is_matmul_like(op)
     cpu_flash = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     if cpu_flash is not None:
         assert is_matmul_like(cpu_flash.default)
     for op in (aten.native_layer_norm.default, aten.gelu.default, aten._softmax.default,
                aten.native_dropout.default, aten.add.Tensor):
         assert not is_matmul_like(op)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "math"])
+def test_selective_keeps_what_the_profile_says(attn, tmp_path):
+    """The plan's selective figure for a layer (activation_matmul_bytes: every matmul-like output)
+    is what the runtime's save-matmuls checkpoint keeps, so the predicted memory holds."""
+    sys.path.insert(0, str(EXAMPLES))
+    from gpt import Block, GPTConfig
+
+    from planner.model_file import load_model_file
+    from planner.profile import profile_model
+
+    cfg = f"GPTConfig(vocab=64, seq_len=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1, attn={attn!r})"
+    path = tmp_path / "tiny_gpt.py"
+    path.write_text(
+        f"import sys\nsys.path.insert(0, {str(EXAMPLES)!r})\nfrom gpt import GPT, GPTConfig, gpt_batch\n"
+        f"CFG = {cfg}\ndef build_model():\n    return GPT(CFG)\n"
+        f"def sample_batch(n):\n    return gpt_batch(CFG, n)\n"
+    )
+    profile = profile_model(load_model_file(path), batch_size=4, dtype="fp32", force_meta=True, measure=False)
+    predicted = next(l for l in profile.layers if l.name == "blocks.0").activation_matmul_bytes
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"block": Block(eval(cfg))})
+    apply_recompute_layers(model, [], ["block"])
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    with _LiveStorages() as mode:
+        y = model["block"](x)
+    kept = mode.live_bytes({y.untyped_storage().data_ptr(), *(p.untyped_storage().data_ptr() for p in model.parameters())})
+    assert kept == pytest.approx(predicted, rel=0.05), (kept, predicted)

@@ -1,0 +1,177 @@
+"""Pipeline stages split by ``torch.distributed.pipelining.pipeline()`` (the tracer), for a model
+whose forward is not a plain sequence of its layers (runtime/pipeline.py's docstring, "Traced split").
+
+Each stage is a traced GraphModule that keeps the original parameter names and layer submodules,
+and the tracer sends whatever crosses a boundary (planner/profile/split.py). A weight tied across
+stages (lm_head and the token embedding) is one copy per stage; their gradients are summed over the
+pipeline ranks that hold them after each step (``sum_tied_grads``), so the copies stay identical.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from planner.errors import BadInput
+from planner.model_file import ModelHandle, call_model
+from planner.plan import Plan
+from runtime.data_parallel import apply_dp
+from runtime.preflight import LayerSplit
+from runtime.recompute import apply_recompute_layers
+
+
+def _used_parameter_names(stage: nn.Module) -> set[str]:
+    """Qualified names of the parameters a traced stage's graphs read (``get_attr``): a stage
+    module can hold others it never uses (a tied weight's other owner). A submodule without a
+    graph that a graph calls (run as it is) uses all its parameters."""
+    used: set[str] = set()
+    for prefix, mod in stage.named_modules():
+        graph = getattr(mod, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for node in graph.nodes:
+            target = f"{prefix}.{node.target}" if prefix else str(node.target)
+            if node.op == "get_attr":
+                used.add(target)
+            elif node.op == "call_module":
+                called = stage.get_submodule(target)
+                if not isinstance(getattr(called, "graph", None), torch.fx.Graph):
+                    used.update(f"{target}.{n}" for n, _ in called.named_parameters())
+    return used
+
+
+def _output_spec(full: nn.Module, sample: Any) -> Any:
+    """The pytree structure of the model's output (the last traced stage returns its leaves)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+            out = call_model(full, tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, sample))
+    except Exception:  # noqa: BLE001 - a forward fake tensors refuse: run it for real
+        with torch.no_grad():
+            out = call_model(full, sample)
+    return tree_flatten(out)[1]
+
+
+def traced_stages(
+    handle: ModelHandle, plan: Plan, full: nn.Module, stages: list[tuple[int, tuple[str, ...]]],
+    mine: list[tuple[int, tuple[str, ...]]], sample: Any, device: torch.device, mesh: DeviceMesh,
+    recompute: tuple[set[str], set[str]], not_sequential: str, layers: tuple[LayerSplit, ...] = (),
+) -> tuple[list[nn.Module], list[Any], dict[str, nn.Parameter], dict[str, nn.Parameter],
+           list[tuple[str, dist.ProcessGroup]], Callable[[Any, Any], torch.Tensor], list[str]]:
+    """This rank's stages split by ``torch.distributed.pipelining.pipeline()`` (the tracer) before
+    the first layer of each later stage. `recompute`: the (full, selective) layer names. Returns (stage modules, PipelineStages, parameters by
+    original name, the parameters the stages use, tied-weight groups, the loss function, the names
+    of the first stage's inputs in order: keyword inputs are passed to it positionally, since the
+    multi-stage schedules hand the keyword arguments to every stage of the first rank).
+
+    A parameter used by several stages (tied weights: GPT-2's lm_head and token embedding) is
+    copied into each by the tracer; the copies start identical (built from one seed), their
+    gradients are summed over the pipeline ranks holding them after each schedule step
+    (`sum_tied_grads`), so they stay identical and equal one process's."""
+    from torch.distributed.pipelining._IR import _modify_graph_op_device
+    from torch.distributed.pipelining.stage import _PipelineStage
+    from torch.utils._pytree import tree_unflatten
+
+    from planner.profile.split import SplitFailed, trace_split
+
+    p = plan.parallel
+    if p.tp > 1:
+        raise BadInput(
+            f"{handle.name}: tensor parallelism on pipeline stages split by the tracer is not supported yet "
+            f"(the split is traced because {not_sequential}): re-plan with --tp 1"
+        )
+    canonical: dict[str, str] = {}  # every name of a parameter -> its first name (tied weights)
+    first_name: dict[int, str] = {}
+    for n, q in full.named_parameters(remove_duplicate=False):
+        canonical[n] = first_name.setdefault(id(q), n)
+    spec = _output_spec(full, sample)
+    try:
+        pipe = trace_split(full, sample, [names[0] for _, names in stages[1:]])
+    except SplitFailed as exc:
+        raise BadInput(
+            f"cannot split {handle.name} into pipeline stages: its forward is not a plain sequence of its "
+            f"layers ({not_sequential}) and {exc}"
+        ) from exc
+    info = pipe.info()
+    used = {s: {n for n in _used_parameter_names(pipe.get_stage_module(s))} for s in range(len(stages))}
+    stage_params = {
+        s: {n: q for n, q in pipe.get_stage_module(s).named_parameters() if n in used[s]} for s in range(len(stages))
+    }
+    # Tied weights: the same original parameter in several stages. On one rank, the copies are made
+    # one parameter again (autograd sums the uses); across ranks, one group per set of holders.
+    holders: dict[str, set[int]] = {}
+    for s, named in stage_params.items():
+        for n in named:
+            holders.setdefault(canonical.get(n, n), set()).add(s)
+    pp_index = mesh["pp"].get_local_rank()
+    dp_index, tp_index = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    ranks = mesh.mesh  # (pp, dp, tp) -> global rank
+    tied: list[tuple[str, dist.ProcessGroup]] = []
+    for name in sorted(n for n, ss in holders.items() if len(ss) > 1):
+        pp_ranks = sorted({s % p.pp for s in holders[name]})
+        if len(pp_ranks) < 2:
+            continue
+        for d in range(p.dp):  # every rank creates every group, in the same order
+            for t in range(p.tp):
+                group = dist.new_group([int(ranks[r, d, t]) for r in pp_ranks])
+                if (d, t) == (dp_index, tp_index) and pp_index in pp_ranks:
+                    tied.append((name, group))
+    modules, wrapped_stages, params, owned = [], [], {}, {}
+    local: dict[str, nn.Parameter] = {}
+    for s, names in mine:
+        module = pipe.get_stage_module(s)
+        for n, q in list(stage_params[s].items()):
+            key = canonical.get(n, n)
+            if key in local and local[key] is not q:  # a tied copy on this rank: tie it again
+                parent_name, _, leaf = n.rpartition(".")
+                parent = module.get_submodule(parent_name) if parent_name else module
+                setattr(parent, leaf, local[key])
+            else:
+                local[key] = q
+        full_rc, selective = recompute  # (full, selective) layer names
+        todo = [n for n in names if n in full_rc or n in selective]
+        for n in todo:
+            try:
+                module.get_submodule(n)
+            except AttributeError as exc:
+                raise BadInput(f"{handle.name}: cannot recompute {n}: the traced pipeline stage has no such module") from exc
+        apply_recompute_layers(module, [n for n in todo if n in full_rc], [n for n in todo if n in selective])
+        if isinstance(module, torch.fx.GraphModule):
+            _modify_graph_op_device(module, device)  # devices the trace burned into the graph
+        unused = [n for n, _ in module.named_parameters() if n not in used[s]]
+        stage_layers_ = tuple(l for l in layers if l.name in names)
+        wrapped = apply_dp(module, plan, stage_layers_, mesh["dp"], device, ignore=unused, pipeline=True)
+        if wrapped is not module:  # DDP: the traced PipelineStage reads the stage's graph from it
+            wrapped.graph = module.graph
+        # After apply_dp: FSDP2 replaces the parameters by sharded ones.
+        params.update({canonical.get(n, n): q for n, q in module.named_parameters() if n in used[s]})
+        for n, q in module.named_parameters():
+            if n in used[s]:
+                owned.setdefault(canonical.get(n, n), q)
+        modules.append(module)
+        wrapped_stages.append(_PipelineStage(wrapped, s, info, device, mesh["pp"].get_group()))
+
+    def loss_fn(output: Any, target: Any) -> torch.Tensor:
+        leaves = list(output) if isinstance(output, (tuple, list)) else [output]
+        return handle.loss(tree_unflatten(leaves, spec) if len(leaves) == spec.num_leaves else output, target)
+
+    input_names = [str(n.target) for n in pipe.split_gm.graph.nodes if n.op == "placeholder"]
+    return modules, wrapped_stages, params, owned, tied, loss_fn, input_names
+
+
+def sum_tied_grads(tied: list[tuple[str, dist.ProcessGroup]], owned: dict[str, nn.Parameter]) -> None:
+    """Sum the gradients of a tied weight's copies over the pipeline ranks holding them."""
+    from torch.distributed.tensor import DTensor
+
+    for name, group in tied:
+        q = owned[name]
+        if q.grad is None:
+            q.grad = torch.zeros_like(q)
+        g = q.grad.to_local() if isinstance(q.grad, DTensor) else q.grad
+        dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
