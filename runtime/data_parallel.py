@@ -7,6 +7,15 @@ its shard of the parameters and broadcasts them after the step); ZeRO 2/3 is FSD
 ``fully_shard`` on every layer and then the root, ``reshard_after_forward`` True for ZeRO-3 and
 False for ZeRO-2. Inside pipeline stages the same wrappers apply: ``PipelineStage`` runs a DDP
 stage's micro-batches under ``no_sync`` and syncs on the last backward.
+
+Mixed precision (bf16/fp16 plans), as the cost model counts it (16-bit weights, gradients and
+activations for the forward and backward, fp32 master weights and optimizer state): FSDP2's
+``MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)``, as torchtitan does: the fp32
+parameters are cast when gathered, so every activation is 16-bit, and gradients are reduced in
+fp32. With dp == 1 the model is wrapped by FSDP2 over that one rank for this alone (nothing is
+sharded). DDP (ZeRO-0/1 with dp > 1) runs the forward under ``torch.autocast`` instead, which keeps
+the residual stream and norms in fp32 (activations about 1.4x the plan's on examples/gpt.py; the
+run report says so).
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -98,6 +107,28 @@ def localize_tp_for_ddp(model: nn.Module) -> int:
     return len(localized)
 
 
+SIXTEEN_BIT = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def mixed_precision(plan: Plan) -> MixedPrecisionPolicy | None:
+    dtype = SIXTEEN_BIT.get(plan.training.precision)
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype is not None else None
+
+
+def uses_fsdp(plan: Plan) -> bool:
+    """Whether `apply_dp` wraps with FSDP2: ZeRO-2/3 over dp > 1, or a 16-bit plan with dp == 1
+    (FSDP2 over one rank carries the mixed precision). FSDP2 can wrap a model still on the meta
+    device; DDP needs real tensors."""
+    p = plan.parallel
+    return (p.dp > 1 and p.zero >= 2) or (p.dp == 1 and mixed_precision(plan) is not None)
+
+
+def autocast_dtype(plan: Plan) -> torch.dtype | None:
+    """The dtype of ``torch.autocast`` around the forward: only for a 16-bit plan under DDP (FSDP2
+    casts the parameters itself)."""
+    return None if uses_fsdp(plan) else SIXTEEN_BIT.get(plan.training.precision)
+
+
 def apply_dp(
     model: nn.Module, plan: Plan, layers: tuple[LayerSplit, ...], dp_mesh: DeviceMesh, device: torch.device,
     ignore: list[str] | tuple[str, ...] = (), pipeline: bool = False,
@@ -109,9 +140,9 @@ def apply_dp(
     uses (a pipeline stage's parameters outside its layers), left out of DDP's buckets; `pipeline`:
     the module is a ``PipelineStage``'s (DDP without bucket rebuild, below)."""
     zero = plan.parallel.zero
-    if dp_mesh.size() == 1:
+    if dp_mesh.size() == 1 and not uses_fsdp(plan):
         return model
-    if zero <= 1:
+    if not uses_fsdp(plan):
         localize_tp_for_ddp(model)
         if ignore:
             DDP._set_params_and_buffers_to_ignore_for_model(model, list(ignore))
@@ -123,11 +154,14 @@ def apply_dp(
         # same as original model parameters size", 36 vs 18 with two micro-batches; static_graph=True
         # runs but gives wrong gradients). Buckets stay in reverse parameter order.
         return DDP(model, process_group=dp_mesh.get_group(), device_ids=ids, find_unused_parameters=pipeline)
-    reshard = zero == 3
+    # One rank (mixed precision only): free the 16-bit copies after forward, as ZeRO-3 does.
+    reshard = zero == 3 or dp_mesh.size() == 1
+    mp = mixed_precision(plan) or MixedPrecisionPolicy()
     for name in _separately_shardable(model, layers):
-        fully_shard(model.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
-    log.info("data parallel: FSDP2 (ZeRO-%d) over %d ranks", zero, dp_mesh.size())
+        fully_shard(model.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+    log.info("data parallel: FSDP2 (ZeRO-%d) over %d rank(s), parameters %s in compute", zero, dp_mesh.size(),
+             plan.training.precision)
     return model
 
 
@@ -159,9 +193,3 @@ def full_parameters(params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
             t = t.full_tensor()
         out[name] = t.detach().to("cpu", copy=True)
     return out
-
-
-def shards_parameters(plan: Plan) -> bool:
-    """Whether `apply_dp` shards the parameters (FSDP2), so it can wrap a model still on the meta
-    device; DDP needs real tensors."""
-    return plan.parallel.dp > 1 and plan.parallel.zero >= 2

@@ -187,6 +187,11 @@ def describe(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
     """The per-rank layout, as printed by ``plan run --dry-run``."""
     p = plan.parallel
     out = [f"plan: {p.one_line()}", f"data parallel: {DP_STYLE[p.zero]}"]
+    if plan.training.precision in ("bf16", "fp16"):
+        how = ("torch.autocast around the forward (DDP)" if p.dp > 1 and p.zero <= 1 else
+               "FSDP2 MixedPrecisionPolicy: fp32 parameters cast when gathered, gradients reduced in fp32"
+               + (" (FSDP2 over this one rank, nothing sharded)" if p.dp == 1 else ""))
+        out.append(f"precision: {plan.training.precision} compute, fp32 master weights and optimizer state; {how}")
     full = list(dict.fromkeys(_pattern(n) for s in plan.stages for n in s.recompute_layers))
     sel = list(dict.fromkeys(_pattern(n) for s in plan.stages for n in s.selective_layers))
     if full or sel:
@@ -217,4 +222,10 @@ def runtime_warnings(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
     out = []
     if p.tp > 1:
         out += tp_layout(layers, p.tp, p.sequence_parallel).warnings
+    if plan.training.precision in ("bf16", "fp16") and p.dp > 1 and p.zero <= 1:
+        out.append(
+            f"{plan.training.precision} under DDP runs as torch.autocast: the residual stream and norms stay fp32, "
+            "so activations exceed the plan's 16-bit figure (about 1.4x on examples/gpt.py); ZeRO-2/3 casts "
+            "the parameters instead (FSDP2 MixedPrecisionPolicy)"
+        )
     return out

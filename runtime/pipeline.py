@@ -52,7 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from planner.errors import BadInput
 from planner.model_file import ModelHandle, call_model
 from planner.plan import Plan
-from runtime.data_parallel import apply_dp, full_parameters, shards_parameters
+from runtime.data_parallel import apply_dp, full_parameters, uses_fsdp
 from runtime.meta_init import BuildInfo, materialize_sharded, params_sha256, use_meta
 from runtime.pipeline_traced import sum_tied_grads, traced_stages
 from runtime.preflight import LayerSplit
@@ -280,13 +280,13 @@ def run_pipeline(
         if p.tp > 1:
             apply_tp(module, mine_layers, mesh["tp"], p.sequence_parallel)
         apply_recompute_layers(module, [n for n in names if n in full_rc], [n for n in names if n in selective])
-        if on_meta and not shards_parameters(plan):  # DDP wraps real tensors
+        if on_meta and not uses_fsdp(plan):  # DDP wraps real tensors
             _add_build(build, materialize_sharded(module, full, device, all_names))
         # ZeRO-0/1: DDP (PipelineStage runs its micro-batches under no_sync and reduces on the last
         # backward), parameters outside this stage's layers (unused) left out; ZeRO 2/3: FSDP2.
         unused = [n for n, _ in module.named_parameters() if s != 0 and not any(n.startswith(l + ".") for l in names)]
         wrapped = apply_dp(module, plan, mine_layers, mesh["dp"], device, ignore=unused, pipeline=True)
-        if on_meta and shards_parameters(plan):  # FSDP2 sharded the meta stage: only the shards are allocated
+        if on_meta and uses_fsdp(plan):  # FSDP2 sharded the meta stage: only the shards are allocated
             _add_build(build, materialize_sharded(module, full, device, all_names))
         elif not on_meta:
             build.materialized_parameters += sum(q.numel() for q in module.parameters())

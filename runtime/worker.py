@@ -36,7 +36,7 @@ from planner.errors import BadInput
 from runtime.checkpoint import Checkpointer, CheckpointRefused, plan_sha256, sha256_file, unsupported
 from runtime.layout import coords, runtime_warnings
 from runtime.meta_init import WARNING as META_WARNING, BuildInfo, materialize_sharded, params_sha256, use_meta
-from runtime.data_parallel import apply_dp, full_parameters, shards_parameters
+from runtime.data_parallel import apply_dp, autocast_dtype, full_parameters, uses_fsdp
 from runtime.recompute import apply_recompute
 from runtime.tensor_parallel import apply_tp
 from runtime.preflight import Prepared, load_for_worker
@@ -45,7 +45,6 @@ from runtime.train import MODEL_SEED, RankResult, make_optimizer, median_step_ti
 
 log = logging.getLogger("runtime.worker")
 DEFAULT_PG_TIMEOUT_S = 60
-AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -105,10 +104,10 @@ def run_plan(index: int, prepared: Prepared, args: argparse.Namespace, rank: int
         apply_tp(model, prepared.layers, mesh["tp"], p.sequence_parallel)
     apply_recompute(model, plan)
     layer_names = [layer.name for layer in prepared.layers]
-    if on_meta and not shards_parameters(plan):  # DDP needs real tensors to wrap
+    if on_meta and not uses_fsdp(plan):  # DDP needs real tensors to wrap
         build = materialize_sharded(model, pristine, device, layer_names)
     wrapped = apply_dp(model, plan, prepared.layers, mesh["dp"], device)
-    if on_meta and shards_parameters(plan):
+    if on_meta and uses_fsdp(plan):
         build = materialize_sharded(model, pristine, device, layer_names)
     dp_group = mesh["dp"].get_group() if p.dp > 1 else None
     params = dict(model.named_parameters())  # the trained parameters, by their original names
@@ -119,7 +118,7 @@ def run_plan(index: int, prepared: Prepared, args: argparse.Namespace, rank: int
     after_step = _with_step1_hash(after_step, build, params, start_step)
     result = train(
         prepared.handle, plan, wrapped, model, c.dp_index, dp_group, args.steps, device, rank,
-        AUTOCAST.get(plan.training.precision), optimizer=optimizer, start_step=start_step, after_step=after_step,
+        autocast_dtype(plan), optimizer=optimizer, start_step=start_step, after_step=after_step,
     )
     gathered = full_parameters(params) if args.save_params else None
     _finish(out, prepared, args, rank, world_size, result, gathered, started, ctx, build)
@@ -198,7 +197,7 @@ def _run_pipeline_plan(
     ctx = _CheckpointContext(index, prepared, args, rank)
     run = run_pipeline(
         prepared.handle, plan, prepared.layers, mesh, c.pp_index, c.dp_index, args.steps, device, rank,
-        AUTOCAST.get(plan.training.precision), args.save_params, ctx.setup if ctx.enabled else None,
+        autocast_dtype(plan), args.save_params, ctx.setup if ctx.enabled else None,
     )
     _finish(out, prepared, args, rank, world_size, run.result, run.params, started, ctx, run.build)
 
