@@ -110,6 +110,9 @@ class SolverInfo:
     candidates: int
     pruned: int
     ilps_solved: int
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Configurations left out before costing, by reason (e.g. "tp=4 does not divide the heads or
+    features"): what a user who expected one of them should read."""
 
 
 @dataclass(frozen=True)

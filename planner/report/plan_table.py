@@ -69,6 +69,7 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
     s = plan.solver
     console.print(
         f"solver: {s.status}, {s.seconds:.2f} s; {s.candidates} candidates, {s.pruned} pruned by bounds, {s.ilps_solved} ILPs (HiGHS)"
+        + ("; skipped: " + "; ".join(f"{n} x {why}" for why, n in s.skipped.items()) if s.skipped else "")
     )
     for a in plan.assumptions:
         console.print(f"[dim]assumes: {a}[/dim]")

@@ -270,6 +270,7 @@ def build_plan(
         solver=SolverInfo(
             status=result.status, seconds=round(result.seconds, 3), candidates=result.stats.enumerated,
             pruned=result.pruned_memory + result.pruned_time, ilps_solved=result.ilps,
+            skipped=dict(sorted(result.stats.rejected.items())),
         ),
         binding=binding_of(best, limit),
         explanation=tuple(explanation(result, best, cluster, limit)),

@@ -88,6 +88,7 @@ def candidates(
             if fixed.pp is not None and pp != fixed.pp:
                 continue
             if pp > num_atoms:
+                stats.reject(f"pp={pp} needs more pipeline cuts than the model's {num_atoms - 1}")
                 continue
             dp = num_gpus // (tp * pp)
             if fixed.dp is not None and dp != fixed.dp:

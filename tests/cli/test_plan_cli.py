@@ -30,6 +30,8 @@ def test_small_model_gets_data_parallelism(capsys):
     assert stage["memory_bytes"]["total"] <= plan["cluster"]["memory_limit_bytes"]
     assert plan["model"]["num_params"] > 0 and len(plan["model"]["source_sha256"]) == 64
     assert plan["solver"]["status"] == "optimal"
+    # 6 heads: tensor parallelism over 4 or 8 GPUs was left out, and the plan says why
+    assert plan["solver"]["skipped"].get("tp=4 does not divide the heads or features") == 1
     assert any("Data parallelism is enough" in line for line in plan["explanation"])
     # the default global batch: GPUs x the micro-batch
     assert plan["training"]["global_batch"] == 8 * par["micro_batch"] * par["num_microbatches"]
