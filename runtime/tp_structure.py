@@ -35,6 +35,7 @@ from torch import nn
 
 from planner.model_file import ModelHandle, call_model, logits_of
 from planner.profile.types import TPInfo
+from planner.profile.profiler import seq_len_of
 
 NO_BLOCK = "the model has no block with a column/row-wise Linear pair"
 """The sp_blocker of a model where only embeddings and the head split (nothing to warn about)."""
@@ -71,15 +72,6 @@ class TPRole:
 def _tensors(args: Any, kwargs: dict) -> list[torch.Tensor]:
     vals = list(args) + list(kwargs.values())
     return [v for v in vals if isinstance(v, torch.Tensor)]
-
-
-def _seq_len(inputs: Any) -> int | None:
-    """The second dim of the first 2-D integer input (token ids), as the profiler's."""
-    values = inputs.values() if isinstance(inputs, dict) else ([inputs] if isinstance(inputs, torch.Tensor) else inputs)
-    for t in values:
-        if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point():
-            return int(t.shape[1])
-    return None
 
 
 def is_norm_like(module: nn.Module) -> bool:
@@ -269,7 +261,7 @@ def tp_roles(handle: ModelHandle, layers: tuple[Any, ...]) -> tuple[TPRole, ...]
         fake_log.setLevel(level)
         if calls is not None:
             calls.remove()
-    a = _Analysis(model, calls, _seq_len(inputs))
+    a = _Analysis(model, calls, seq_len_of(inputs))
     roles: list[TPRole] = []
     for i, layer in enumerate(layers):
         module = model.get_submodule(layer.name)

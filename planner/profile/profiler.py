@@ -45,7 +45,7 @@ def _input_shapes(inputs: Any) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in items if isinstance(v, torch.Tensor)}
 
 
-def _seq_len(inputs: Any) -> int | None:
+def seq_len_of(inputs: Any) -> int | None:
     """The sequence length: the second dim of the first 2-D integer input (token ids), if any."""
     values = inputs.values() if isinstance(inputs, dict) else ([inputs] if isinstance(inputs, torch.Tensor) else inputs)
     for t in values:
@@ -168,7 +168,7 @@ def profile_model(
         mode=mode,
         device=device,
         input_shapes=_input_shapes(inputs),
-        seq_len=_seq_len(inputs),
+        seq_len=seq_len_of(inputs),
         layers=tuple(layers),
         edges=tuple(edges),
         totals=totals,
