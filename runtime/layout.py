@@ -61,6 +61,13 @@ class TPLayout:
     """Where this departs from the plan's cost model (Megatron TP + SP, vocabulary-parallel)."""
 
 
+SP_GATHER_WARNING = (
+    "sequence parallelism saves the all-gathered input of each column-wise Linear group (attention, MLP) "
+    "whole for backward, where Megatron-LM keeps the sequence shard and gathers again: about one "
+    "[batch, seq, hidden] per group per block above the plan's activations"
+)
+
+
 def tp_layout(layers: tuple[LayerSplit, ...], tp: int, sequence_parallel: bool = True) -> TPLayout:
     """The TP layout of `layers` at degree `tp` (`sequence_parallel`: the plan's flag)."""
     if tp == 1:
@@ -111,6 +118,8 @@ def tp_layout(layers: tuple[LayerSplit, ...], tp: int, sequence_parallel: bool =
             f"{head.name}'s logits are all-gathered over tp before the loss ({head.role.loss_blocker}): every "
             "rank holds the whole logits, where the plan counts 1/tp of them"
         )
+    if sp and blocks:
+        warnings.append(SP_GATHER_WARNING)
     return TPLayout(blocks, tuple(vocab), sp, loss_parallel, seq_len, tuple(warnings))
 
 

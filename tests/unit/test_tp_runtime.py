@@ -7,7 +7,7 @@ that this trains exactly as one process does."""
 from __future__ import annotations
 
 from planner.model_file import load_model_file
-from runtime.layout import shard_lines, tp_layout
+from runtime.layout import SP_GATHER_WARNING, shard_lines, tp_layout
 from runtime.preflight import discover_layers
 
 GPT = """
@@ -41,7 +41,7 @@ def test_gpt_runs_as_planned(model_file):
     assert layout.sequence_parallel and layout.loss_parallel
     assert [l.name for l in layout.vocab] == ["wte", "wpe", "lm_head"]
     assert [l.name for l in layout.blocks] == ["blocks.0", "blocks.1"]
-    assert layout.warnings == ()
+    assert layout.warnings == (SP_GATHER_WARNING,)  # the one known departure
     assert not tp_layout(layers, 2, sequence_parallel=False).sequence_parallel
 
 
@@ -77,7 +77,8 @@ def loss_fn(outputs, targets):
     layout = tp_layout(layers, 2)
     assert layout.sequence_parallel and not layout.loss_parallel
     assert "lm_head" in [l.name for l in layout.vocab]  # its weight is still split
-    (warning,) = layout.warnings
+    warning, _ = layout.warnings
+    assert _ == SP_GATHER_WARNING
     assert warning.startswith("lm_head's logits are all-gathered over tp before the loss (the model file's loss_fn")
     assert "(logits all-gathered for the loss)" in shard_lines(layers, 2, 0)[1]
 
@@ -127,6 +128,7 @@ def build_model():
     assert layout.sequence_parallel and not layout.loss_parallel
     assert layout.warnings == (
         "wte shares its weight with lm_head.weight (tied): both stay replicated, not vocabulary-parallel as planned",
+        SP_GATHER_WARNING,
     )
 
 
@@ -136,7 +138,7 @@ def test_dropout_on_sequence_shards_found(model_file):
     (on head shards) is not among them."""
     layers = _layers(model_file, GPT.replace("n_embd=32)", "n_embd=32, dropout=0.1, attn='math')"))
     layout = tp_layout(layers, 2)
-    assert layout.sequence_parallel and layout.warnings == ()
+    assert layout.sequence_parallel and layout.warnings == (SP_GATHER_WARNING,)
     assert layers[0].role.shard_dropout == (
         "drop", "blocks.0.attn.resid_dropout", "blocks.0.mlp.dropout", "blocks.1.attn.resid_dropout", "blocks.1.mlp.dropout",
     )
