@@ -340,10 +340,3 @@ def _as_dtensors(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
 
 def plan_sha256(plan_path: Path) -> str:
     return sha256_file(Path(plan_path))
-
-
-def unsupported(plan: Any) -> str | None:
-    """Why this plan's state cannot be checkpointed yet, or None. None for every plan the runtime
-    runs: DDP over TP saves its shards as DTensors again (`_as_dtensors`), ZeRO-1 each rank's
-    optimizer shard under its own keys."""
-    return None

@@ -143,8 +143,8 @@ def load_for_worker(plan_path: str | Path, model_path: str | Path | None) -> Pre
 
 
 def check_checkpointing(prepared: Prepared, checkpoint_dir: str | Path | None, resume: bool, steps: int) -> list[str]:
-    """Refuse, before anything starts, a checkpointing request this plan cannot honour; returns the
-    lines to tell the user (which checkpoint a resume starts from, which ones were skipped).
+    """Refuse, before anything starts, a resume that cannot be honoured; returns the lines to tell
+    the user (which checkpoint a resume starts from, which ones were skipped).
 
     The checkpoint a resume would load is verified here too (the workers verify it again), so a
     tampered, foreign or too-recent checkpoint is a one-line error rather than a failed launch."""
@@ -152,11 +152,8 @@ def check_checkpointing(prepared: Prepared, checkpoint_dir: str | Path | None, r
         if resume:
             raise BadInput("plan run: --resume needs --checkpoint-dir DIR")
         return []
-    from runtime.checkpoint import find_latest, plan_sha256, sha256_file, unsupported
+    from runtime.checkpoint import find_latest, plan_sha256, sha256_file
 
-    why = unsupported(prepared.plan)
-    if why:
-        raise BadInput(f"plan run: {why}")
     if not resume:
         return []
     found = find_latest(Path(checkpoint_dir), plan_sha256(prepared.plan_path), sha256_file(Path(prepared.handle.path)))

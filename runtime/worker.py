@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from planner.errors import BadInput
-from runtime.checkpoint import Checkpointer, CheckpointRefused, plan_sha256, sha256_file, unsupported
+from runtime.checkpoint import Checkpointer, plan_sha256, sha256_file
 from runtime.layout import coords, runtime_warnings
 from runtime.meta_init import WARNING as META_WARNING, BuildInfo, materialize_sharded, params_sha256, use_meta
 from runtime.data_parallel import apply_dp, autocast_dtype, full_parameters, uses_fsdp
@@ -152,9 +152,6 @@ class _CheckpointContext:
         if self.enabled:
             root = Path(args.checkpoint_dir)
             self.root = root if len(args.plan) == 1 else root / f"plan{index}"
-            why = unsupported(prepared.plan)
-            if why:
-                raise CheckpointRefused(why)
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, Callable[[int], None] | None]:
         """Load the newest verified checkpoint (with --resume); (first step, after-step hook)."""
