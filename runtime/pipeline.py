@@ -174,8 +174,12 @@ def sequential_reason(handle: ModelHandle, names: list[str], first_split: str, s
     return why or None
 
 
-def build_stage_module(full: nn.Module, all_names: list[str], names: tuple[str, ...], first: bool) -> nn.Module:
-    """A copy of `full` keeping only `names`; its forward runs that stage."""
+def build_stage_module(
+    full: nn.Module, all_names: list[str], names: tuple[str, ...], first: bool, input_names: list[str] | None = None,
+) -> nn.Module:
+    """A copy of `full` keeping only `names`; its forward runs that stage. `input_names`: the first
+    stage takes the model's keyword inputs positionally, in this order (the multi-stage schedules
+    hand keyword arguments to every stage of the first rank)."""
     model = copy.deepcopy(full)
     keep = set(names)
     for name in all_names:
@@ -185,6 +189,8 @@ def build_stage_module(full: nn.Module, all_names: list[str], names: tuple[str, 
         original = model.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
+            if input_names is not None:
+                args, kwargs = (), {**dict(zip(input_names, args)), **kwargs}
             try:
                 return original(*args, **kwargs)
             except _StopForward as stop:
@@ -274,8 +280,10 @@ def run_pipeline(
         if rank == 0:
             log.info("pipeline: split by the pipelining tracer (the forward is not a plain sequence: %s)", not_sequential)
         build.materialized_parameters = sum(q.numel() for q in owned.values())
+    if not_sequential is None and isinstance(sample, dict):
+        input_names = list(sample)  # keyword inputs go to stage 0 positionally, as on the traced path
     for s, names in (mine if not_sequential is None else []):
-        module = build_stage_module(full, all_names, names, first=(s == 0))
+        module = build_stage_module(full, all_names, names, first=(s == 0), input_names=input_names)
         mine_layers = tuple(by_name[n] for n in names)
         if p.tp > 1:
             apply_tp(module, mine_layers, mesh["tp"], p.sequence_parallel)
@@ -334,7 +342,7 @@ def run_pipeline(
         kwargs: dict[str, Any] = {}
         if has_first:
             if isinstance(inputs, dict) and input_names is not None:
-                args = tuple(inputs[n] for n in input_names)  # traced stage 0 takes them positionally
+                args = tuple(inputs[n] for n in input_names)  # stage 0 takes them positionally
             elif isinstance(inputs, dict):
                 kwargs = dict(inputs)
             elif isinstance(inputs, (tuple, list)):

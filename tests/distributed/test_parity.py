@@ -89,13 +89,38 @@ CONFIGS = {
     "pp_dp": (4, Fixed(dp=2, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
     "pp_dp_zero1": (4, Fixed(dp=2, tp=1, pp=2, zero=1, micro_batch=2, recompute="none", schedule="1f1b")),
     "pp_dp_tp": (8, Fixed(dp=2, tp=2, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
+    # the same model taking its inputs as a dict (keyword arguments): stage 0 gets them positionally
+    "pp_interleaved_dict": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none",
+                                     schedule="interleaved", virtual_stages=2)),
 }
+DICT_CONFIGS = {"pp_interleaved_dict"}
+
+# MODEL with its inputs as {"input_ids": ...}: same weights and data, so the same reference
+DICT_MODEL = MODEL + """
+
+class DictInputs(MaybeFailing):
+    def forward(self, input_ids):
+        return super().forward(input_ids)
+
+
+def build_model():
+    return DictInputs(CFG)
+
+
+_tensor_batch = sample_batch
+
+
+def sample_batch(batch_size):
+    inputs, targets = _tensor_batch(batch_size)
+    return {"input_ids": inputs}, targets
+"""
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("runtime")
     (path / "model.py").write_text(MODEL)
+    (path / "dict_model.py").write_text(DICT_MODEL)
     return path
 
 
@@ -103,11 +128,16 @@ def workdir(tmp_path_factory) -> Path:
 def plans(workdir) -> dict[str, Path]:
     handle = load_model_file(workdir / "model.py")
     base = PlanRequest(gpus=2, gpu="cpu", global_batch=GLOBAL_BATCH, optimizer="sgd", precision="fp32")
-    profile = profile_for(handle, base)  # one profile serves every plan
+    profile = profile_for(handle, base)  # one profile serves every plan of a model file
+    dict_handle = load_model_file(workdir / "dict_model.py")
+    dict_profile = profile_for(dict_handle, base)
     out = {}
     for name, (world, fixed) in CONFIGS.items():
         request = PlanRequest(gpus=world, gpu="cpu", global_batch=GLOBAL_BATCH, fixed=fixed, optimizer="sgd", precision="fp32")
-        plan = make_plan(handle, request, profile)
+        if name in DICT_CONFIGS:
+            plan = make_plan(dict_handle, request, dict_profile)
+        else:
+            plan = make_plan(handle, request, profile)
         out[name] = workdir / f"{name}.json"
         out[name].write_text(plan.to_json())
     return out
