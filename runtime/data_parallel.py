@@ -136,7 +136,8 @@ def apply_dp(
     """Wrap the (TP-sharded, checkpointed) model for data parallelism over `dp_mesh`.
 
     Returns the module to call: the DDP wrapper for ZeRO-0/1, the model itself (now an FSDPModule)
-    otherwise. With dp == 1 nothing is wrapped. `ignore`: names of parameters the forward never
+    otherwise. With dp == 1 nothing is wrapped, except a 16-bit plan's FSDP2 over that one rank
+    (``uses_fsdp``). `ignore`: names of parameters the forward never
     uses (a pipeline stage's parameters outside its layers), left out of DDP's buckets; `pipeline`:
     the module is a ``PipelineStage``'s (DDP without bucket rebuild, below)."""
     zero = plan.parallel.zero

@@ -117,17 +117,6 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent._modules[leaf] = new
 
 
-def check_sequential(handle: ModelHandle, model_name: str, names: list[str], first_split: str, sample: Any) -> None:
-    """The model's forward, from `first_split` on, must be a plain sequence of its layers (checked
-    on the meta device); a clear error otherwise."""
-    why = sequential_reason(handle, names, first_split, sample)
-    if why:
-        raise BadInput(
-            f"cannot split {model_name} into pipeline stages: its forward is not a plain sequence of "
-            f"its layers from {first_split} on ({why})"
-        )
-
-
 def sequential_reason(handle: ModelHandle, names: list[str], first_split: str, sample: Any) -> str | None:
     """None when the model's forward, from `first_split` on, is a plain sequence of its layers
     (each layer called once on the previous one's output alone, the model returning the last

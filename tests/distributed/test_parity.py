@@ -22,8 +22,8 @@ from planner.model_file import load_model_file
 from planner.planning import PlanRequest, make_plan, profile_for
 from planner.search.space import Fixed
 from runtime.launch import LaunchResult, RunFailed, launch
-from runtime.train import LEARNING_RATE, MODEL_SEED, global_batch
 from tests.conftest import EXAMPLES
+from tests.distributed.reference import assert_matches, single_process
 
 STEPS = 5
 CKPT_DIR = "ckpt_w2"
@@ -33,8 +33,6 @@ RESUMED_W4 = ("dp_tp", "dp_tp_zero1")
 """4-rank configurations resumed too (DDP over TP; with ZeRO-1): their own launch runs 2 steps with a
 checkpoint, a second one resumes it to STEPS."""
 GLOBAL_BATCH = 8
-RTOL_LOSS = 1e-5
-ATOL_PARAM = 1e-5
 
 MODEL = f"""
 import os, sys
@@ -146,22 +144,7 @@ def plans(workdir) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def reference(plans) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the whole global batch per step: losses and final parameters."""
-    from planner.plan import Plan
-
-    plan = Plan.load(plans["ddp"])
-    handle = load_model_file(plan.model.path)
-    torch.manual_seed(MODEL_SEED)
-    model = handle.build_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE["sgd"])
-    losses = []
-    for step in range(STEPS):
-        inputs, targets = global_batch(handle, plan, step)
-        optimizer.zero_grad()
-        loss = handle.loss(model(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return single_process(plans["ddp"], STEPS)
 
 
 def _launch(plans: dict[str, Path], world: int, tmp: Path) -> tuple[LaunchResult, list[str]]:
@@ -187,43 +170,24 @@ def runs(plans, workdir) -> dict[str, tuple[object, Path]]:
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_matches_single_process(name, runs, reference):
-    ref_losses, ref_params = reference
     report, params_path = runs[name]
-    losses = report.measured.losses
-    assert len(losses) == STEPS
-    for step, (got, want) in enumerate(zip(losses, ref_losses)):
-        assert abs(got - want) <= RTOL_LOSS * abs(want), f"{name}: step {step} loss {got} != {want}"
-    params = torch.load(params_path)
-    assert set(params) == set(ref_params), f"{name}: parameter names differ"
-    for pname, want in ref_params.items():
-        got = params[pname]
-        assert got.shape == want.shape, f"{name}: {pname} shape {tuple(got.shape)} != {tuple(want.shape)}"
-        diff = (got - want).abs().max().item()
-        assert diff <= ATOL_PARAM, f"{name}: {pname} differs by {diff:.2e}"
+    assert_matches(name, report.measured.losses, params_path, reference)
     assert report.measured.step_time_s > 0 and len(report.measured.peak_memory_bytes) == CONFIGS[name][0]
 
 
-def test_failing_rank_stops_the_run(plans, workdir):
+@pytest.mark.parametrize("env, expected", [
+    ({"PLAN_TEST_FAIL_RANK": "1"}, ("rank 1 failed", "injected failure")),
+    # killed by a signal (no Python error to record): named from torchrun's own summary
+    ({"PLAN_TEST_KILL_RANK": "0"}, ("rank 0 died: killed by SIGKILL",)),
+], ids=["raises", "killed"])
+def test_failing_rank_stops_the_run(plans, workdir, env, expected):
     start = time.perf_counter()
     with pytest.raises(RunFailed) as info:
         launch([plans["ddp"]], 2, steps=STEPS, timeout_s=120, pg_timeout_s=20,
-               run_dir=workdir / "fail", env={"PLAN_TEST_FAIL_RANK": "1"})
+               run_dir=workdir / f"fail-{next(iter(env))}", env=env)
     elapsed = time.perf_counter() - start
     message = str(info.value)
-    assert "rank 1 failed" in message and "injected failure" in message, message
-    assert "\n" not in message
-    assert elapsed < 60, f"the run took {elapsed:.0f} s to stop"
-
-
-def test_killed_rank_stops_the_run(plans, workdir):
-    """A rank killed by a signal (no Python error to record) is still named, from torchrun's summary."""
-    start = time.perf_counter()
-    with pytest.raises(RunFailed) as info:
-        launch([plans["ddp"]], 2, steps=STEPS, timeout_s=120, pg_timeout_s=20,
-               run_dir=workdir / "killed", env={"PLAN_TEST_KILL_RANK": "0"})
-    elapsed = time.perf_counter() - start
-    message = str(info.value)
-    assert "rank 0 died: killed by SIGKILL" in message and "\n" not in message, message
+    assert all(part in message for part in expected) and "\n" not in message, message
     assert elapsed < 60, f"the run took {elapsed:.0f} s to stop"
 
 
@@ -374,16 +338,8 @@ def test_checkpoints_written_with_manifest(runs, workdir):
 
 @pytest.mark.parametrize("name", RESUMED + RESUMED_W4)
 def test_resume_matches_uninterrupted(name, resumed, reference):
-    ref_losses, ref_params = reference
     report, params_path, root = resumed[name]
-    losses = report.measured.losses
-    assert len(losses) == STEPS - 2, f"{name}: resumed run should run steps 3-{STEPS}"
-    for step, (got, want) in enumerate(zip(losses, ref_losses[2:]), 2):
-        assert abs(got - want) <= RTOL_LOSS * abs(want), f"{name}: step {step} loss {got} != {want}"
-    params = torch.load(params_path)
-    for pname, want in ref_params.items():
-        diff = (params[pname] - want).abs().max().item()
-        assert diff <= ATOL_PARAM, f"{name}: {pname} differs by {diff:.2e} after resuming"
+    assert_matches(f"{name} resumed", report.measured.losses, params_path, reference, first_step=2)
     assert any("resumed from" in w and "step-00000002" in w for w in report.warnings)
     assert (root / "step-00000004" / "manifest.json").exists()  # the resumed run checkpoints too
 

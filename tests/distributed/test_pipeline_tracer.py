@@ -27,12 +27,10 @@ from planner.planning import PlanRequest, make_plan, profile_for
 from planner.profile import profile_model
 from planner.search.space import Fixed
 from runtime.launch import launch
-from runtime.train import LEARNING_RATE, MODEL_SEED, global_batch
+from tests.distributed.reference import assert_matches, single_process
 
 STEPS = 5
 GLOBAL_BATCH = 8
-RTOL_LOSS = 1e-5
-ATOL_PARAM = 1e-5
 
 HF_MODEL = """
 import torch
@@ -127,22 +125,7 @@ def plans(workdir) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def reference(plans):
-    from planner.plan import Plan
-
-    plan = Plan.load(plans["hf_pp_1f1b"])
-    handle = load_model_file(plan.model.path)
-    torch.manual_seed(MODEL_SEED)
-    model = handle.build_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE["sgd"])
-    losses = []
-    for step in range(STEPS):
-        inputs, targets = global_batch(handle, plan, step)
-        optimizer.zero_grad()
-        loss = handle.loss(handle.forward(model, inputs), targets)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return single_process(plans["hf_pp_1f1b"], STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -169,17 +152,8 @@ def test_plans_are_pipelined(plans):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_hf_gpt2_matches_single_process(name, runs, reference):
-    ref_losses, ref_params = reference
     report, params_path = runs[name]
-    losses = report.measured.losses
-    assert len(losses) == STEPS
-    for step, (got, want) in enumerate(zip(losses, ref_losses)):
-        assert abs(got - want) <= RTOL_LOSS * abs(want), f"{name}: step {step} loss {got} != {want}"
-    params = torch.load(params_path)
-    assert set(params) == set(ref_params), f"{name}: parameter names differ: {set(params) ^ set(ref_params)}"
-    for pname, want in ref_params.items():
-        diff = (params[pname] - want).abs().max().item()
-        assert diff <= ATOL_PARAM, f"{name}: {pname} differs by {diff:.2e}"
+    assert_matches(name, report.measured.losses, params_path, reference)
 
 
 def test_hf_gpt2_cuts_valid_by_tracer(workdir):

@@ -95,18 +95,18 @@ def test_selective_keeps_what_the_profile_says(attn, tmp_path):
     from planner.model_file import load_model_file
     from planner.profile import profile_model
 
-    cfg = f"GPTConfig(vocab=64, seq_len=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1, attn={attn!r})"
+    sizes = dict(vocab=64, seq_len=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1, attn=attn)
     path = tmp_path / "tiny_gpt.py"
     path.write_text(
         f"import sys\nsys.path.insert(0, {str(EXAMPLES)!r})\nfrom gpt import GPT, GPTConfig, gpt_batch\n"
-        f"CFG = {cfg}\ndef build_model():\n    return GPT(CFG)\n"
+        f"CFG = GPTConfig(**{sizes!r})\ndef build_model():\n    return GPT(CFG)\n"
         f"def sample_batch(n):\n    return gpt_batch(CFG, n)\n"
     )
     profile = profile_model(load_model_file(path), batch_size=4, dtype="fp32", force_meta=True, measure=False)
     predicted = next(l for l in profile.layers if l.name == "blocks.0").activation_matmul_bytes
 
     torch.manual_seed(0)
-    model = torch.nn.ModuleDict({"block": Block(eval(cfg))})
+    model = torch.nn.ModuleDict({"block": Block(GPTConfig(**sizes))})
     apply_recompute_layers(model, [], ["block"])
     x = torch.randn(4, 16, 32, requires_grad=True)
     with _LiveStorages() as mode:
