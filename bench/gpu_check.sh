@@ -7,8 +7,9 @@
 #
 # The device machine of this workplace has torch (CUDA) but not pulp/highspy: put their wheels for
 # its Python in .whl/ first (bench/gpu_wheels.sh, run here) and carry .whl; they are installed into
-# /tmp/site. Two plans run: the planner's own choice (global batch = the largest micro-batch that
-# fits, so its memory prediction is tested near the limit) and a global batch of 8.
+# /tmp/site. Two plans run: the planner's own choice (the default global batch, 256 sequences;
+# micro-batch 32 x 8, near the memory limit, so its memory prediction is tested there) and a global
+# batch of 8.
 set -uo pipefail
 STEPS=${1:-8}
 OUT=${OUT:-/tmp/gpu_check}

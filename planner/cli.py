@@ -96,7 +96,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=_positive_int, required=True, help="number of GPUs (or CPU processes with --gpu cpu)")
     p.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU type from `plan gpus`, a GPU .yaml file, or cpu (default {DEFAULT_GPU})")
     p.add_argument("--gpus-per-node", type=_positive_int, help="GPUs per node (default: the GPU type's usual node)")
-    p.add_argument("--global-batch", type=_positive_int, help="samples per step (default: GPUs x the largest micro-batch that fits)")
+    p.add_argument("--global-batch", type=_positive_int, help="samples per step (default: a token budget by model size for sequence models, 32 samples "
+                   "per GPU otherwise, 8 per process on the CPU; the micro-batch is searched either way)")
     p.add_argument("--micro-batch", type=_positive_int, help="fix the micro-batch size")
     p.add_argument("--precision", choices=PRECISIONS, help="bf16/fp16 mixed precision, or fp32 (default bf16; fp32 with --gpu cpu)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default adamw")

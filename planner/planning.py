@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
+from planner import default_batch
 from planner.cost import constants
 from planner.cost.setup import Training
 from planner.errors import BadInput, Infeasible
@@ -22,10 +23,6 @@ from planner.search.search import SearchResult, run_search
 from planner.search.space import Fixed
 
 DEFAULT_GPU = "h100-sxm-80gb"
-# Without --global-batch: GPUs x the largest micro-batch (a power of two up to this) that fits.
-MAX_DEFAULT_MICRO_BATCH = 64
-# ... up to 8 on the local CPU, whose steps are for checking a plan, not for training.
-MAX_DEFAULT_MICRO_BATCH_CPU = 8
 
 
 @dataclass(frozen=True)
@@ -93,29 +90,26 @@ def _cpu_factor(profile: ModelProfile, cluster: Cluster) -> float | None:
     return (profile.num_threads or 1) * cluster.num_gpus / cores
 
 
-def search(profile: ModelProfile, request: PlanRequest, cluster: Cluster) -> tuple[SearchResult, Training]:
-    """Run the search; without a global batch, take GPUs x the largest micro-batch that fits."""
-    factor = _cpu_factor(profile, cluster)
+def global_batch_of(profile: ModelProfile, request: PlanRequest, cluster: Cluster) -> tuple[int, str | None]:
+    """The request's global batch, or the default one (planner/default_batch.py) with its basis.
+    With a fixed micro-batch b and no global batch, the default is rounded to a multiple of
+    GPUs x b, so that every data-parallel degree can run micro-batches of b."""
     if request.global_batch is not None:
-        training = _training(request, cluster, request.global_batch)
-        return run_search(profile, cluster, training, request.fixed, request.top_k, factor), training
-    # The largest micro-batch whose activations fit (without recompute, unless even a micro-batch
-    # of 1 needs it): the per-GPU batch a practitioner would pick.
-    cap = MAX_DEFAULT_MICRO_BATCH_CPU if cluster.gpu.origin == "measured" else MAX_DEFAULT_MICRO_BATCH
-    b = request.fixed.micro_batch or cap
-    recompute = request.fixed.recompute or "none"
-    while True:
-        training = _training(request, cluster, request.gpus * b)
-        fixed = replace(request.fixed, micro_batch=b, recompute=recompute)
-        result = run_search(profile, cluster, training, fixed, request.top_k, factor)
-        if result.best is not None:
-            return result, training
-        if b == 1 or request.fixed.micro_batch:
-            if recompute == request.fixed.recompute:
-                return result, training
-            recompute = request.fixed.recompute  # None: the search may recompute
-            continue
-        b //= 2
+        return request.global_batch, None
+    default = default_batch.for_cluster(profile, request.gpus, on_cpu=cluster.gpu.origin == "measured")
+    b = request.fixed.micro_batch
+    if b is None or default.global_batch % (request.gpus * b) == 0:
+        return default.global_batch, default.basis
+    batch = default_batch.for_count(default.global_batch, request.gpus * b)
+    return batch, f"{default.basis}, rounded to {batch:,} for --micro-batch {b} on {request.gpus} GPUs"
+
+
+def search(profile: ModelProfile, request: PlanRequest, cluster: Cluster) -> tuple[SearchResult, Training]:
+    """Run the search at the request's global batch (or the default one): every other choice the
+    user did not fix, the micro-batch included, is searched."""
+    batch, _ = global_batch_of(profile, request, cluster)
+    training = _training(request, cluster, batch)
+    return run_search(profile, cluster, training, request.fixed, request.top_k, _cpu_factor(profile, cluster)), training
 
 
 def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile | None = None) -> Plan:
@@ -138,8 +132,9 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
         f"(runtime, communication buffers) + {constants.FRAGMENTATION:.0%} fragmentation",
         "tensor parallelism is Megatron-style with sequence parallelism; ranks ordered tp, dp, pp",
     ]
-    if request.global_batch is None:
-        assumptions.append(f"global batch {training.global_batch} = {request.gpus} GPUs x micro-batch {training.global_batch // request.gpus} (set --global-batch)")
+    _, basis = global_batch_of(profile, request, cluster)
+    if basis is not None:
+        assumptions.append(f"{basis} (set --global-batch)")
     return build_plan(
         result, profile, cluster, request.precision, request.optimizer, training.global_batch,
         training.memory_limit_bytes, str(handle.path), assumptions, warnings + list(profile.warnings),

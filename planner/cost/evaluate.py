@@ -85,7 +85,7 @@ def evaluate(costs: StageCosts, bounds: list[int], choice: list[int]) -> Evaluat
         t = max(t, costs.mb_comm_param_s * params) + costs.mb_comm_atom_s * len(atoms)
         one_backward = sum(a.bwd_s for a in atoms)
         exposed = max(costs.tail_s, costs.grad_sync(params * g) - one_backward, 0.0) if dp > 1 else 0.0
-        sync = exposed + (costs.after_step_param_s + costs.optimizer_s_per_param) * params
+        sync = exposed + (costs.after_step_param_s + costs.optimizer_s_per_param) * params + costs.after_step_atom_s * len(atoms)
         w_dev, g_dev, o_dev = costs.state_bytes_per_param()
         weights = params * w_dev + costs.zero3_gather_bytes
         grads = params * g_dev

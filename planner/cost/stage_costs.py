@@ -82,12 +82,15 @@ class StageCosts:
     (atoms x mb_comm_atom_s) stays on the critical path: a layer waits for its gather."""
     grad_sync: comm.Affine
     """Once per step, on the gradient bytes, overlapped with the last micro-batch's backward:
-    ZeRO-0 all-reduce, ZeRO-1 reduce-scatter; none for ZeRO-2/3 (done per micro-batch)."""
+    an all-reduce for ZeRO-0 and ZeRO-1 (DDP, whose gradients stay whole; ZeRO-1 then steps a
+    sharded optimizer, as runtime/data_parallel.py runs it); none for ZeRO-2/3 (per micro-batch)."""
     tail_s: float
     """Gradient sync that cannot overlap the backward: the last bucket (DDP's 25 MB, or all the
     gradients of a rank when they are fewer)."""
     after_step_param_s: float
     """Per parameter, after the optimizer: ZeRO-1/2 all-gather the updated 16-bit weights."""
+    after_step_atom_s: float
+    """... one collective per atom (layer by layer), each paying its startup latency."""
     optimizer_s_per_param: float
     links: Links
     model_flops_per_step: float
@@ -235,7 +238,7 @@ def stage_costs(
     dp, zero = cand.dp, cand.zero
     grads_per_rank = sum(a.params for a in atoms) / cand.pp * g  # a model smaller than a bucket
     ag, rs = comm.allgather(dp, lk.dp), comm.reduce_scatter(dp, lk.dp)
-    rs_or_ar = comm.allreduce(dp, lk.dp) if zero == 0 else rs
+    rs_or_ar = comm.allreduce(dp, lk.dp) if zero <= 1 else rs
     grad_sync = rs_or_ar if zero <= 1 and dp > 1 else comm.NONE
     per_atom = per_param = 0.0
     if zero == 3 and dp > 1:
@@ -261,6 +264,7 @@ def stage_costs(
         grad_sync=grad_sync,
         tail_s=rs_or_ar(min(DDP_BUCKET_BYTES, grads_per_rank)) if cand.dp > 1 else 0.0,
         after_step_param_s=ag.per_byte_s * w if cand.zero in (1, 2) else 0.0,
+        after_step_atom_s=ag.fixed_s if cand.zero in (1, 2) else 0.0,
         optimizer_s_per_param=memory_bound_s(training.optimizer_traffic_per_param(), cluster.gpu)
         / (cand.dp if cand.zero >= 1 else 1),
         links=lk,

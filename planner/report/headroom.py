@@ -95,9 +95,11 @@ def headroom_of(profile: ModelProfile, spec: SweepSpec, point: Point) -> Headroo
 
     plan = point.detail
     assert plan is not None and point.fits
-    base = replace(spec.request(spec.gpu_types[0], point.num_gpus), global_batch=plan.training.global_batch)
+    n = point.num_gpus
+    base = spec.request(spec.gpu_types[0], n, plan.training.global_batch)
     b = plan.parallel.micro_batch
-    while b < MAX_MICRO_BATCH and planning.feasible(profile, replace(base, global_batch=None, fixed=Fixed(micro_batch=b * 2))):
+    # a micro-batch of 2b on any data-parallel degree: a global batch of GPUs x 2b
+    while b < MAX_MICRO_BATCH and planning.feasible(profile, replace(base, global_batch=n * b * 2, fixed=Fixed(micro_batch=b * 2))):
         b *= 2
     g = plan.training.global_batch
     while g < plan.training.global_batch * GLOBAL_BATCH_CAP and planning.feasible(profile, replace(base, global_batch=g * 2)):

@@ -305,7 +305,7 @@ def _table(sweep: Sweep) -> str:
         mem = fmt_memory(p)
         tag = ", ".join(n for n, q in (("fastest", sweep.fastest), ("cheapest", sweep.cheapest), ("deadline pick", sweep.deadline_pick)) if q is p)
         if p.fits:
-            cells = [str(p.global_batch), fmt_seconds(p.step_time_s), short(p.samples_per_s), short(p.tokens_per_s), f"{p.mfu:.1%}", mem,
+            cells = [f"{p.global_batch:,}" + ("*" if p.batch_note else ""), fmt_seconds(p.step_time_s), short(p.samples_per_s), short(p.tokens_per_s), f"{p.mfu:.1%}", mem,
                      fmt_days(p.days_to_train), fmt_cost(p), f"{p.scaling_efficiency:.0%}" if p.scaling_efficiency is not None else "-"]
         else:
             cells = ["-", "-", "-", "-", "-", mem, "-", "-", "-"]
@@ -337,6 +337,18 @@ def _not_hardware(sweep: Sweep) -> list[str]:
     return [a for a in sweep.assumptions if not any(a.startswith(f"{g.name} (") for g in sweep.gpus.values())]
 
 
+def _batch_note(sweep: Sweep) -> str:
+    b = sweep.batching
+    if b is None:
+        return ""
+    if b.scale:
+        return (f"--scale-batch: the global batch grows with the GPUs ({b.global_batch / b.smallest_count:g} samples per GPU), "
+                "so the speed-up can exceed linear.")
+    odd = [f"{p.label}: {p.batch_note}" for p in sweep.points if p.batch_note]
+    return (f"Every point trains at one global batch ({b.basis}), so throughput, scaling, days and cost compare like "
+            "with like" + (f"; except {'; '.join(odd)}." if odd else "."))
+
+
 def render_report(sweep: Sweep) -> str:
     s = sweep.spec
     seq = f", sequence {sweep.seq_len:,}" if sweep.seq_len else ""
@@ -354,9 +366,7 @@ def render_report(sweep: Sweep) -> str:
         "Memory: the fullest GPU (for a configuration that does not fit, the least any candidate needs). Scaling: "
         "speed-up per GPU against the type's smallest fitting count; 100% is linear.</p>",
         "<h2>Throughput</h2>", f"<div class='chart'>{throughput_chart(sweep)}</div>",
-        "" if s.global_batch else "<p class='note'>No --global-batch: each point trains with GPUs x the largest "
-        "micro-batch that fits, so the batch grows with the GPUs and the speed-up can exceed linear. Fix "
-        "--global-batch to compare at one batch.</p>",
+        "<p class='note'>" + _e(_batch_note(sweep)) + "</p>",
     ]
     train = train_chart(sweep)
     parts += ["<h2>Time and cost to train</h2>",

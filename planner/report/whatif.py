@@ -17,6 +17,11 @@ Derived answers:
   else the fewest GPU-seconds per sample; fastest: the fewest days, else the most samples/s; the
   deadline pick: the cheapest of those that finish within --deadline-days.
 
+The global batch: --global-batch, else the default `plan` takes (planner/default_batch.py),
+computed once for the sweep, so every point trains at the same batch; a count that the default
+does not split over gets the nearest batch that does, said in its row (`Point.batch_note`).
+--scale-batch grows it with the count instead (the smallest count's samples per GPU).
+
 Headroom, for a single cluster (one type, one count), with the plan's global batch unless said:
 - memory: the limit less the plan's fullest GPU;
 - the largest micro-batch: doubled (`plan --micro-batch b`, global batch GPUs x b) until nothing
@@ -37,7 +42,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Optional
 
-from planner import planning
+from planner import default_batch, planning
 from planner.cost import constants
 from planner.errors import BadInput, Infeasible
 from planner.hardware import GPUSpec, get_gpu
@@ -68,16 +73,51 @@ class SweepSpec:
     optimizer: str = "adamw"
     gpus_per_node: Optional[int] = None
     memory_limit_gib: Optional[float] = None
+    scale_batch: bool = False
+    """Grow the global batch with the GPU count (the same samples per GPU as the smallest count)
+    instead of holding it fixed."""
 
-    def request(self, gpu: str, num_gpus: int) -> PlanRequest:
-        """The PlanRequest `plan MODEL.py --gpus num_gpus --gpu gpu ...` would make."""
+    def request(self, gpu: str, num_gpus: int, global_batch: Optional[int]) -> PlanRequest:
+        """The PlanRequest `plan MODEL.py --gpus num_gpus --gpu gpu --global-batch B ...` would make."""
         return PlanRequest(
-            gpus=num_gpus, gpu=gpu, gpus_per_node=self.gpus_per_node, global_batch=self.global_batch,
+            gpus=num_gpus, gpu=gpu, gpus_per_node=self.gpus_per_node, global_batch=global_batch,
             precision=self.precision, optimizer=self.optimizer, memory_limit_gib=self.memory_limit_gib,
         )
 
     def price(self, gpu: str) -> Optional[float]:
         return dict(self.prices_per_gpu_hour).get(gpu)
+
+
+@dataclass(frozen=True)
+class Batching:
+    """The global batch of every point: one for the whole sweep unless --scale-batch."""
+
+    global_batch: int
+    """The sweep's batch (--global-batch, or the default computed once for the model)."""
+    basis: str
+    smallest_count: int
+    default: bool
+    """True: the planner chose it (rounded per count when a count does not divide it)."""
+    scale: bool
+
+    def for_count(self, n: int) -> tuple[int, str]:
+        """(the global batch at n GPUs, a note when it is not the sweep's batch)."""
+        if self.scale:
+            per_gpu = self.global_batch / self.smallest_count
+            batch = default_batch.for_count(max(1, round(per_gpu * n)), n)
+            return batch, f"{batch:,}: --scale-batch, {per_gpu:g} samples per GPU" if batch != self.global_batch else ""
+        if not self.default or self.global_batch % n == 0:
+            return self.global_batch, ""
+        batch = default_batch.for_count(self.global_batch, n)
+        return batch, f"{batch:,}: {self.global_batch:,} does not split over {n} GPUs"
+
+    @staticmethod
+    def of(profile: ModelProfile, spec: "SweepSpec", on_cpu: bool) -> "Batching":
+        counts = spec.gpu_counts
+        if spec.global_batch is not None:
+            return Batching(spec.global_batch, f"global batch {spec.global_batch:,} (--global-batch)", min(counts), False, spec.scale_batch)
+        d = default_batch.for_sweep(profile, counts, on_cpu)
+        return Batching(d.global_batch, d.basis, min(counts), True, spec.scale_batch)
 
 
 @dataclass(frozen=True)
@@ -104,6 +144,8 @@ class Point:
     gpu_hours: Optional[float] = None
     cost_usd: Optional[float] = None
     scaling_efficiency: Optional[float] = None
+    batch_note: str = ""
+    """Why this point's global batch is not the sweep's (empty when it is)."""
     detail: Optional[Plan] = field(default=None, compare=False, repr=False)
     """The full Plan (for the report's memory and pipeline charts); not in CSV/JSON rows."""
 
@@ -146,6 +188,7 @@ class Sweep:
     sweep_s: float
     headroom: Optional["Headroom"] = None
     """For a single cluster (one type, one count), else None."""
+    batching: Optional[Batching] = None
 
     def chosen(self) -> Optional[Point]:
         """The configuration the report features: the deadline pick, else the cheapest, else the fastest."""
@@ -162,8 +205,14 @@ def _length(spec: SweepSpec, global_batch: int, seq_len: Optional[int]) -> Optio
     return None
 
 
-def evaluate_point(handle: ModelHandle, profile: ModelProfile, spec: SweepSpec, gpu: GPUSpec, n: int) -> Point:
-    request = spec.request(gpu.name if gpu.origin in ("packaged", "measured") else gpu.origin, n)
+def gpu_key(gpu: GPUSpec) -> str:
+    """What `--gpu` names this type by: its catalogue name, or the YAML file it came from."""
+    return gpu.name if gpu.origin in ("packaged", "measured") else gpu.origin
+
+
+def evaluate_point(handle: ModelHandle, profile: ModelProfile, spec: SweepSpec, batching: Batching, gpu: GPUSpec, n: int) -> Point:
+    batch, note = batching.for_count(n)
+    request = spec.request(gpu_key(gpu), n, batch)
     limit = gpu.memory_bytes if spec.memory_limit_gib is None else int(spec.memory_limit_gib * 2**30)
     try:
         plan = planning.make_plan(handle, request, profile=profile)
@@ -174,11 +223,11 @@ def evaluate_point(handle: ModelHandle, profile: ModelProfile, spec: SweepSpec, 
         except BadInput:
             pass
         why = f"does not fit: needs {fmt_bytes(need)} per GPU" if need else "does not fit"
-        return Point(gpu.name, gpu.display_name, n, False, why, spec.global_batch, None, None, None, None, None,
-                     int(need) if need else None, limit)
+        return Point(gpu.name, gpu.display_name, n, False, why, batch, None, None, None, None, None,
+                     int(need) if need else None, limit, batch_note=note)
     except BadInput as exc:  # e.g. a count that is not whole nodes, a global batch dp cannot divide
-        return Point(gpu.name, gpu.display_name, n, False, f"not valid: {exc}", spec.global_batch, None, None,
-                     None, None, None, None, limit)
+        return Point(gpu.name, gpu.display_name, n, False, f"not valid: {exc}", batch, None, None,
+                     None, None, None, None, limit, batch_note=note)
     pr = plan.predicted
     steps = _length(spec, plan.training.global_batch, plan.model.seq_len)
     days = steps * pr.step_time_s / 86400 if steps is not None else None
@@ -188,7 +237,7 @@ def evaluate_point(handle: ModelHandle, profile: ModelProfile, spec: SweepSpec, 
         gpu.name, gpu.display_name, n, True, plan.parallel.one_line(), plan.training.global_batch,
         plan.parallel.micro_batch, pr.step_time_s, pr.samples_per_s, pr.tokens_per_s, pr.mfu,
         pr.peak_memory_bytes, plan.cluster.memory_limit_bytes, steps, days, hours,
-        hours * price if hours is not None and price is not None else None, detail=plan,
+        hours * price if hours is not None and price is not None else None, batch_note=note, detail=plan,
     )
 
 
@@ -205,24 +254,29 @@ def with_efficiency(points: list[Point]) -> list[Point]:
     return out
 
 
-def min_gpus(handle: ModelHandle, profile: ModelProfile, spec: SweepSpec, gpu: GPUSpec, points: list[Point]) -> MinGpus:
+def min_gpus(handle: ModelHandle, profile: ModelProfile, spec: SweepSpec, batching: Batching, gpu: GPUSpec,
+             points: list[Point]) -> MinGpus:
     mine = sorted((p for p in points if p.gpu == gpu.name), key=lambda p: p.num_gpus)
     fitting = [p for p in mine if p.fits]
-    key = gpu.name if gpu.origin in ("packaged", "measured") else gpu.origin
+    key = gpu_key(gpu)
+
+    def request(n: int) -> PlanRequest:
+        return spec.request(key, n, batching.for_count(n)[0])
+
     if fitting:
         best, n = fitting[0], fitting[0].num_gpus
         swept = {p.num_gpus for p in mine}
-        while n % 2 == 0 and n // 2 not in swept and planning.feasible(profile, spec.request(key, n // 2)):
+        while n % 2 == 0 and n // 2 not in swept and planning.feasible(profile, request(n // 2)):
             n //= 2
         if n == best.num_gpus:
             return MinGpus(gpu.name, n, best.plan, True)
     else:
         n = (mine[-1].num_gpus if mine else 1) * 2
-        while n <= MAX_GPUS and not planning.feasible(profile, spec.request(key, n)):
+        while n <= MAX_GPUS and not planning.feasible(profile, request(n)):
             n *= 2
         if n > MAX_GPUS:
             return MinGpus(gpu.name, None, f"nothing fits up to {MAX_GPUS:,} GPUs", False)
-    plan = planning.make_plan(handle, spec.request(key, n), profile=profile)
+    plan = planning.make_plan(handle, request(n), profile=profile)
     return MinGpus(gpu.name, n, plan.parallel.one_line(), False)
 
 
@@ -257,7 +311,7 @@ def picks(spec: SweepSpec, points: list[Point]) -> tuple[Optional[Point], Option
     return fastest, cheapest, basis, pick, note
 
 
-def assumptions(spec: SweepSpec, gpus: dict[str, GPUSpec], points: list[Point]) -> list[str]:
+def assumptions(spec: SweepSpec, batching: Batching, gpus: dict[str, GPUSpec], points: list[Point]) -> list[str]:
     out = []
     for g in gpus.values():
         dtype = spec.precision
@@ -276,9 +330,13 @@ def assumptions(spec: SweepSpec, gpus: dict[str, GPUSpec], points: list[Point]) 
     else:
         out.append(f"efficiencies: matmuls {constants.MATMUL_EFFICIENCY:.0%} of peak, memory-bound ops "
                    f"{constants.MEMORY_EFFICIENCY:.0%} of HBM bandwidth, links {constants.LINK_EFFICIENCY:.0%}")
-    out.append(f"{spec.precision} mixed precision, {spec.optimizer}; "
-               + (f"global batch {spec.global_batch}" if spec.global_batch
-                  else "global batch GPUs x the largest micro-batch that fits (up to 64): it grows with the GPUs"))
+    if batching.scale:
+        held = (f"grows with the GPUs (--scale-batch): {batching.global_batch / batching.smallest_count:g} samples per GPU, "
+                f"{batching.global_batch:,} on {batching.smallest_count} GPUs")
+    else:
+        held = "the same at every count, so that speed, scaling, days and cost compare like with like" + (
+            "; a count it does not split over gets the nearest batch that does (said in its row)" if batching.default else "")
+    out.append(f"{spec.precision} mixed precision, {spec.optimizer}; {batching.basis}; {held}")
     if spec.prices_per_gpu_hour:
         out.append("prices per GPU-hour: " + ", ".join(f"{g} ${p:,.2f}" for g, p in spec.prices_per_gpu_hour))
     else:
@@ -301,19 +359,20 @@ def run_sweep(handle: ModelHandle, spec: SweepSpec, on_point: Callable[[str], No
     t0 = time.perf_counter()
     first = next(iter(gpus.values()))
     local = "cpu" if any(g.origin == "measured" for g in gpus.values()) else first.name
-    profile = profile or planning.profile_for(handle, spec.request(local, 1))
+    profile = profile or planning.profile_for(handle, spec.request(local, 1, None))
     profile_s = time.perf_counter() - t0
     if spec.tokens is not None and not profile.seq_len:
         raise BadInput(f"--tokens: {handle.name} has no sequence length (its inputs are not token ids); use --steps")
     t1 = time.perf_counter()
+    batching = Batching.of(profile, spec, on_cpu=local == "cpu")
     points: list[Point] = []
     for g in gpus.values():
         for n in spec.gpu_counts:
-            points.append(evaluate_point(handle, profile, spec, g, n))
+            points.append(evaluate_point(handle, profile, spec, batching, g, n))
             if on_point:
                 on_point(points[-1].label)
     points = with_efficiency(points)
-    mins = tuple(min_gpus(handle, profile, spec, g, points) for g in gpus.values())
+    mins = tuple(min_gpus(handle, profile, spec, batching, g, points) for g in gpus.values())
     fastest, cheapest, basis, pick, note = picks(spec, points)
     headroom = None
     if len(points) == 1 and points[0].fits:
@@ -322,6 +381,6 @@ def run_sweep(handle: ModelHandle, spec: SweepSpec, on_point: Callable[[str], No
         headroom = headroom_of(profile, spec, points[0])
     return Sweep(
         spec, handle.name, str(handle.path), profile.num_params, profile.seq_len, profile, gpus, tuple(points),
-        mins, fastest, cheapest, basis, pick, note, tuple(assumptions(spec, gpus, points)), profile_s,
-        time.perf_counter() - t1, headroom,
+        mins, fastest, cheapest, basis, pick, note, tuple(assumptions(spec, batching, gpus, points)), profile_s,
+        time.perf_counter() - t1, headroom, batching,
     )

@@ -97,7 +97,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="the model file (defines build_model() and sample_batch())")
     p.add_argument("--gpus", required=True, help="GPU counts, comma-separated: 8,16,32,64")
     p.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU types from `plan gpus`, comma-separated (default {DEFAULT_GPU})")
-    p.add_argument("--global-batch", type=_positive_int, help="samples per step (default: GPUs x the largest micro-batch that fits)")
+    p.add_argument("--global-batch", type=_positive_int,
+                   help="samples per step at every count (default: `plan`'s default, computed once for the sweep)")
+    p.add_argument("--scale-batch", action="store_true",
+                   help="grow the global batch with the GPU count (the smallest count's samples per GPU) instead of holding it")
     p.add_argument("--tokens", help="training length in tokens (300e9), for the time and cost to train")
     p.add_argument("--steps", type=_positive_int, help="training length in steps (instead of --tokens)")
     p.add_argument("--price", help="dollars per GPU-hour per type: a100-80gb=1.8,h100-sxm-80gb=3.5")
@@ -144,7 +147,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         gpu_types=types, gpu_counts=counts, global_batch=args.global_batch, tokens=tokens, steps=args.steps,
         prices_per_gpu_hour=parse_prices(args.price, types, names) if args.price is not None else (),
         deadline_days=deadline, precision=args.precision, optimizer=args.optimizer,
-        gpus_per_node=args.gpus_per_node, memory_limit_gib=args.memory_limit,
+        gpus_per_node=args.gpus_per_node, memory_limit_gib=args.memory_limit, scale_batch=args.scale_batch,
     )
 
 
@@ -211,7 +214,7 @@ def render_sweep(sweep: Sweep, console: Console | None = None) -> None:
             table.add_row(p.gpu, str(p.num_gpus), f"[red]{p.plan.replace(' per GPU', '/GPU')}[/red]", "-", "-", "-", "-", fmt_memory(p), "-", "-", "-", "")
             continue
         table.add_row(
-            p.gpu, str(p.num_gpus), compact_plan(p), str(p.global_batch), fmt_seconds(p.step_time_s),
+            p.gpu, str(p.num_gpus), compact_plan(p), f"{p.global_batch:,}" + ("*" if p.batch_note else ""), fmt_seconds(p.step_time_s),
             short(p.tokens_per_s if sweep.seq_len else p.samples_per_s), f"{p.mfu:.1%}", fmt_memory(p),
             fmt_days(p.days_to_train), fmt_money(p),
             f"{p.scaling_efficiency:.0%}" if p.scaling_efficiency is not None else "-", f"[bold green]{_tags(sweep, p)}[/]",
@@ -220,6 +223,9 @@ def render_sweep(sweep: Sweep, console: Console | None = None) -> None:
     console.print("[dim]mb BxM: micro-batches of B samples, M per step per replica; batch: global batch (samples per step); "
                   "memory: the fullest GPU against the limit; scaling: speed-up per GPU against the type's smallest "
                   "fitting count (100% is linear)[/dim]")
+    for p in sweep.points:
+        if p.batch_note:
+            console.print(f"[dim]* {p.label}: global batch {p.batch_note}[/dim]")
     for line in summary_lines(sweep):
         console.print(f"  {line}")
     for a in sweep.assumptions:
@@ -269,7 +275,9 @@ def to_jsonable(sweep: Sweep) -> dict:
             "gpu_types": list(s.gpu_types), "gpu_counts": list(s.gpu_counts), "global_batch": s.global_batch,
             "tokens": s.tokens, "steps": s.steps, "prices_per_gpu_hour": dict(s.prices_per_gpu_hour),
             "deadline_days": s.deadline_days, "precision": s.precision, "optimizer": s.optimizer,
+            "scale_batch": s.scale_batch,
         },
+        "global_batch": None if sweep.batching is None else sweep.batching.global_batch,
         "points": [p.row() for p in sweep.points],
         "min_gpus": [vars(m) for m in sweep.min_gpus],
         "fastest": ref(sweep.fastest), "cheapest": ref(sweep.cheapest), "cheapest_basis": sweep.cheapest_basis,

@@ -19,7 +19,7 @@ from planner.plan import (
 )
 from planner.profile.types import ModelProfile
 from planner.report.units import fmt_bytes, fmt_seconds
-from planner.search.search import Scored, SearchResult
+from planner.search.search import Scored, SearchResult, margin
 
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}
 
@@ -155,7 +155,8 @@ def _alternative(s: Scored, best: Scored | None) -> Alternative:
     note = ""
     if best is not None and s is not best:
         if s.step_time_s < best.step_time_s:
-            note = (f"{1 - s.step_time_s / best.step_time_s:.0%} faster, within what the cost model resolves: "
+            note = (f"{1 - s.step_time_s / best.step_time_s:.1%} faster, less than the margin a more complex plan "
+                    f"must gain ({margin(s.cand) - margin(best.cand):.1%}, below what the cost model resolves): "
                     "the simpler plan is preferred")
         else:
             note = f"{s.step_time_s / best.step_time_s - 1:+.0%}: {_why_slower(s, best)}"

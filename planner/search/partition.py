@@ -27,7 +27,7 @@ Constraints
     [Memory]     (1 + frag)(params_i (w/z3 + g/z2 + o/z1) + infl_i (sum c act0 - q(act0 - act1)
                  - f(act0 - act2)) + working + gathered) + reserve <= limit        for each rank i
     [Sync]       X_i >= tail,  X_i >= grad_sync(params_i) - backward_i   (ZeRO-0/1);
-                 U >= X_i + param_gather(params_i) + optimizer(params_i)
+                 U >= X_i + param_gather(params_i, atoms_i) + optimizer(params_i)
 Objective
     minimise  m M + (sum_i T_i - M) / v + U          (= evaluate()'s step time, cost/pipeline.py)
     [Cutoff]     objective <= the K-th best plan found so far, when the search gives one, and
@@ -215,6 +215,8 @@ def solve_partition(
         prob += ((1 + FRAGMENTATION) * memory + costs.reserve_fixed_bytes) * (1 / GIB) <= costs.limit_bytes / GIB, f"memory_{i}"
         # [Sync]
         sync = (costs.after_step_param_s + costs.optimizer_s_per_param) * sc * params
+        if costs.after_step_atom_s:
+            sync = sync + costs.after_step_atom_s * sc * rank_sum(i, one)
         if dp > 1:
             X = _var(prob, f"X_{i}", 0)
             prob += X >= costs.tail_s * sc

@@ -1,7 +1,10 @@
 """The search: enumerate candidates, prune by bounds, solve an ILP for each survivor, rank.
 
 Candidates are solved in order of their time lower bound; the search stops once the bound of the
-next one exceeds the K-th best distinct strategy found, so hopeless ones never reach the solver.
+next one exceeds the K-th best distinct strategy's score, so hopeless ones never reach the solver.
+Plans are ranked by a score, the step time plus a margin per departure from plain data
+parallelism (`margin`), with a total order: what is chosen from a set is chosen from any subset
+that holds it (fixing a choice to the free search's pick changes nothing).
 For each survivor the ILP (partition.py) places layers into stages and picks recompute; every
 figure reported is re-evaluated from the chosen assignment (cost/evaluate.py).
 
@@ -28,11 +31,23 @@ RECOMPUTE_HEADROOM = 0.15
 ILP_TIME_LIMIT_S = 1.0
 FREE_RECOMPUTE_LIMIT_S = 1.0
 SEARCH_BUDGET_S = 8.0
-# Plans within this share of each other's step time count as equal: the simpler one wins
-# (fewer model splits, lower ZeRO stage), the field's rule of thumb. 3% is below what the cost
-# model resolves (median error 6.9% on published runs, bench/bench_published.py).
-TIE = 0.03
+# Plans are ranked by their predicted step time plus a margin for what they add to plain data
+# parallelism, the field's rule of thumb (split the model only when it does not fit or is clearly
+# faster). A model split (tp or pp > 1) must be faster by more than SPLIT_MARGIN: 3% is below what
+# the cost model resolves (median error 6.9% on published runs, bench/bench_published.py). Each
+# ZeRO stage and each extra interleaved chunk must pay for itself by a smaller margin.
+SPLIT_MARGIN = 0.03
+ZERO_MARGIN = 0.01
+CHUNK_MARGIN = 0.005
 log = logging.getLogger(__name__)
+SCHEDULE_ORDER = ("1f1b", "gpipe", "interleaved")
+
+
+def margin(c: Candidate) -> float:
+    """The share of its step time a plan must save to beat plain data parallelism."""
+    split = SPLIT_MARGIN if c.tp * c.pp > 1 else 0.0
+    chunks = c.virtual_stages - 1 if c.schedule == "interleaved" and c.pp > 1 else 0
+    return split + ZERO_MARGIN * c.zero + CHUNK_MARGIN * chunks
 
 
 @dataclass(frozen=True)
@@ -47,6 +62,18 @@ class Scored:
         return self.evaluation.step_time_s
 
     @property
+    def score(self) -> float:
+        """The step time with the plan's margin: the search ranks plans by this."""
+        return self.step_time_s * (1 + margin(self.cand))
+
+    @property
+    def key(self) -> tuple:
+        """A total order (score, then simplicity on exact ties): the plan chosen from any set of
+        plans is also the one chosen from any subset holding it, so fixing a choice to the value
+        the free search picked gives the same plan."""
+        return (self.score, _simplicity(self.cand))
+
+    @property
     def shape(self) -> tuple:
         return _shape(self.cand)
 
@@ -56,26 +83,12 @@ def _shape(c: Candidate) -> tuple:
 
 
 def _simplicity(c: Candidate) -> tuple:
-    return (c.tp * c.pp, c.zero, c.virtual_stages, -c.micro_batch)
-
-
-def _better(a: Scored, b: Scored) -> bool:
-    """Faster by more than TIE, or as fast and simpler."""
-    if a.step_time_s < b.step_time_s * (1 - TIE):
-        return True
-    if b.step_time_s < a.step_time_s * (1 - TIE):
-        return False
-    return _simplicity(a.cand) < _simplicity(b.cand)
+    return (c.tp * c.pp, c.zero, c.virtual_stages, -c.micro_batch, c.pp, SCHEDULE_ORDER.index(c.schedule))
 
 
 def _rank(plans) -> list[Scored]:
-    """Fastest first; plans within TIE of the fastest are ordered simplest first."""
-    plans = sorted(plans, key=lambda s: s.step_time_s)
-    if not plans:
-        return plans
-    fastest = plans[0].step_time_s
-    near = sorted((s for s in plans if s.step_time_s <= fastest * (1 + TIE)), key=lambda s: _simplicity(s.cand))
-    return near + [s for s in plans if s.step_time_s > fastest * (1 + TIE)]
+    """Best first, by `Scored.key`."""
+    return sorted(plans, key=lambda s: s.key)
 
 
 @dataclass
@@ -189,21 +202,26 @@ def run_search(
     solver = _Solver(result, fixed)
     best_by_shape: dict[tuple, Scored] = {}
     for n, (bound, costs) in enumerate(survivors):
-        kth = sorted(s.step_time_s for s in best_by_shape.values())[top_k - 1 : top_k]
-        if kth and bound >= kth[0] * (1 + TIE):
+        kth = sorted(s.score for s in best_by_shape.values())[top_k - 1 : top_k]
+        if kth and bound > kth[0]:  # every later candidate's score >= its time >= its bound
             result.pruned_time += len(survivors) - n
             break
         if time.perf_counter() - start > SEARCH_BUDGET_S and best_by_shape:
             result.budget_hit = True
             break
-        # Only a plan that could enter the top K (or beat its shape's best) is worth solving for.
+        # Only a plan that could enter the top K and beat its shape's best is worth solving for:
+        # its step time must stay under their scores less its own margin.
         shape_best = best_by_shape.get(_shape(costs.cand))
-        cutoffs = [x * (1 + TIE) for x in kth + ([shape_best.step_time_s] if shape_best else [])]
-        scored = solver.score(costs, max(cutoffs) if kth and not shape_best else (min(cutoffs) if cutoffs else None))
+        scores = kth + ([shape_best.score] if shape_best else [])
+        cutoff = min(scores) / (1 + margin(costs.cand)) if scores else None
+        if cutoff is not None and bound > cutoff:
+            result.pruned_time += 1
+            continue
+        scored = solver.score(costs, cutoff)
         if scored is None:
             continue
         shape = scored.shape
-        if shape not in best_by_shape or _better(scored, best_by_shape[shape]):
+        if shape not in best_by_shape or scored.key < best_by_shape[shape].key:
             best_by_shape[shape] = scored
     result.ranked = _rank(best_by_shape.values())
     leanest = {None: FULL, "full": FULL, "selective": SELECTIVE, "none": NONE}[fixed.recompute]

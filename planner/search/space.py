@@ -177,6 +177,7 @@ def time_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
     slowest = max(slowest + sends, costs.mb_comm_param_s * params + latency)
     pipeline = (cand.num_microbatches - 1 / v) * slowest + (total + p * (sends + latency)) / v
     sync = (costs.tail_s if cand.dp > 1 else 0.0) + (costs.after_step_param_s + costs.optimizer_s_per_param) * params
+    sync += costs.after_step_atom_s * atoms_per_rank
     return pipeline + sync
 
 

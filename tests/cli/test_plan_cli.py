@@ -33,8 +33,10 @@ def test_small_model_gets_data_parallelism(capsys):
     # 6 heads: tensor parallelism over 4 or 8 GPUs was left out, and the plan says why
     assert plan["solver"]["skipped"].get("tp=4 does not divide the heads or features") == 1
     assert any("Data parallelism is enough" in line for line in plan["explanation"])
-    # the default global batch: GPUs x the micro-batch
-    assert plan["training"]["global_batch"] == 8 * par["micro_batch"] * par["num_microbatches"]
+    # the default global batch: GPT-3's 0.5M tokens for a small model, 1,953 sequences of 256,
+    # rounded to 8 GPUs x a power of two; the micro-batch searched
+    assert plan["training"]["global_batch"] == 2048 == 8 * par["micro_batch"] * par["num_microbatches"]
+    assert any("0.5M tokens per step" in a for a in plan["assumptions"])
 
 
 def test_user_configuration_is_evaluated_as_given(capsys):

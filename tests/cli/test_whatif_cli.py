@@ -81,6 +81,24 @@ def test_default_global_batch_agrees_with_plan(capsys):
     assert row["step_time_s"] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
 
 
+def test_sweep_holds_one_global_batch_and_rows_match_plan(capsys):
+    """8-64 GPUs without --global-batch: one batch in every row (throughput, scaling, days and
+    cost compare like with like), and each row is `plan --global-batch` that batch."""
+    data = _json(capsys, "whatif", GPT, "--gpus", "8,16,32,64", "--gpu", "h100-sxm-80gb")
+    batches = {r["global_batch"] for r in data["points"]}
+    assert batches == {data["global_batch"]} and all(r["batch_note"] == "" for r in data["points"])
+    assert any("the same at every count" in a for a in data["assumptions"])
+    for n in (16, 64):
+        row = _row(data, "h100-sxm-80gb", n)
+        plan = Plan.from_dict(_json(capsys, GPT, "--gpus", str(n), "--global-batch", str(data["global_batch"])))
+        assert row["plan"] == plan.parallel.one_line()
+        assert row["step_time_s"] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+    # --scale-batch: the batch grows with the GPUs, as many samples per GPU at every count
+    scaled = _json(capsys, "whatif", GPT, "--gpus", "8,16", "--gpu", "h100-sxm-80gb", "--scale-batch")
+    per_gpu = {r["global_batch"] / r["num_gpus"] for r in scaled["points"]}
+    assert len(per_gpu) == 1 and _row(scaled, "h100-sxm-80gb", 16)["global_batch"] == 2 * data["global_batch"]
+
+
 def test_time_cost_and_answers(sweep_json):
     data, _ = sweep_json
     seq = data["model"]["seq_len"]

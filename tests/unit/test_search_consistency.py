@@ -1,0 +1,112 @@
+"""How the search's answers with different fixed choices relate (hypothesis, small models and
+simulated clusters), the properties a user relies on when they fix a flag:
+
+- fixing any choice to the value the free search picked gives the same plan;
+- fixing fewer choices never gives a worse answer than fixing more: the free search's score (the
+  step time plus the margin a more complex plan must gain, search.margin) is never above the
+  constrained one's, so its step time is at most that margin slower;
+- the answer does not depend on how many alternatives are asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner.cost.setup import Training
+from planner.cost.stage_costs import FULL, NONE, SELECTIVE
+from planner.hardware import make_cluster
+from planner.search.search import margin, run_search
+from planner.search.space import Fixed
+from tests.unit.test_search_properties import GIB, LIMITS_GIB, get_profile
+
+MODES = {NONE: "none", SELECTIVE: "selective", FULL: "full"}
+# One relative gap of the ILP (partition.MIP_GAP) between two solves of one candidate.
+RTOL = 2e-3
+
+
+@st.composite
+def problems(draw):
+    name = draw(st.sampled_from(sorted(LIMITS_GIB)))
+    num_gpus = draw(st.sampled_from((2, 4, 8, 16)))
+    global_batch = num_gpus * draw(st.sampled_from((1, 2, 4, 8, 16)))
+    lo, hi = LIMITS_GIB[name]
+    limit = int(draw(st.floats(lo, hi)) * GIB)
+    precision = draw(st.sampled_from(("bf16", "fp32")))
+    return name, num_gpus, Training(precision, "adamw", global_batch, limit)
+
+
+def picked(best) -> Fixed:
+    """Every choice of a plan, as the flags that would fix it."""
+    c, choice = best.cand, set(best.partition.choice)
+    return Fixed(
+        tp=c.tp, pp=c.pp, dp=c.dp, micro_batch=c.micro_batch, zero=c.zero,
+        schedule=c.schedule if c.pp > 1 else None,
+        virtual_stages=c.virtual_stages if c.schedule == "interleaved" and c.pp > 1 else None,
+        recompute=MODES[choice.pop()] if len(choice) == 1 else None,
+    )
+
+
+def search(name, num_gpus, training, fixed=Fixed(), top_k=3):
+    return run_search(get_profile(name), make_cluster("a100-80gb", num_gpus), training, fixed, top_k)
+
+
+def same_plan(a, b, where) -> None:
+    assert a.cand == b.cand, (where, a.cand.label(), b.cand.label())
+    assert abs(a.step_time_s - b.step_time_s) <= RTOL * a.step_time_s, (where, a.step_time_s, b.step_time_s)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_fixing_the_free_pick_changes_nothing(problem):
+    name, num_gpus, training = problem
+    free = search(name, num_gpus, training).best
+    if free is None:
+        return
+    pick = picked(free)
+    for f in fields(Fixed):
+        value = getattr(pick, f.name)
+        if value is None:
+            continue
+        one = search(name, num_gpus, training, replace(Fixed(), **{f.name: value})).best
+        assert one is not None, (problem, f.name, value)
+        same_plan(free, one, (problem, f.name, value))
+    every = search(name, num_gpus, training, pick).best
+    assert every is not None, (problem, pick)
+    same_plan(free, every, (problem, pick))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.data())
+def test_fixing_fewer_choices_is_never_worse(problem, data):
+    name, num_gpus, training = problem
+    fewer = Fixed(
+        tp=data.draw(st.sampled_from((None, 1, 2))),
+        zero=data.draw(st.sampled_from((None, 0, 1, 3))),
+    )
+    more = replace(
+        fewer,
+        pp=data.draw(st.sampled_from((None, 1, 2))),
+        micro_batch=data.draw(st.sampled_from((None, 1, 2, 4))),
+        recompute=data.draw(st.sampled_from((None, "none", "full"))),
+    )
+    a = search(name, num_gpus, training, fewer).best
+    b = search(name, num_gpus, training, more).best
+    if b is None:
+        return
+    assert a is not None, (problem, fewer, more)  # what fits with more fixed fits with fewer
+    assert a.score <= b.score * (1 + RTOL), (problem, fewer, more, a.cand.label(), b.cand.label())
+    assert a.step_time_s <= b.step_time_s * (1 + margin(b.cand) + RTOL)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_the_answer_does_not_depend_on_top_k(problem):
+    name, num_gpus, training = problem
+    one = search(name, num_gpus, training, top_k=1).best
+    five = search(name, num_gpus, training, top_k=5).best
+    assert (one is None) == (five is None)
+    if one is not None:
+        same_plan(one, five, problem)
