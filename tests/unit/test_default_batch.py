@@ -5,10 +5,20 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from planner import default_batch
-from planner.report.whatif import Batching, SweepSpec
+from planner import default_batch, planning
+from planner.model_file import load_model_file
+from planner.report.whatif import Batching, SweepSpec, run_sweep
+from tests.conftest import EXAMPLES
 from tests.unit.test_partition import synthetic_profile
+
+
+@pytest.fixture(scope="module")
+def gpt_profile():
+    handle = load_model_file(EXAMPLES / "gpt.py")
+    return handle, planning.profile_for(handle, planning.PlanRequest(gpus=1))
 
 
 def test_token_budget_follows_gpt3_table():
@@ -83,3 +93,25 @@ def test_scale_batch_keeps_samples_per_gpu():
     b = Batching.of(profile, spec, on_cpu=False)
     per_gpu = b.global_batch // 8
     assert [b.for_count(n)[0] for n in spec.gpu_counts] == [per_gpu * n for n in spec.gpu_counts]
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(
+    counts=st.sets(st.sampled_from((1, 2, 3, 4, 8, 16)), min_size=1, max_size=3),
+    gpu=st.sampled_from(("a100-80gb", "h100-sxm-80gb")),
+    limit=st.sampled_from((None, 1.3, 2.0)),
+)
+def test_whatif_rows_are_plan_at_the_row_batch(gpt_profile, counts, gpu, limit):
+    """A what-if row is `plan` for that cluster and global batch; one batch unless a row says why."""
+    handle, profile = gpt_profile
+    spec = SweepSpec(gpu_types=(gpu,), gpu_counts=tuple(sorted(counts)), memory_limit_gib=limit)
+    sweep = run_sweep(handle, spec, profile=profile)
+    assert {p.global_batch for p in sweep.points if not p.batch_note} <= {sweep.batching.global_batch}
+    for p in sweep.points:
+        request = spec.request(gpu, p.num_gpus, p.global_batch)
+        if not p.fits:
+            assert not planning.feasible(profile, request)
+            continue
+        plan = planning.make_plan(handle, request, profile=profile)
+        assert p.plan == plan.parallel.one_line()
+        assert p.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
