@@ -102,6 +102,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=PRECISIONS, help="bf16/fp16 mixed precision, or fp32 (default bf16; fp32 with --gpu cpu)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default adamw")
     p.add_argument("--memory-limit", type=float, metavar="GiB", help="usable memory per GPU (default: all of it)")
+    p.add_argument("--inter-node-gbps", type=float, metavar="Gb/s",
+                   help="network between nodes per GPU, e.g. 400 for one NDR NIC per GPU (default: the GPU type's figure)")
     p.add_argument("--tp", type=_positive_int, help="fix the tensor-parallel degree")
     p.add_argument("--pp", type=_positive_int, help="fix the pipeline-parallel degree")
     p.add_argument("--dp", type=_positive_int, help="fix the data-parallel degree")
@@ -137,6 +139,7 @@ def cmd_plan(argv: Sequence[str]) -> int:
         precision=args.precision or ("fp32" if args.gpu.lower() == "cpu" else "bf16"),
         optimizer=args.optimizer,
         memory_limit_gib=args.memory_limit,
+        inter_node_gbps=args.inter_node_gbps,
         fixed=Fixed(
             tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch, zero=args.zero,
             schedule=args.schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,

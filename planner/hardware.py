@@ -34,7 +34,7 @@ import difflib
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -351,13 +351,21 @@ def get_gpu(name: str | GPUSpec) -> GPUSpec:
     )
 
 
-def make_cluster(gpu: str | GPUSpec, num_gpus: int, gpus_per_node: int | None = None) -> Cluster:
-    """`num_gpus` of `gpu` in whole nodes; `gpus_per_node` defaults to the GPU's typical node.
+def make_cluster(gpu: str | GPUSpec, num_gpus: int, gpus_per_node: int | None = None,
+                 inter_node_gbps: float | None = None) -> Cluster:
+    """`num_gpus` of `gpu` in whole nodes; `gpus_per_node` defaults to the GPU's typical node;
+    `inter_node_gbps`: the network between nodes, Gb/s per GPU per direction (the NIC rate: 400 for
+    one NDR port per GPU), instead of the catalogue's.
 
     Fewer GPUs than a node holds make one partial node. The measured local CPU is one host: its
     cores are shared by the `num_gpus` processes (``planner.local_device.share_host``).
     """
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if inter_node_gbps is not None:
+        if not inter_node_gbps > 0:
+            raise BadInput(f"--inter-node-gbps must be positive, got {inter_node_gbps:g}")
+        spec = replace(spec, inter_node_bandwidth_Bps=inter_node_gbps * 1e9 / 8,
+                       sources={**spec.sources, "inter_node_bandwidth_GBps": f"--inter-node-gbps {inter_node_gbps:g}"})
     for label, value in (("number of GPUs", num_gpus), ("GPUs per node", gpus_per_node)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise BadInput(f"{label} must be a whole number of at least 1, got {value!r}")

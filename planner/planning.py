@@ -34,6 +34,8 @@ class PlanRequest:
     precision: str = "bf16"
     optimizer: str = "adamw"
     memory_limit_gib: float | None = None
+    inter_node_gbps: float | None = None
+    """The network between nodes, Gb/s per GPU (default: the GPU type's catalogue figure)."""
     fixed: Fixed = Fixed()
     top_k: int = 3
 
@@ -44,7 +46,7 @@ def profile_for(handle: ModelHandle, request: PlanRequest) -> ModelProfile:
 
 
 def cluster_for(request: PlanRequest) -> Cluster:
-    return make_cluster(request.gpu, request.gpus, request.gpus_per_node)
+    return make_cluster(request.gpu, request.gpus, request.gpus_per_node, request.inter_node_gbps)
 
 
 def _check(request: PlanRequest, cluster: Cluster) -> list[str]:
@@ -124,7 +126,8 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
         f"{cluster.describe()}; dense peak {cluster.gpu.peak(request.precision) / 1e12:,.1f} TFLOP/s "
         f"({request.precision}), HBM {cluster.gpu.hbm_bandwidth_Bps / 1e9:,.0f} GB/s, "
         f"links {cluster.gpu.intra_node_bandwidth_Bps / 1e9:,.0f} GB/s in a node and "
-        f"{cluster.gpu.inter_node_bandwidth_Bps / 1e9:,.1f} GB/s across nodes per GPU (plan gpus: sources)",
+        f"{cluster.gpu.inter_node_bandwidth_Bps / 1e9:,.1f} GB/s ({cluster.gpu.inter_node_bandwidth_Bps * 8 / 1e9:,.0f} Gb/s) "
+        f"across nodes per GPU" + (" (--inter-node-gbps)" if request.inter_node_gbps else "") + " (plan gpus: sources)",
         f"efficiencies: matmuls {constants.MATMUL_EFFICIENCY:.0%} of peak, memory-bound ops "
         f"{constants.MEMORY_EFFICIENCY:.0%} of HBM bandwidth (fitted on published Megatron-LM runs), "
         f"links {constants.LINK_EFFICIENCY:.0%}",

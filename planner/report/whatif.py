@@ -73,6 +73,7 @@ class SweepSpec:
     optimizer: str = "adamw"
     gpus_per_node: Optional[int] = None
     memory_limit_gib: Optional[float] = None
+    inter_node_gbps: Optional[float] = None
     scale_batch: bool = False
     """Grow the global batch with the GPU count (the same samples per GPU as the smallest count)
     instead of holding it fixed."""
@@ -82,6 +83,7 @@ class SweepSpec:
         return PlanRequest(
             gpus=num_gpus, gpu=gpu, gpus_per_node=self.gpus_per_node, global_batch=global_batch,
             precision=self.precision, optimizer=self.optimizer, memory_limit_gib=self.memory_limit_gib,
+            inter_node_gbps=self.inter_node_gbps,
         )
 
     def price(self, gpu: str) -> Optional[float]:
@@ -321,7 +323,9 @@ def assumptions(spec: SweepSpec, batching: Batching, gpus: dict[str, GPUSpec], p
             + (f" [{src}]" if src else "")
             + f", {g.memory_gb:.0f} GB [{g.sources.get('memory_bytes', g.origin)}], "
             f"HBM {g.hbm_bandwidth_Bps / 1e9:,.0f} GB/s, {g.intra_node_bandwidth_Bps / 1e9:,.0f} GB/s in a node, "
-            f"{g.inter_node_bandwidth_Bps / 1e9:,.1f} GB/s across nodes per GPU, {g.gpus_per_node} per node"
+            + (f"{spec.inter_node_gbps:g} Gb/s across nodes per GPU (--inter-node-gbps)" if spec.inter_node_gbps else
+               f"{g.inter_node_bandwidth_Bps / 1e9:,.1f} GB/s across nodes per GPU")
+            + f", {g.gpus_per_node} per node"
         )
     plan = next((p.detail for p in points if p.detail is not None), None)
     if plan is not None:

@@ -109,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default adamw")
     p.add_argument("--gpus-per-node", type=_positive_int, help="GPUs per node (default: each type's usual node)")
     p.add_argument("--memory-limit", type=float, metavar="GiB", help="usable memory per GPU (default: all of it)")
+    p.add_argument("--inter-node-gbps", type=float, metavar="Gb/s",
+                   help="network between nodes per GPU for every type, e.g. 400 (default: each type's figure)")
     p.add_argument("--report", metavar="FILE.html", help="write a self-contained HTML report with charts")
     p.add_argument("--csv", metavar="FILE.csv", help="write one row per configuration as CSV")
     p.add_argument("--json", action="store_true", help="print the sweep as JSON on stdout")
@@ -148,6 +150,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         prices_per_gpu_hour=parse_prices(args.price, types, names) if args.price is not None else (),
         deadline_days=deadline, precision=args.precision, optimizer=args.optimizer,
         gpus_per_node=args.gpus_per_node, memory_limit_gib=args.memory_limit, scale_batch=args.scale_batch,
+        inter_node_gbps=args.inter_node_gbps,
     )
 
 

@@ -140,3 +140,14 @@ def test_run_checkpoint_flags_need_a_directory(capsys, tmp_path):
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err, err
     assert not (tmp_path / "plan.run.json").exists()
+
+
+def test_inter_node_network_is_the_users(capsys):
+    """--inter-node-gbps sets the network between nodes: stated in the plan, and a slower network
+    never predicts a faster step for the same configuration."""
+    args = [str(EXAMPLES / "llama.py"), "--gpus", "16", "--gpus-per-node", "8", "--global-batch", "64", "--zero", "3", "--dp", "16"]
+    slow, fast = (_plan_json(capsys, *args, "--inter-node-gbps", str(g)) for g in (25, 400))
+    assert any("(25 Gb/s) across nodes per GPU (--inter-node-gbps)" in a for a in slow["assumptions"])
+    assert slow["predicted"]["step_time_s"] > fast["predicted"]["step_time_s"]
+    assert main([*args, "--inter-node-gbps", "-1"]) == EXIT_BAD_INPUT
+    assert "--inter-node-gbps must be positive" in capsys.readouterr().err
