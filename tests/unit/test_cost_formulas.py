@@ -1,0 +1,123 @@
+"""Each cost-model formula on a small case computed by hand, so a change that breaks one says which:
+collectives (alpha-beta), pipeline schedules (time and in-flight micro-batches), memory per ZeRO
+stage, data-parallel exposure (DDP's last bucket, ZeRO-1's gathers, ZeRO-3 per micro-batch)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from planner.cost import comm
+from planner.cost.constants import DDP_BUCKET_BYTES, FRAGMENTATION, LINK_EFFICIENCY
+from planner.cost.evaluate import evaluate
+from planner.cost.pipeline import inflight_per_device, pipeline_s
+from planner.cost.setup import Candidate, Training
+from planner.cost.stage_costs import NONE, stage_costs
+from planner.hardware import make_cluster
+from tests.unit.test_partition import synthetic_profile
+
+GB = 1e9
+LINK = comm.Link(bandwidth_Bps=100 * GB, latency_s=10e-6)
+
+
+def test_collectives_alpha_beta():
+    # all-reduce over 8: 3 latency steps (ceil log2 8), 2 x 7/8 of the buffer over 80 GB/s
+    ar = comm.allreduce(8, LINK)
+    assert ar.fixed_s == pytest.approx(30e-6)
+    assert ar(1e9) == pytest.approx(30e-6 + 1.75 * 1e9 / (100 * GB * LINK_EFFICIENCY))
+    # all-gather / reduce-scatter over 4: 2 latency steps, 3/4 of the gathered buffer
+    ag = comm.allgather(4, LINK)
+    assert ag(4e9) == pytest.approx(20e-6 + 0.75 * 4e9 / 80e9)
+    assert comm.reduce_scatter(4, LINK) == ag
+    assert comm.allreduce(1, LINK)(1e9) == 0.0  # no peers, no traffic
+    assert comm.p2p(LINK)(8e9) == pytest.approx(10e-6 + 0.1)
+
+
+@pytest.mark.parametrize("schedule,v,expect_s,inflight", [
+    # 4 ranks, 8 micro-batches, stage times 1 s: (m + p - 1) T for GPipe and 1F1B
+    ("gpipe", 1, 11.0, (8, 8, 8, 8)),
+    ("1f1b", 1, 11.0, (4, 3, 2, 1)),
+    # interleaved with 2 chunks: m T + (p - 1) T / v; rank i holds 2(p-i-1) + (v-1)p + 1 chunks
+    ("interleaved", 2, 9.5, (11 / 2, 9 / 2, 7 / 2, 5 / 2)),
+])
+def test_pipeline_schedules(schedule, v, expect_s, inflight):
+    cand = Candidate(tp=1, pp=4, dp=1, micro_batch=1, num_microbatches=8, zero=0, schedule=schedule, virtual_stages=v)
+    assert pipeline_s([1.0] * 4, cand) == pytest.approx(expect_s)
+    assert inflight_per_device(cand) == pytest.approx(inflight)
+    # the slowest stage sets the pace: (m - 1) max + sum for one chunk per rank
+    if v == 1:
+        assert pipeline_s([1.0, 2.0, 1.0, 1.0], cand) == pytest.approx(7 * 2 + 5)
+
+
+def _costs(zero: int, dp: int = 4, m: int = 4, gpus_per_node: int | None = None):
+    profile = synthetic_profile(n_blocks=4, h=1024, s=512, heads=16, vocab=32768)
+    cluster = make_cluster("a100-80gb", dp, gpus_per_node)
+    training = Training("bf16", "adamw", dp * m, 80 * 2**30)
+    cand = Candidate(tp=1, pp=1, dp=dp, micro_batch=1, num_microbatches=m, zero=zero, schedule="1f1b")
+    return profile, stage_costs(profile, cluster, training, cand)
+
+
+@pytest.mark.parametrize("zero,per_param", [
+    # bf16 + AdamW: 2 (weights) + 2 (grads) + 12 (fp32 master, momentum, variance), dp = 4
+    (0, (2, 2, 12)), (1, (2, 2, 3)), (2, (2, 0.5, 3)), (3, (0.5, 0.5, 3)),
+])
+def test_memory_per_zero_stage(zero, per_param):
+    profile, costs = _costs(zero)
+    assert costs.state_bytes_per_param() == pytest.approx(per_param)
+    ev = evaluate(costs, [0, len(costs.atoms)], [NONE] * len(costs.atoms))
+    (d,) = ev.devices
+    params = sum(a.params for a in costs.atoms)
+    assert params == profile.num_params
+    assert d.grads_bytes == pytest.approx(params * per_param[1])
+    assert d.optimizer_bytes == pytest.approx(params * per_param[2])
+    # ZeRO-3 also holds the two largest layers gathered (the current one and the prefetched)
+    gathered = sum(sorted((a.params for a in costs.atoms), reverse=True)[:2]) * 2 if zero == 3 else 0
+    assert d.weights_bytes == pytest.approx(params * per_param[0] + gathered)
+    # activations: one micro-batch kept, plus the backward working set (twice the largest layer's)
+    kept = sum(a.act_bytes[NONE] for a in costs.atoms)
+    assert d.activations_bytes == pytest.approx(kept + 2 * max(a.act_bytes[NONE] for a in costs.atoms))
+    held = d.weights_bytes + d.grads_bytes + d.optimizer_bytes + d.activations_bytes
+    assert d.reserve_bytes == pytest.approx(costs.reserve_fixed_bytes + FRAGMENTATION * held)
+
+
+def test_ddp_exposes_the_last_bucket_and_the_optimizer():
+    profile, costs = _costs(zero=0)
+    ev = evaluate(costs, [0, len(costs.atoms)], [NONE] * len(costs.atoms))
+    params = profile.num_params
+    ar = comm.allreduce(4, comm.Link(300 * GB, 8e-6))  # one A100 node: NVLink 3, 300 GB/s per direction
+    tail = ar(min(DDP_BUCKET_BYTES, params * 2))
+    backward = sum(a.bwd_s for a in costs.atoms)
+    exposed = max(tail, ar(params * 2) - backward)
+    optimizer = costs.optimizer_s_per_param * params
+    assert ev.devices[0].sync_s == pytest.approx(exposed + optimizer)
+    compute = sum(a.fwd_s + a.bwd_s for a in costs.atoms)
+    assert ev.step_time_s == pytest.approx(4 * compute + exposed + optimizer)
+
+
+def test_zero1_all_reduces_then_gathers_layer_by_layer():
+    profile, costs = _costs(zero=1)
+    ev = evaluate(costs, [0, len(costs.atoms)], [NONE] * len(costs.atoms))
+    params, atoms = profile.num_params, len(costs.atoms)
+    link = comm.Link(300 * GB, 8e-6)
+    ar, ag = comm.allreduce(4, link), comm.allgather(4, link)
+    exposed = max(ar(min(DDP_BUCKET_BYTES, params * 2)), ar(params * 2) - sum(a.bwd_s for a in costs.atoms))
+    gathers = ag.per_byte_s * 2 * params + ag.fixed_s * atoms  # the 16-bit weights, one collective per layer
+    assert ev.devices[0].sync_s == pytest.approx(exposed + gathers + costs.optimizer_s_per_param * params)
+    assert costs.optimizer_s_per_param == pytest.approx(_costs(zero=0)[1].optimizer_s_per_param / 4)
+
+
+def test_zero3_gathers_every_micro_batch_overlapped_except_latency():
+    profile, costs = _costs(zero=3, gpus_per_node=1)  # 4 nodes of 1: every collective crosses the network
+    link = comm.Link(25 * GB, 15e-6)
+    ag, rs = comm.allgather(4, link), comm.reduce_scatter(4, link)
+    params, atoms = profile.num_params, len(costs.atoms)
+    per_mb_bytes_s = (2 * ag.per_byte_s * 2 + rs.per_byte_s * 2) * params  # gather twice, scatter grads
+    per_mb_latency = (2 * ag.fixed_s + rs.fixed_s) * atoms
+    ev = evaluate(costs, [0, atoms], [NONE] * atoms)
+    compute = sum(a.fwd_s + a.bwd_s for a in costs.atoms)
+    t = max(compute, per_mb_bytes_s) + per_mb_latency
+    assert ev.devices[0].time_per_microbatch_s == pytest.approx(t)
+    assert per_mb_bytes_s > compute  # over a 200 Gb/s network the gathers outlast the math: exposed
+    assert ev.pipeline_s == pytest.approx(4 * t)
+    assert math.isclose(ev.step_time_s - ev.pipeline_s, ev.devices[0].sync_s)
