@@ -28,6 +28,8 @@ def conv3x3(in_ch: int, out_ch: int, stride: int = 1) -> nn.Conv2d:
 
 
 class BasicBlock(nn.Module):
+    expansion = 1  # output channels per unit of width
+
     def __init__(self, in_ch: int, out_ch: int, stride: int = 1):
         super().__init__()
         self.conv1 = conv3x3(in_ch, out_ch, stride)
@@ -50,7 +52,7 @@ class BasicBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-    def __init__(self, num_classes: int = NUM_CLASSES, widths=WIDTHS, blocks=BLOCKS_PER_STAGE):
+    def __init__(self, num_classes: int = NUM_CLASSES, widths=WIDTHS, blocks=BLOCKS_PER_STAGE, block=BasicBlock):
         super().__init__()
         self.conv1 = nn.Conv2d(3, widths[0], kernel_size=7, stride=2, padding=3, bias=False)
         self.bn1 = nn.BatchNorm2d(widths[0])
@@ -59,9 +61,10 @@ class ResNet(nn.Module):
         in_ch = widths[0]
         for i, (width, n) in enumerate(zip(widths, blocks)):
             stride = 1 if i == 0 else 2
-            stage = [BasicBlock(in_ch, width, stride)] + [BasicBlock(width, width) for _ in range(n - 1)]
+            out_ch = width * block.expansion
+            stage = [block(in_ch, width, stride)] + [block(out_ch, width) for _ in range(n - 1)]
             self.add_module(f"layer{i + 1}", nn.Sequential(*stage))
-            in_ch = width
+            in_ch = out_ch
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(in_ch, num_classes)
         for m in self.modules():
@@ -78,8 +81,12 @@ def build_model() -> nn.Module:
     return ResNet()
 
 
-def sample_batch(batch_size: int):
+def image_batch(batch_size: int, image_size: int, num_classes: int):
     g = torch.Generator().manual_seed(0)
-    images = torch.randn(batch_size, 3, IMAGE_SIZE, IMAGE_SIZE, generator=g)
-    labels = torch.randint(0, NUM_CLASSES, (batch_size,), generator=g)
+    images = torch.randn(batch_size, 3, image_size, image_size, generator=g)
+    labels = torch.randint(0, num_classes, (batch_size,), generator=g)
     return images, labels
+
+
+def sample_batch(batch_size: int):
+    return image_batch(batch_size, IMAGE_SIZE, NUM_CLASSES)
