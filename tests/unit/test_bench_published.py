@@ -1,0 +1,88 @@
+"""bench/bench_published.py reads the copy of the published runs kept in the repository: every
+row becomes a model, a cluster and a fixed configuration, and a small row is predicted."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_published", ROOT / "bench" / "bench_published.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def rows(bench):
+    return bench.load_rows()
+
+
+def test_reference_copy_is_in_the_repository(bench):
+    assert bench.REFERENCE.is_relative_to(ROOT) and bench.REFERENCE.exists()
+    assert (bench.REFERENCE.parent / "README.md").exists()
+
+
+def test_every_row_has_a_model_a_cluster_and_a_configuration(bench, rows):
+    assert len(rows) == 60
+    assert len({r.id for r in rows}) == 60
+    for r in rows:
+        source = bench.model_source(r.shape)
+        compile(source, r.id, "exec")
+        assert "def build_model" in source and "def sample_batch" in source
+        f = r.fixed
+        assert f.tp * f.pp * f.dp == r.num_gpus, r.id
+        assert f.zero in (0, 1, 2, 3) and (f.dp > 1 or f.zero == 0), r.id
+        assert f.micro_batch is None or r.global_batch % (f.dp * f.micro_batch) == 0, r.id
+        assert r.measured_step_s > 0, r.id
+        cluster = r.cluster()
+        assert cluster.num_gpus == r.num_gpus and cluster.gpus_per_node == r.gpus_per_node
+        assert r.training().memory_limit_bytes == r.gpu.memory_bytes
+
+
+def test_sources_come_from_the_source_fields(rows):
+    by_source = {}
+    for r in rows:
+        by_source.setdefault(r.source, []).append(r.id)
+    assert set(by_source) == {
+        "narayanan2021_t1", "narayanan2021_t2", "korthikanti2022", "megatron_lm", "torchtitan", "llm_foundry",
+    }
+    assert all(i.startswith("megatron_sc21_t2") for i in by_source["narayanan2021_t2"])
+    assert all(i.startswith("llmfoundry_") for i in by_source["llm_foundry"])
+
+
+def test_models_and_approximations_follow_the_rows(rows):
+    by_id = {r.id: r for r in rows}
+    sc21 = by_id["megatron_sc21_t1_1.7B"]
+    assert (sc21.shape.arch, sc21.shape.attention, sc21.precision, sc21.notes) == ("gpt", "materialised", "fp16", ())
+    assert by_id["megatron_h100_weak_1.7B"].shape.attention == "flash"
+    llama = by_id["torchtitan_T4_70B_256gpu_10"]
+    assert (llama.shape.arch, llama.shape.kv_heads, llama.shape.ffn) == ("llama", 8, 28672)
+    assert llama.fixed.zero == 3 and "fp8 as bf16" in llama.notes
+    assert llama.gpu.memory_bytes == 96e9 and llama.gpu.hbm_bandwidth_Bps == 2.4e12
+    cp = by_id["torchtitan_T2_8B_8gpu_6"]
+    assert cp.fixed.tp == 8 and "CP8 as TP" in cp.notes
+    assert by_id["llmfoundry_mpt7b_a100_40gb_8gpu_seq2048"].shape.arch == "mpt"
+    assert by_id["korthikanti_530B_2240gpu_full_recompute"].assumed  # no global batch published
+
+
+def test_inter_node_bandwidth_per_gpu(bench):
+    assert bench.inter_node_Bps("RDMA backend network, 400 Gb/s per GPU", 8) == 50e9
+    assert bench.inter_node_Bps("8x 400 Gb/s NDR InfiniBand per node (DGX H100)", 8) == 50e9
+    assert bench.inter_node_Bps("1600 Gbps node-to-node RoCE per node (=200 Gb/s per GPU)", 8) == 25e9
+    assert bench.inter_node_Bps(None, 8) is None
+
+
+def test_a_small_row_is_predicted(bench, rows):
+    row = next(r for r in rows if r.id == "megatron_sc21_t1_1.7B")
+    result = bench.predict(row, bench.Profiles().get(row))
+    assert result.scored is not None
+    assert result.scored.cand.tp == 1 and result.scored.cand.dp == 32 and result.scored.cand.micro_batch == 16
+    assert 0.5 < result.step_s / row.measured_step_s < 2
+    assert 0 < result.peak_bytes < row.gpu.memory_bytes
