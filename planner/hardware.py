@@ -18,6 +18,7 @@ A GPU file (packaged ones live in ``profiles/``; ``profiles/README.md`` shows a 
     inter_node_latency_us: 15         # optional (default 20)
     gpus_per_node: 8
     tdp_w: 700                        # optional
+    matmul_efficiency: 0.80           # optional (default 0.82): best measured matmul / dense peak
     sources:                          # optional: field (or peak_tflops.<dtype>) -> where from
       memory_gb: NVIDIA H100 datasheet
     uncertain: [inter_node_latency_us]  # optional: fields that are estimates
@@ -50,6 +51,9 @@ _DTYPE_ALIASES = {
 }
 DEFAULT_INTRA_LATENCY_US = 10.0
 DEFAULT_INTER_LATENCY_US = 20.0
+# A GPU file without `matmul_efficiency`: the middle of the measured NVIDIA parts (80-86% of the
+# dense peak: S. Bekman, ml-engineering, "Maximum Achievable Matmul FLOPS comparison table").
+DEFAULT_MATMUL_EFFICIENCY = 0.82
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 # YAML key -> (GPUSpec field, required). Units convert by the key's suffix: _gb/_GBps x 1e9, _us / 1e6.
@@ -63,6 +67,7 @@ _SCALARS: dict[str, tuple[str, bool]] = {
     "inter_node_latency_us": ("inter_node_latency_s", False),
     "gpus_per_node": ("gpus_per_node", True),
     "tdp_w": ("tdp_w", False),
+    "matmul_efficiency": ("matmul_efficiency", False),
 }
 
 
@@ -106,6 +111,10 @@ class GPUSpec:
     """Direct link between two GPUs where GPUs are meshed (MI300X xGMI); None behind a switch."""
     uncertain: tuple[str, ...] = ()
     """Fields whose value is an estimate (rule of thumb, assumption, not re-read)."""
+    matmul_efficiency: float = 1.0
+    """The largest share of the dense peak that 16-bit matmuls reach on this GPU, measured
+    (maximum achievable matmul FLOPS over the best shapes / peak: A100 SXM 86%, H100 SXM 80%,
+    MI300X 60%); 1.0 for the local CPU, whose peak is itself a measured matmul."""
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for `dtype` (``bf16``, ``torch.bfloat16``, ``float32`` ...)."""
@@ -141,11 +150,19 @@ class Cluster:
         """Whether a group of `group_size` consecutive ranks must leave its node."""
         return group_size > self.gpus_per_node
 
-    def bandwidth_Bps(self, group_size: int, spans_nodes: bool) -> float:
-        """Per-GPU, per-direction bandwidth of the link a collective over `group_size` GPUs uses."""
+    def bandwidth_Bps(self, group_size: int, spans_nodes: bool, members_per_node: int = 1) -> float:
+        """Per-GPU, per-direction bandwidth of the link a collective over `group_size` GPUs uses.
+
+        Across nodes each GPU has its own network port (the catalogue's figure per GPU, as in
+        DGX/HGX systems: one NIC per GPU, rail-aligned). A group with `members_per_node` GPUs in
+        each node crosses the network on that many ports at once: NCCL runs one ring (channel)
+        per port, each carrying its share, so the bus bandwidth is members x the per-GPU figure,
+        up to the links inside the node (nccl-tests' busbw on multi-node DGX: ~8 x the NIC rate
+        for all 8 GPUs of each node, the NIC rate for one GPU per node)."""
         assert group_size >= 1, f"group_size({group_size}) < 1"
         if spans_nodes or self.spans_nodes(group_size):
-            return self.gpu.inter_node_bandwidth_Bps
+            ports = max(1, min(members_per_node, self.gpus_per_node))
+            return min(self.gpu.inter_node_bandwidth_Bps * ports, self.gpu.intra_node_bandwidth_Bps)
         peer = self.gpu.intra_node_peer_bandwidth_Bps
         if peer is not None and group_size > 1:
             return min(self.gpu.intra_node_bandwidth_Bps, peer * (group_size - 1))
@@ -211,6 +228,8 @@ def parse_gpu(data: Any, *, where: str, default_name: str, origin: str) -> GPUSp
                 raise _fail(where, f"missing field '{key}'")
             continue
         number = _positive(where, key, data[key], integer=key == "gpus_per_node")
+        if key == "matmul_efficiency" and number > 1:
+            raise _fail(where, f"field '{key}' is a share of the peak, at most 1, got {number!r}")
         values[attr] = int(number) if key == "gpus_per_node" else _to_si(key, number)
     values["memory_bytes"] = int(round(values["memory_bytes"]))
 
@@ -222,6 +241,10 @@ def parse_gpu(data: Any, *, where: str, default_name: str, origin: str) -> GPUSp
             values[attr] = _to_si(key, default_us)
             sources[attr] = f"default {default_us:g} us (not in the file), rule of thumb"
             uncertain.append(attr)
+    if "matmul_efficiency" not in values:
+        values["matmul_efficiency"] = DEFAULT_MATMUL_EFFICIENCY
+        sources["matmul_efficiency"] = f"uncertain: default {DEFAULT_MATMUL_EFFICIENCY:g} (not in the file); measured NVIDIA parts reach 80-86%"
+        uncertain.append("matmul_efficiency")
     return GPUSpec(
         name=name,
         display_name=data.get("display_name", name),
@@ -365,7 +388,7 @@ def make_cluster(gpu: str | GPUSpec, num_gpus: int, gpus_per_node: int | None = 
         if not inter_node_gbps > 0:
             raise BadInput(f"--inter-node-gbps must be positive, got {inter_node_gbps:g}")
         spec = replace(spec, inter_node_bandwidth_Bps=inter_node_gbps * 1e9 / 8,
-                       sources={**spec.sources, "inter_node_bandwidth_GBps": f"--inter-node-gbps {inter_node_gbps:g}"})
+                       sources={**spec.sources, "inter_node_bandwidth_Bps": f"--inter-node-gbps {inter_node_gbps:g}"})
     for label, value in (("number of GPUs", num_gpus), ("GPUs per node", gpus_per_node)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise BadInput(f"{label} must be a whole number of at least 1, got {value!r}")

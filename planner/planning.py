@@ -128,9 +128,10 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
         f"links {cluster.gpu.intra_node_bandwidth_Bps / 1e9:,.0f} GB/s in a node and "
         f"{cluster.gpu.inter_node_bandwidth_Bps / 1e9:,.1f} GB/s ({cluster.gpu.inter_node_bandwidth_Bps * 8 / 1e9:,.0f} Gb/s) "
         f"across nodes per GPU" + (" (--inter-node-gbps)" if request.inter_node_gbps else "") + " (plan gpus: sources)",
-        f"efficiencies: matmuls {constants.MATMUL_EFFICIENCY:.0%} of peak, memory-bound ops "
-        f"{constants.MEMORY_EFFICIENCY:.0%} of HBM bandwidth (fitted on published Megatron-LM runs), "
-        f"links {constants.LINK_EFFICIENCY:.0%}",
+        f"efficiencies: matmuls {constants.MATMUL_EFFICIENCY:.0%} of this GPU's best measured matmul rate "
+        f"({cluster.gpu.matmul_efficiency:.1%} of peak: {cluster.gpu.matmul_efficiency * constants.MATMUL_EFFICIENCY:.0%} in all), "
+        f"memory-bound ops {constants.MEMORY_EFFICIENCY:.0%} of HBM bandwidth (fitted on published runs, "
+        f"bench/bench_published.py), links {constants.LINK_EFFICIENCY:.0%}",
         f"memory reserve per device: {fmt_bytes(constants.RESERVE_GPU_BYTES if cluster.gpu.origin != 'measured' else constants.RESERVE_CPU_BYTES)} "
         f"(runtime, communication buffers) + {constants.FRAGMENTATION:.0%} fragmentation",
         "tensor parallelism is Megatron-style with sequence parallelism; ranks ordered tp, dp, pp",

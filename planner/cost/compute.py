@@ -1,11 +1,14 @@
 """Compute time of a layer on one device: a roofline, or the local measurement.
 
 For a GPU, each phase (forward, backward) of a layer costs
-    max(matmul FLOPs / (peak x MATMUL_EFFICIENCY), matmul bytes / (HBM x MEMORY_EFFICIENCY))
+    max(matmul FLOPs / (peak x gpu.matmul_efficiency x MATMUL_EFFICIENCY), matmul bytes / (HBM x MEMORY_EFFICIENCY))
   + other bytes / (HBM x MEMORY_EFFICIENCY),
 at least ops x OP_OVERHEAD_S (launch-bound when kernels are tiny). The FLOPs and bytes come from
 the profile (measured per op), so the same formula covers GEMM-heavy transformers and
 bandwidth-heavy CNNs, and the balance of each GPU (FLOP/s against HBM bandwidth) shows.
+`gpu.matmul_efficiency` is the GPU's own measured ceiling (best matmul / peak, a catalogue field
+with its source: newer GPUs reach a smaller share of their peak); MATMUL_EFFICIENCY is the share
+of that ceiling a model's GEMMs reach, one figure for every GPU.
 
 When the target is the local CPU and the profile was timed on it, the measured seconds are used,
 scaled to the micro-batch and to the threads each process gets.
@@ -35,7 +38,7 @@ class Work:
 def roofline_s(work: Work, gpu: GPUSpec, dtype: str) -> float:
     peak = gpu.peak(dtype)
     hbm = gpu.hbm_bandwidth_Bps * MEMORY_EFFICIENCY
-    matmul = max(work.flops / (peak * MATMUL_EFFICIENCY), work.matmul_bytes / hbm)
+    matmul = max(work.flops / (peak * gpu.matmul_efficiency * MATMUL_EFFICIENCY), work.matmul_bytes / hbm)
     return max(matmul + work.other_bytes / hbm, work.ops * OP_OVERHEAD_S)
 
 

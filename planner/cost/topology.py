@@ -3,7 +3,8 @@
 Ranks are laid out tensor-parallel first, then data-parallel, then pipeline (Megatron-LM's
 default order, tp fastest): a TP group is `tp` consecutive ranks, a DP group strides by `tp`,
 pipeline neighbours are `tp * dp` ranks apart. A group that cannot stay inside one node uses the
-inter-node network, whose per-GPU bandwidth is then its bottleneck (NCCL rings across nodes).
+inter-node network: each of its members in a node sends through its own port (one NIC per GPU),
+so the group's bandwidth is the per-GPU figure times its members per node (hardware.Cluster).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ class Links:
     pp_spans_nodes: bool
 
 
-def _link(cluster: Cluster, group_size: int, spans: bool) -> Link:
-    return Link(cluster.bandwidth_Bps(group_size, spans), cluster.latency_s(group_size, spans))
+def _link(cluster: Cluster, group_size: int, spans: bool, members_per_node: int = 1) -> Link:
+    return Link(cluster.bandwidth_Bps(group_size, spans, members_per_node), cluster.latency_s(group_size, spans))
 
 
 def links(cluster: Cluster, cand: Candidate) -> Links:
@@ -34,9 +35,13 @@ def links(cluster: Cluster, cand: Candidate) -> Links:
     tp_spans = cand.tp > per_node
     dp_spans = cand.tp * cand.dp > per_node
     pp_spans = cand.pp > 1 and cand.tp * cand.dp >= per_node
+    # members of one group in a node, whose network ports it uses at once: a TP group fills its
+    # nodes; a DP group strides by tp, so a node holds per_node / tp of it (at least one)
+    tp_members = min(cand.tp, per_node)
+    dp_members = min(cand.dp, max(1, per_node // cand.tp))
     return Links(
-        tp=_link(cluster, cand.tp, tp_spans),
-        dp=_link(cluster, cand.dp, dp_spans),
+        tp=_link(cluster, cand.tp, tp_spans, tp_members),
+        dp=_link(cluster, cand.dp, dp_spans, dp_members),
         pp=_link(cluster, 2, pp_spans),
         tp_spans_nodes=tp_spans,
         dp_spans_nodes=dp_spans,

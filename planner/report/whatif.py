@@ -332,8 +332,8 @@ def assumptions(spec: SweepSpec, batching: Batching, gpus: dict[str, GPUSpec], p
         # the first names one cluster, and the global batch line one point; the rest hold for all
         out += [a for a in plan.assumptions[1:] if not a.startswith("global batch")]
     else:
-        out.append(f"efficiencies: matmuls {constants.MATMUL_EFFICIENCY:.0%} of peak, memory-bound ops "
-                   f"{constants.MEMORY_EFFICIENCY:.0%} of HBM bandwidth, links {constants.LINK_EFFICIENCY:.0%}")
+        out.append(f"efficiencies: matmuls {constants.MATMUL_EFFICIENCY:.0%} of each GPU's best measured matmul rate, "
+                   f"memory-bound ops {constants.MEMORY_EFFICIENCY:.0%} of HBM bandwidth, links {constants.LINK_EFFICIENCY:.0%}")
     if batching.scale:
         held = (f"grows with the GPUs (--scale-batch): {batching.global_batch / batching.smallest_count:g} samples per GPU, "
                 f"{batching.global_batch:,} on {batching.smallest_count} GPUs")

@@ -1,39 +1,33 @@
-"""bench/bench_published.py reads the copy of the published runs kept in the repository: every
-row becomes a model, a cluster and a fixed configuration, and a small row is predicted."""
+"""bench/bench_published.py (its pieces in bench/published/) reads the copy of the published runs
+kept in the repository: every row becomes a model, a cluster and a fixed configuration, and a
+small row is predicted."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+
+from bench.published.models import model_source
+from bench.published.predict import Profiles, predict
+from bench.published.rows import REFERENCE, inter_node_Bps, load_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_published", ROOT / "bench" / "bench_published.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+def rows():
+    return load_rows()
 
 
-@pytest.fixture(scope="module")
-def rows(bench):
-    return bench.load_rows()
+def test_reference_copy_is_in_the_repository():
+    assert REFERENCE.is_relative_to(ROOT) and REFERENCE.exists()
+    assert (REFERENCE.parent / "README.md").exists()
 
 
-def test_reference_copy_is_in_the_repository(bench):
-    assert bench.REFERENCE.is_relative_to(ROOT) and bench.REFERENCE.exists()
-    assert (bench.REFERENCE.parent / "README.md").exists()
-
-
-def test_every_row_has_a_model_a_cluster_and_a_configuration(bench, rows):
+def test_every_row_has_a_model_a_cluster_and_a_configuration(rows):
     assert len(rows) == 60
     assert len({r.id for r in rows}) == 60
     for r in rows:
-        source = bench.model_source(r.shape)
+        source = model_source(r.shape)
         compile(source, r.id, "exec")
         assert "def build_model" in source and "def sample_batch" in source
         f = r.fixed
@@ -72,16 +66,16 @@ def test_models_and_approximations_follow_the_rows(rows):
     assert by_id["korthikanti_530B_2240gpu_full_recompute"].assumed  # no global batch published
 
 
-def test_inter_node_bandwidth_per_gpu(bench):
-    assert bench.inter_node_Bps("RDMA backend network, 400 Gb/s per GPU", 8) == 50e9
-    assert bench.inter_node_Bps("8x 400 Gb/s NDR InfiniBand per node (DGX H100)", 8) == 50e9
-    assert bench.inter_node_Bps("1600 Gbps node-to-node RoCE per node (=200 Gb/s per GPU)", 8) == 25e9
-    assert bench.inter_node_Bps(None, 8) is None
+def test_inter_node_bandwidth_per_gpu():
+    assert inter_node_Bps("RDMA backend network, 400 Gb/s per GPU", 8) == 50e9
+    assert inter_node_Bps("8x 400 Gb/s NDR InfiniBand per node (DGX H100)", 8) == 50e9
+    assert inter_node_Bps("1600 Gbps node-to-node RoCE per node (=200 Gb/s per GPU)", 8) == 25e9
+    assert inter_node_Bps(None, 8) is None
 
 
-def test_a_small_row_is_predicted(bench, rows):
+def test_a_small_row_is_predicted(rows):
     row = next(r for r in rows if r.id == "megatron_sc21_t1_1.7B")
-    result = bench.predict(row, bench.Profiles().get(row))
+    result = predict(row, Profiles().get(row))
     assert result.scored is not None
     assert result.scored.cand.tp == 1 and result.scored.cand.dp == 32 and result.scored.cand.micro_batch == 16
     assert 0.5 < result.step_s / row.measured_step_s < 2

@@ -1,0 +1,106 @@
+"""Fitting the compute efficiencies (--fit) and leaving one source out (--loso).
+
+Each row's solved assignment (stages, recompute) is re-evaluated under each grid point of
+MATMUL_EFFICIENCY x MEMORY_EFFICIENCY, as the planner's constants are read at evaluation time
+(planner/cost/compute.py); the objective is the mean |log(predicted / measured)| over the rows
+fitted.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from planner.cost import compute as compute_mod
+from planner.cost.evaluate import evaluate
+from planner.cost.stage_costs import stage_costs
+
+from .predict import Profiles, Result
+from .report import error_stats
+
+
+MATMUL_GRID = [round(0.50 + 0.02 * i, 2) for i in range(26)]
+MEMORY_GRID = [round(0.30 + 0.05 * i, 2) for i in range(13)]
+
+
+def grid_errors(results: list[Result], profiles: Profiles) -> dict[tuple[float, float], list[float]]:
+    """(matmul, memory) -> |log(predicted / measured)| per predicted row, each row's assignment
+    (stages, recompute) re-evaluated under the grid point's efficiencies."""
+    saved = compute_mod.MATMUL_EFFICIENCY, compute_mod.MEMORY_EFFICIENCY
+    setups = [(r, r.row.cluster(), r.row.training(), profiles.get(r.row)) for r in results if r.scored]
+    out = {}
+    try:
+        for mm in MATMUL_GRID:
+            for mem in MEMORY_GRID:
+                compute_mod.MATMUL_EFFICIENCY, compute_mod.MEMORY_EFFICIENCY = mm, mem
+                errs = []
+                for r, cluster, training, profile in setups:
+                    b = r.scored
+                    costs = stage_costs(profile, cluster, training, b.cand)
+                    ev = evaluate(costs, list(b.partition.bounds), list(b.partition.choice))
+                    errs.append(math.log(ev.step_time_s / r.row.measured_step_s))
+                out[mm, mem] = errs
+    finally:
+        compute_mod.MATMUL_EFFICIENCY, compute_mod.MEMORY_EFFICIENCY = saved
+    return out
+
+
+def best_point(grid: dict[tuple[float, float], list[float]], keep: list[bool]) -> tuple[float, float] | None:
+    """The grid point with the least mean |log error| over the kept rows (None: no row kept)."""
+    if not any(keep):
+        return None
+
+    def score(point):
+        errs = [abs(e) for e, k in zip(grid[point], keep) if k]
+        return sum(errs) / len(errs)
+
+    return min(grid, key=score)
+
+
+def _rel(log_errors: list[float]) -> list[float]:
+    return [math.exp(e) - 1 for e in log_errors]
+
+
+def fit(results: list[Result], profiles: Profiles, loso: bool) -> None:
+    predicted = [r for r in results if r.scored]
+    start = time.perf_counter()
+    grid = grid_errors(predicted, profiles)
+    print(f"\ngrid of {len(grid)} points x {len(predicted)} rows evaluated in {time.perf_counter() - start:.1f} s")
+    current = (compute_mod.MATMUL_EFFICIENCY, compute_mod.MEMORY_EFFICIENCY)
+    now = [math.log(r.step_s / r.row.measured_step_s) for r in predicted]
+    best = best_point(grid, [True] * len(predicted))
+    exact = [not r.row.notes for r in predicted]
+    print(
+        f"\n{'step time, constants':34s} {'matmul':>6s} {'memory':>6s} | {'all rows: n':>11s} {'median':>7s} {'worst':>7s} | "
+        f"{'exact rows: n':>13s} {'median':>7s} {'worst':>7s}"
+    )
+    fits = [("current (planner/cost/constants)", current, now), ("fitted on all rows", best, grid[best])]
+    best_exact = best_point(grid, exact)
+    if best_exact is not None:
+        fits.append(("fitted on exact rows (no note)", best_exact, grid[best_exact]))
+    for label, point, errs in fits:
+        ex = [e for e, k in zip(errs, exact) if k]
+        print(f"{label:34s} {point[0]:6.2f} {point[1]:6.2f} | {error_stats(_rel(errs)):>27s} | {error_stats(_rel(ex)):>29s}")
+    if loso:
+        leave_one_source_out(predicted, grid, best)
+
+
+def leave_one_source_out(predicted: list[Result], grid: dict, best: tuple[float, float]) -> None:
+    """For each source: fit on the other sources' rows, predict the held-out source's rows."""
+    print(
+        f"\nleave one source out: fit on the other sources, predict the held-out one\n"
+        f"{'held out':17s} {'matmul':>6s} {'memory':>6s} | {'held out: n':>11s} {'median':>7s} {'worst':>7s} | "
+        f"{'in the all-rows fit: n':>22s} {'median':>7s} {'worst':>7s}"
+    )
+    held_all: list[float] = []
+    for source in sorted({r.row.source for r in predicted}):
+        keep = [r.row.source != source for r in predicted]
+        point = best_point(grid, keep)
+        if point is None:
+            print(f"{source:17s} (no other source to fit on)")
+            continue
+        held = [e for e, k in zip(grid[point], keep) if not k]
+        held_all += held
+        inside = [e for e, k in zip(grid[best], keep) if not k]
+        print(f"{source:17s} {point[0]:6.2f} {point[1]:6.2f} | {error_stats(_rel(held)):>27s} | {error_stats(_rel(inside)):>38s}")
+    print(f"{'every row held out':31s} | {error_stats(_rel(held_all)):>27s} | {error_stats(_rel(grid[best])):>38s}")

@@ -1,0 +1,137 @@
+"""The model file (build_model, sample_batch) each row's shape describes, built from examples/.
+
+- GPT rows: examples/gpt.py at the row's shape. Sources from 2021-22 (Narayanan et al. SC'21,
+  Korthikanti et al.) ran Megatron-LM before flash attention (Dao et al. 2022) reached it:
+  attention scores materialised, one fused scale-mask-softmax pass, dropout 0.1. Later sources
+  (Megatron-Core r0.8, 2024) run fused flash attention: SDPA, whose dropout regenerates its mask
+  from the RNG state and saves nothing (so the SDPA call here runs without dropout; the hidden
+  dropout of 0.1, Megatron's default, stays).
+- Llama rows (torchtitan): examples/llama.py (GQA, SwiGLU, RMSNorm, RoPE, untied head, SDPA
+  flash attention as torchtitan runs it).
+- MPT rows (llm-foundry): bias-free pre-LayerNorm GPT blocks of examples/gpt.py, tied embedding
+  and head, no learned positions, SDPA flash attention, no dropout. Approximated: ALiBi's bias is
+  fused into MPT's flash-attention kernel; SDPA cannot add it without leaving the flash path, so
+  it is left out (a few FLOPs per attention score). MPT's fused Wqkv is three Linears here (same
+  FLOPs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .rows import Shape
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_HEADER = """
+import sys
+sys.path.insert(0, {examples!r})
+import torch
+import torch.nn.functional as F
+from torch import nn
+"""
+
+_GPT = """
+import gpt
+from gpt import GPTConfig, build_gpt, gpt_batch
+{attention}
+CFG = GPTConfig(vocab={vocab}, seq_len={seq}, n_layer={layers}, n_head={heads}, n_embd={hidden},
+                dropout=0.1, attn={attn!r})
+def build_model():
+    model = build_gpt(CFG)
+    for block in model.blocks:  # this model's attention modules only (gpt.py stays as it is)
+        block.attn.__class__ = Attention
+    return model
+def sample_batch(b):
+    return gpt_batch(CFG, b)
+"""
+
+MEGATRON_ATTENTION = """
+class Attention(gpt.CausalSelfAttention):
+    def forward(self, x):
+        # Megatron-LM's attention (2021-22): q scaled, one bmm for the scores, ONE fused
+        # scale-mask-softmax kernel (a single pass over the s x s scores; the causal mask is
+        # applied inside it, so it costs what a plain softmax costs), dropout, bmm. No flash
+        # attention.
+        B, T, C = x.shape
+        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2) * self.head_dim ** -0.5
+        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        att = self.attn_dropout(F.softmax(q @ k.transpose(-2, -1), dim=-1))
+        y = (att @ v).transpose(1, 2).reshape(B, T, -1)
+        return self.resid_dropout(self.proj(y))
+"""
+
+FLASH_ATTENTION = """
+class Attention(gpt.CausalSelfAttention):
+    def forward(self, x):
+        # Fused flash attention (Megatron-Core with Transformer Engine): its dropout regenerates
+        # the mask from the RNG state and saves nothing, so SDPA runs here without dropout (with
+        # it, SDPA's CPU path would save an s x s mask).
+        B, T, C = x.shape
+        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
+"""
+
+_MPT = """
+from gpt import Block, GPTConfig, gpt_batch
+
+CFG = GPTConfig(vocab={vocab}, seq_len={seq}, n_layer={layers}, n_head={heads}, n_embd={hidden},
+                dropout=0.0, attn="sdpa", bias=False)
+
+
+class MPT(nn.Module):
+    # llm-foundry MPT: tied embedding and head, no position embedding (ALiBi, left out: fused in
+    # its flash-attention kernel), bias-free pre-LayerNorm blocks, ffn 4h with GELU, no dropout.
+    def __init__(self, cfg):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=False)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def build_model():
+    return MPT(CFG)
+
+
+def sample_batch(b):
+    return gpt_batch(CFG, b)
+"""
+
+_LLAMA = """
+from llama import LlamaConfig, build_llama, llama_batch
+
+CFG = LlamaConfig(dim={hidden}, n_layers={layers}, n_heads={heads}, n_kv_heads={kv_heads},
+                  ffn_dim={ffn}, vocab={vocab}, seq_len={seq}, rope_theta=500000.0)
+def build_model():
+    return build_llama(CFG)
+def sample_batch(b):
+    return llama_batch(CFG, b)
+"""
+
+
+def model_source(shape: Shape) -> str:
+    """The model file (build_model, sample_batch) of a row's shape."""
+    s = shape
+    fields = dict(vocab=s.vocab, seq=s.seq_len, layers=s.layers, heads=s.heads, hidden=s.hidden, kv_heads=s.kv_heads, ffn=s.ffn)
+    head = _HEADER.format(examples=str(ROOT / "examples"))
+    if s.arch == "llama":
+        return head + _LLAMA.format(**fields)
+    assert s.ffn == 4 * s.hidden, f"{s}: examples/gpt.py's MLP is 4h wide"
+    assert s.kv_heads == s.heads, f"{s}: examples/gpt.py has no grouped-query attention"
+    if s.arch == "mpt":
+        return head + _MPT.format(**fields)
+    if s.attention == "materialised":
+        return head + _GPT.format(attention=MEGATRON_ATTENTION, attn="math", **fields)
+    return head + _GPT.format(attention=FLASH_ATTENTION, attn="sdpa", **fields)

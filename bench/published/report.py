@@ -1,0 +1,93 @@
+"""The printed table of rows and the per-source summary of errors."""
+
+from __future__ import annotations
+
+import statistics
+
+from .predict import Result
+from .rows import GIB
+
+
+def _pct(x: float | None) -> str:
+    return f"{x:+.0%}" if x is not None else "-"
+
+
+def _gib(x: float | None) -> str:
+    return f"{x / GIB:.1f}" if x else "-"
+
+
+def plan_label(scored) -> str:
+    c = scored.cand
+    out = f"tp{c.tp} pp{c.pp} dp{c.dp} mb{c.micro_batch} z{c.zero}"
+    if c.pp > 1:
+        out += f" {c.schedule}" + (f"x{c.virtual_stages}" if c.schedule == "interleaved" else "")
+    choice = set(scored.partition.choice)
+    rc = "full" if choice == {2} else "selective" if choice == {1} else "none" if choice == {0} else "mixed"
+    return out + f" rc={rc}"
+
+
+def print_table(results: list[Result]) -> None:
+    head = (
+        f"{'id':44s} {'source':17s} {'GPU x count':20s} {'config (as predicted)':42s} {'meas s':>8s} "
+        f"{'pred s':>8s} {'err':>6s} {'meas GiB':>8s} {'pred GiB':>8s} {'err':>6s}  note"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        row = r.row
+        gpu = f"{row.gpu.name} x{row.num_gpus}"
+        if r.scored is None:
+            config, pred, err = row.config(), "refused", f"(needs {r.need_bytes / GIB:.0f} GiB)" if r.need_bytes else ""
+        else:
+            config, pred, err = plan_label(r.scored), f"{r.step_s:8.2f}", _pct(r.error)
+        mem_pred = ("≥" if r.scored is None and r.need_bytes else "") + _gib(r.peak_bytes)
+        note = "; ".join(row.notes + tuple(f"[{a}]" for a in row.assumed))
+        print(
+            f"{row.id:44s} {row.source:17s} {gpu:20s} {config:42s} {row.measured_step_s:8.2f} {pred:>8s} "
+            f"{err:>6s} {_gib(row.measured_peak_bytes):>8s} {mem_pred:>8s} {_pct(r.memory_error):>6s}  {note}"
+        )
+        if r.free_s is not None:
+            if r.free is None:
+                print(f"{'':44s}   free search: nothing found in {r.free_s:.1f} s")
+            elif r.step_s is None:
+                print(f"{'':44s}   free search: {plan_label(r.free)}  {r.free.step_time_s:.2f} s in {r.free_s:.1f} s")
+            else:
+                ratio = r.free.step_time_s / r.step_s
+                flag = "  <- over 1.3x faster than the published config: a symptom" if ratio < 1 / 1.3 else ""
+                print(
+                    f"{'':44s}   free search: {plan_label(r.free)}  {r.free.step_time_s:.2f} s "
+                    f"({ratio:.2f}x the published config's prediction) in {r.free_s:.1f} s{flag}"
+                )
+
+
+def error_stats(errors: list[float]) -> str:
+    """Count, median and worst |error| of the errors given (None skipped), as table columns."""
+    errors = [abs(e) for e in errors if e is not None]
+    if not errors:
+        return f"{'-':>3s} {'-':>7s} {'-':>7s}"
+    return f"{len(errors):3d} {statistics.median(errors):7.1%} {max(errors):7.1%}"
+
+
+def print_summary(results: list[Result]) -> None:
+    groups: dict[str, list[Result]] = {}
+    for r in results:
+        groups.setdefault(r.row.source, []).append(r)
+    groups["overall"] = results
+    print(
+        f"\n{'source':17s} {'rows':>4s} {'refused':>7s} {'approx':>6s} {'assumed':>7s} | "
+        f"{'step: n':>7s} {'median':>7s} {'worst':>7s} | {'exact: n':>8s} {'median':>7s} {'worst':>7s} | "
+        f"{'memory: n':>9s} {'median':>7s} {'worst':>7s}"
+    )
+    for name, rs in groups.items():
+        exact = [r.error for r in rs if not r.row.notes]
+        print(
+            f"{name:17s} {len(rs):4d} {sum(r.scored is None for r in rs):7d} {sum(bool(r.row.notes) for r in rs):6d} "
+            f"{sum(bool(r.row.assumed) for r in rs):7d} | {error_stats([r.error for r in rs]):>23s} | "
+            f"{error_stats(exact):>24s} | {error_stats([r.memory_error for r in rs]):>25s}"
+        )
+    print(
+        "\nstep/memory: |predicted / measured - 1| over the rows predicted (refused rows have no step time;"
+        "\ntheir memory error uses the least memory they need); exact: rows without an approximation note;"
+        "\napprox: rows with a note (what the cost model cannot express); assumed: rows with figures"
+        "\nnot published ([...] in the note: left to the search or assumed)."
+    )

@@ -1,0 +1,331 @@
+"""The published runs as rows: each entry of bench/reference/published_runs.yaml becomes a model
+shape, a cluster, a fixed configuration and the measured step time and peak memory.
+
+A row's configuration (tp, pp, dp, micro-batch, ZeRO/FSDP stage, schedule, recompute) is fixed on
+the row's cluster: its GPU, GPU count, GPUs per node and, when given, inter-node bandwidth per GPU.
+What the cost model cannot express yet is predicted with the nearest configuration it can, and
+named in the row's notes (these rows are counted apart in the summary, so work that removes a
+note shows up as better numbers): fp8 (run as bf16), context parallelism (folded into tensor
+parallelism when the degree is legal inside a node, else into data parallelism), sequence
+parallelism off (the cost model always shards activations with TP), async TP / TP overlap (TP
+communication counted exposed), torch.compile (eager op costs), Megatron's selective recompute
+(attention core only; the cost model's selective keeps matmul outputs), a GPU that is not in the
+catalogue (the nearest entry with the row's memory and HBM bandwidth). Figures a row does not
+publish (micro-batch, recompute, schedule) are left to the search, and said so (`assumed`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import yaml
+
+from planner.cost.setup import Training
+from planner.hardware import Cluster, GPUSpec, load_catalogue, make_cluster
+from planner.search.space import Fixed
+
+REFERENCE = Path(__file__).resolve().parents[1] / "reference" / "published_runs.yaml"
+GIB = 2**30
+
+
+def value(x):
+    """A plain scalar, or the value of an {value, uncertain, note} entry."""
+    return x.get("value") if isinstance(x, dict) else x
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model a row describes; equal shapes share one profile."""
+
+    arch: str
+    """"gpt", "llama" or "mpt"."""
+    attention: str
+    """"materialised" (Megatron-LM 2021-22) or "flash"."""
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    seq_len: int
+    vocab: int
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    source: str
+    """The paper or repository the row comes from (source_group)."""
+    shape: Shape
+    gpu: GPUSpec
+    """The catalogue GPU with the row's own figures where it gives them (inter-node bandwidth)."""
+    num_gpus: int
+    gpus_per_node: int
+    precision: str
+    global_batch: int
+    fixed: Fixed
+    measured_step_s: float
+    measured_peak_bytes: float | None
+    notes: tuple[str, ...]
+    """What the cost model cannot express and was approximated."""
+    assumed: tuple[str, ...]
+    """Figures the row does not publish, left to the search or assumed."""
+
+    def cluster(self) -> Cluster:
+        return make_cluster(self.gpu, self.num_gpus, self.gpus_per_node)
+
+    def training(self) -> Training:
+        return Training(self.precision, "adamw", self.global_batch, self.gpu.memory_bytes)
+
+    def config(self) -> str:
+        f = self.fixed
+        out = f"tp{f.tp} pp{f.pp} dp{f.dp} mb{f.micro_batch or '?'} z{f.zero}"
+        if f.pp and f.pp > 1:
+            out += f" {f.schedule or '?'}" + (f"x{f.virtual_stages}" if f.virtual_stages else "")
+        return out + f" rc={f.recompute or '?'}"
+
+
+def _year(text: str) -> int | None:
+    m = re.search(r"\b(20\d\d)\b", text)
+    return int(m.group(1)) if m else None
+
+
+def source_group(entries: list[dict]) -> dict[str, str]:
+    """id -> source group: the repository (owner/name -> name), or the paper (first author and
+    year), split by the table a row comes from when a paper's rows come from several tables."""
+    pub, table = {}, {}
+    for e in entries:
+        src = e["source"]
+        if src.get("repo"):
+            pub[e["id"]] = src["repo"].split("/")[-1].lower().replace("-", "_")
+            continue
+        author = src["paper"].split()[0].lower()
+        pub[e["id"]] = f"{author}{_year(src['paper']) or ''}"
+        m = re.match(r"\s*Table (\d+)", src.get("where", ""))
+        table[e["id"]] = m.group(1) if m else None
+    tables_of: dict[str, set] = {}
+    for i, t in table.items():
+        if t:
+            tables_of.setdefault(pub[i], set()).add(t)
+    return {
+        i: p + (f"_t{table[i]}" if table.get(i) and len(tables_of.get(p, ())) > 1 else "")
+        for i, p in pub.items()
+    }
+
+
+def _shape(e: dict) -> Shape:
+    m = e["model"]
+    arch_text = str(value(m.get("arch", "")))
+    if "MPT" in arch_text:
+        arch = "mpt"
+    elif m.get("kv_heads") is not None or "llama" in arch_text.lower():
+        arch = "llama"
+    else:
+        arch = "gpt"
+    src = e["source"]
+    year = _year(str(src.get("paper", ""))) or _year(str(src.get("path", "")))
+    # Flash attention (Dao et al., 2022) reached Megatron-LM in 2023; llm-foundry and torchtitan
+    # run it always.
+    attention = "materialised" if arch == "gpt" and year is not None and year <= 2022 else "flash"
+    heads = value(m["heads"])
+    return Shape(
+        arch=arch,
+        attention=attention,
+        layers=value(m["layers"]),
+        hidden=value(m["hidden"]),
+        heads=heads,
+        kv_heads=value(m.get("kv_heads")) or heads,
+        ffn=value(m.get("ffn_hidden")) or 4 * value(m["hidden"]),
+        seq_len=value(m["seq_len"]),
+        vocab=value(m["vocab"]),
+    )
+
+
+_GB_PER_S = re.compile(r"(\d+(?:\.\d+)?)\s*Gb(?:/s|ps)", re.I)
+
+
+def inter_node_Bps(text: str | None, gpus_per_node: int) -> float | None:
+    """Per-GPU, per-direction bytes/s from the row's inter-node link text ("400 Gb/s per GPU",
+    "8x 400 Gb/s ... per node", "1600 Gbps ... per node (=200 Gb/s per GPU)"), or None."""
+    if not text:
+        return None
+    per_gpu = re.search(r"(\d+(?:\.\d+)?)\s*Gb(?:/s|ps) per GPU", text)
+    if per_gpu:
+        return float(per_gpu.group(1)) * 1e9 / 8
+    nics = re.search(r"(\d+)x\s*(\d+(?:\.\d+)?)\s*Gb(?:/s|ps)", text)
+    if nics and "per node" in text:
+        return int(nics.group(1)) * float(nics.group(2)) * 1e9 / 8 / gpus_per_node
+    total = _GB_PER_S.search(text)
+    if total and "per node" in text:
+        return float(total.group(1)) * 1e9 / 8 / gpus_per_node
+    return None
+
+
+def gpu_of(hw: dict, catalogue: dict[str, GPUSpec]) -> tuple[GPUSpec, str | None]:
+    """The catalogue GPU a row names (family and memory), with the row's figures replacing the
+    catalogue's where it gives them; and a note when the GPU itself is not in the catalogue."""
+    text = str(value(hw["gpu"]))
+    family = re.search(r"(A100|H100|H200|V100|L40S|MI300X|RTX ?4090)", text, re.I)
+    assert family, f"unknown GPU in the reference: {text!r}"
+    fam = family.group(1).lower().replace(" ", "")
+    names = sorted(n for n in catalogue if n.startswith(fam))
+    assert names, f"no {fam} in the catalogue for {text!r}"
+    mem = re.search(r"(\d+)\s*GB", text)
+    same = [n for n in names if mem is None or round(catalogue[n].memory_gb) == int(mem.group(1))]
+    note = None
+    if same:
+        spec = catalogue[same[0]]
+    else:  # a variant the catalogue lacks: the family's entry with the row's memory (and HBM)
+        spec = catalogue[names[-1]]
+        spec = replace(spec, memory_bytes=int(int(mem.group(1)) * 1e9))
+        hbm = re.search(r"(\d+(?:\.\d+)?)\s*TB/s", text)
+        if hbm:
+            spec = replace(spec, hbm_bandwidth_Bps=float(hbm.group(1)) * 1e12)
+        note = f"GPU {mem.group(1)}GB variant: {spec.name} peaks"
+    bw = inter_node_Bps(value(hw.get("inter_node_link")), hw["gpus_per_node"])
+    if bw is not None and bw != spec.inter_node_bandwidth_Bps:
+        spec = replace(spec, inter_node_bandwidth_Bps=bw)
+    return spec, note
+
+
+def korthikanti_model_flops(shape: Shape, batch: int) -> float:
+    """Model FLOPs of one step: 72 B s l h^2 (1 + s/6h + V/12lh) (Korthikanti et al. 2022;
+    formulas.yaml korthikanti_model_flops_per_iteration; GPT with MHA and ffn = 4h)."""
+    s, l, h, V = shape.seq_len, shape.layers, shape.hidden, shape.vocab
+    return 72 * batch * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+
+
+def measured_step(e: dict, shape: Shape, global_batch: int, gpus: int) -> float:
+    """The measured step time, or derived from what was published: a step time, tokens/s per
+    GPU, or model TFLOP/s per GPU (MFU x peak) with the model-FLOPs formula."""
+    m, d = e.get("measured") or {}, e.get("derived") or {}
+    for x in (m.get("step_time_s"), d.get("step_time_s")):
+        if value(x):
+            return float(value(x))
+    tps = value(m.get("tokens_per_s_per_gpu"))
+    if tps:
+        return global_batch * shape.seq_len / (tps * gpus)
+    tflops = value(d.get("model_tflops_per_gpu"))
+    if tflops is None and value(m.get("mfu")) and value(m.get("peak_used_tflops")):
+        tflops = value(m["mfu"]) * value(m["peak_used_tflops"])
+    assert tflops and shape.arch == "gpt", f"{e['id']}: no step time, throughput or GPT MFU"
+    return korthikanti_model_flops(shape, global_batch) / (tflops * 1e12 * gpus)
+
+
+def _zero(p: dict, notes: list[str]) -> int:
+    text = str(value(p.get("zero"))).lower()
+    if "hsdp" in text or "hybrid" in text:
+        notes.append("HSDP as FSDP")
+    if value(p.get("fsdp")) or "zero-3" in text or "full_shard" in text or "full shard" in text:
+        return 3
+    if "zero-2" in text or "shard_grad_op" in text:
+        return 2
+    if "zero-1" in text or "distributed optimizer" in text:
+        return 1
+    return 0
+
+
+def _recompute(p: dict, shape: Shape, notes: list[str], assumed: list[str]) -> str | None:
+    text = value(p.get("recompute"))
+    if text is None:
+        assumed.append("recompute free")
+        return None
+    kind = str(text).split()[0].lower()
+    assert kind in ("none", "selective", "full"), f"recompute {text!r}"
+    # Megatron-LM's only selective mode recomputes the attention core (Korthikanti et al. 2022);
+    # the GPT rows are Megatron-LM runs. torchtitan's is per-op (save matmuls), as the cost model's.
+    if kind == "selective" and ("attention core" in str(text) or shape.arch == "gpt"):
+        notes.append("attn-core selective as save-matmuls")
+    return kind
+
+
+def _schedule(p: dict, pp: int, assumed: list[str]) -> tuple[str | None, int | None]:
+    if pp == 1:
+        return None, None
+    inter = p.get("interleaving")
+    if isinstance(inter, dict) and "model_chunks_per_gpu" in inter:
+        v = inter["model_chunks_per_gpu"]
+        return ("interleaved", v) if v > 1 else ("1f1b", None)
+    v = value(inter)
+    if isinstance(v, int):
+        return ("interleaved", v) if v > 1 else ("1f1b", None)
+    if v is None:
+        assumed.append("schedule free")
+        return None, None
+    assert "1f1b" in str(v).lower() or str(v).lower().startswith("none"), f"interleaving {v!r}"
+    return "1f1b", None
+
+
+def _fits_tp(shape: Shape, tp: int) -> bool:
+    return all(x % tp == 0 for x in (shape.heads, shape.kv_heads, shape.hidden, shape.ffn))
+
+
+def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
+    notes: list[str] = []
+    assumed: list[str] = []
+    shape = _shape(e)
+    hw = e["hardware"]
+    gpus, per_node = hw["gpus"], hw["gpus_per_node"]
+    gpu, gpu_note = gpu_of(hw, catalogue)
+    if gpu_note:
+        notes.append(gpu_note)
+    precision_text = str(value(e.get("precision"))).lower()
+    precision = "fp16" if "fp16" in precision_text else "bf16"  # same peak on every GPU here
+    if "fp8" in precision_text:
+        notes.append("fp8 as bf16")
+    p = e["parallel"]
+    tp, pp, dp, cp = (int(value(p.get(k)) or 1) for k in ("tp", "pp", "dp", "cp"))
+    assert tp * pp * dp * cp == gpus, f"{e['id']}: tp*pp*dp*cp != {gpus}"
+    gb = value(e.get("global_batch"))
+    if gb is None:
+        gb = gpus
+        assumed.append(f"global batch {gb} (1 per GPU)")
+    mb = e.get("micro_batch")
+    if isinstance(mb, dict) and "local_batch_per_dp_rank" in mb:
+        local = mb["local_batch_per_dp_rank"]  # no gradient accumulation: one step per local batch
+        micro = local // pp if pp > 1 else local
+        if pp > 1:
+            assumed.append(f"{pp} pipeline micro-batches (torchtitan default)")
+    else:
+        micro = value(mb)
+        if micro is None:
+            assumed.append("micro-batch free")
+    if value(p.get("sequence_parallel")) is False and tp > 1:
+        notes.append("SP off as SP on")
+    if value(p.get("async_tp")) and tp > 1:
+        notes.append("async TP")
+    if "tp-comm-overlap" in str(value(p.get("overlap"))) and tp > 1:
+        notes.append("TP overlap")
+    if value(p.get("torch_compile")):
+        notes.append("compile")
+    zero = _zero(p, notes)
+    if cp > 1:  # context parallelism: nearest expressible split of each sequence's work
+        if tp * cp <= per_node and _fits_tp(shape, tp * cp):
+            notes.append(f"CP{cp} as TP")
+            tp *= cp
+        else:
+            notes.append(f"CP{cp} as DP")
+            dp *= cp
+            micro = max(1, min(micro or 1, gb // dp))
+    recompute = _recompute(p, shape, notes, assumed)
+    schedule, v = _schedule(p, pp, assumed)
+    fixed = Fixed(
+        tp=tp, pp=pp, dp=dp, micro_batch=micro, zero=zero if dp > 1 else 0,
+        schedule=schedule, virtual_stages=v, recompute=recompute,
+    )
+    peak_gib = value((e.get("measured") or {}).get("peak_memory_gib"))
+    return Row(
+        id=e["id"], source=source, shape=shape, gpu=gpu, num_gpus=gpus, gpus_per_node=per_node,
+        precision=precision, global_batch=gb, fixed=fixed,
+        measured_step_s=measured_step(e, shape, gb, gpus),
+        measured_peak_bytes=peak_gib * GIB if peak_gib else None,
+        notes=tuple(notes), assumed=tuple(assumed),
+    )
+
+
+def load_rows(path: Path = REFERENCE) -> list[Row]:
+    entries = yaml.safe_load(path.read_text())["entries"]
+    groups = source_group(entries)
+    catalogue = load_catalogue()
+    return [make_row(e, groups[e["id"]], catalogue) for e in entries]
