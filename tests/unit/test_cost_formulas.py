@@ -121,3 +121,30 @@ def test_zero3_gathers_every_micro_batch_overlapped_except_latency():
     assert per_mb_bytes_s > compute  # over a 200 Gb/s network the gathers outlast the math: exposed
     assert ev.pipeline_s == pytest.approx(4 * t)
     assert math.isclose(ev.step_time_s - ev.pipeline_s, ev.devices[0].sync_s)
+
+
+def test_groups_across_nodes_use_one_port_per_member():
+    """Two A100 nodes of 8 (one 25 GB/s NIC per GPU, NVLink 300 GB/s): a data-parallel group with
+    all 8 GPUs of each node runs 8 rings, one per NIC; one GPU per node gets one NIC."""
+    from planner.cost.topology import links
+
+    cluster = make_cluster("a100-80gb", 16)
+    dp16 = Candidate(tp=1, pp=1, dp=16, micro_batch=1, num_microbatches=1, zero=3, schedule="1f1b")
+    tp8 = Candidate(tp=8, pp=1, dp=2, micro_batch=1, num_microbatches=1, zero=3, schedule="1f1b")
+    tp4 = Candidate(tp=4, pp=1, dp=4, micro_batch=1, num_microbatches=1, zero=3, schedule="1f1b")
+    assert links(cluster, dp16).dp.bandwidth_Bps == pytest.approx(200 * GB)  # min(8 x 25, 300)
+    assert links(cluster, tp8).dp.bandwidth_Bps == pytest.approx(25 * GB)
+    assert links(cluster, tp4).dp.bandwidth_Bps == pytest.approx(50 * GB)
+    assert links(cluster, tp8).tp.bandwidth_Bps == pytest.approx(300 * GB)  # inside the node
+
+
+def test_matmuls_run_at_the_gpus_measured_ceiling_times_one_share():
+    from planner.cost.compute import Work, roofline_s
+    from planner.cost.constants import MATMUL_EFFICIENCY
+    from planner.hardware import get_gpu
+
+    work = Work(flops=1e15, matmul_bytes=0.0, other_bytes=0.0, ops=1)
+    for name, ceiling in (("a100-80gb", 0.859), ("h100-sxm-80gb", 0.801)):
+        gpu = get_gpu(name)
+        assert gpu.matmul_efficiency == ceiling
+        assert roofline_s(work, gpu, "bf16") == pytest.approx(1e15 / (gpu.peak("bf16") * ceiling * MATMUL_EFFICIENCY))
