@@ -62,9 +62,37 @@ def build_materialised(handle: ModelHandle, dtype: torch.dtype) -> torch.nn.Modu
     return model.to(dtype).train()
 
 
+def build_meta(handle: ModelHandle, dtype: torch.dtype) -> torch.nn.Module:
+    """The model built on the meta device (no memory, user init a no-op), in `dtype`, in training mode."""
+    return handle.build_model("meta").to(dtype).train()
+
+
 def build_fake(handle: ModelHandle, dtype: torch.dtype, fake_mode: FakeTensorMode) -> torch.nn.Module:
     """The model with every parameter and buffer a FakeTensor on the CPU, in `dtype`."""
-    model = handle.build_model("meta").to(dtype).train()
+    return make_fake(build_meta(handle, dtype), fake_mode)
+
+
+def _reachable(model: torch.nn.Module, leave: set[int]) -> list[torch.nn.Module]:
+    """The modules of `model` reached without entering a module whose id is in `leave`."""
+    out: list[torch.nn.Module] = []
+    seen: set[int] = set()
+    todo = [model]
+    while todo:
+        module = todo.pop()
+        if id(module) in seen or id(module) in leave:
+            continue
+        seen.add(id(module))
+        out.append(module)
+        todo.extend(m for m in module._modules.values() if m is not None)
+    return out
+
+
+def make_fake(model: torch.nn.Module, fake_mode: FakeTensorMode, leave_meta: tuple[torch.nn.Module, ...] = ()) -> torch.nn.Module:
+    """Swap the meta-built model's parameters and buffers for FakeTensors on the CPU, in place.
+
+    Those held only by `leave_meta` modules stay on meta: blocks that a shortened trace does not
+    run (repeats.py), whose shapes, dtypes and storages are all the profiler reads of them. A
+    tensor they share with a module that runs is swapped everywhere (tied parameters stay tied)."""
     converter = fake_mode.fake_tensor_converter
     cpu = torch.device("cpu")
 
@@ -74,7 +102,7 @@ def build_fake(handle: ModelHandle, dtype: torch.dtype, fake_mode: FakeTensorMod
         return fake_mode.from_tensor(t)
 
     memo: dict[int, torch.Tensor] = {}  # tied parameters stay tied
-    for module in model.modules():
+    for module in _reachable(model, {id(m) for m in leave_meta}):
         for name, p in list(module._parameters.items()):
             if p is None:
                 continue
@@ -87,6 +115,11 @@ def build_fake(handle: ModelHandle, dtype: torch.dtype, fake_mode: FakeTensorMod
             if id(b) not in memo:
                 memo[id(b)] = fake(b)
             module._buffers[name] = memo[id(b)]
+    for module in (s for m in leave_meta for s in m.modules()):
+        for table in (module._parameters, module._buffers):
+            for name, t in list(table.items()):
+                if t is not None and id(t) in memo:
+                    table[name] = memo[id(t)]
     return model
 
 

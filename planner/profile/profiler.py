@@ -1,6 +1,7 @@
 """profile_model: ModelHandle -> ModelProfile.
 
-1. Build the model as fake tensors (free, any size) and trace one step: FLOPs, saved bytes, flows.
+1. Build the model as fake tensors (free, any size) and trace one step: FLOPs, saved bytes, flows
+   (a long stack of identical blocks through 4 of them, the others copied: repeats.py).
 2. If it fits in RAM (and --meta was not asked), build it for real, trace again on real tensors
    and, when asked, time each unit. Otherwise keep the fake trace: no timings.
 3. Group units into layers, attribute parameters, find the tensors crossing each cut, and mark
@@ -26,6 +27,7 @@ from planner.errors import BadInput
 from planner.model_file import ModelHandle
 from planner.profile import materialize as mat
 from planner.profile.layers import Unit, find_units, group_units, has_params
+from planner.profile.repeats import MIN_BLOCKS, find_stacks, trace_with_repeats
 from planner.profile.split import meta_trace_split
 from planner.profile.timing import time_units
 from planner.profile.trace import BEFORE_ANY, TraceResult, run_trace, storage_key
@@ -54,10 +56,15 @@ def seq_len_of(inputs: Any) -> int | None:
     return None
 
 
-def _trace_fake(handle: ModelHandle, dtype: torch.dtype, inputs: Any, targets: Any):
+def _trace_fake(handle: ModelHandle, dtype: torch.dtype, inputs: Any, targets: Any, reuse_min_blocks: int | None):
+    """Build the model on fake tensors and trace one step: through a few blocks of each long stack
+    of identical ones when that is shown to give the whole trace (repeats.py), else every block."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model = mat.build_fake(handle, dtype, fake_mode)
+    model = mat.build_meta(handle, dtype)
     units = find_units(model)
+    stacks = find_stacks(model, units, reuse_min_blocks) if reuse_min_blocks is not None else []
+    # blocks that no run of the shortcut calls keep their meta tensors (shapes are all it reads)
+    mat.make_fake(model, fake_mode, tuple(m for s in stacks for m in s.untraced))
     # FakeTensorMode logs a full traceback when an op fails (e.g. a batch the forward rejects);
     # the user gets our one-line error instead. (Set after import: torch resets it at import.)
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
@@ -66,7 +73,15 @@ def _trace_fake(handle: ModelHandle, dtype: torch.dtype, inputs: Any, targets: A
     try:
         with fake_mode:
             f_inputs, f_targets = mat.fake_batch(inputs, fake_mode), mat.fake_batch(targets, fake_mode)
-            trace = run_trace(handle, model, units, f_inputs, f_targets)
+            trace = trace_with_repeats(handle, model, units, stacks, f_inputs, f_targets) if stacks else None
+        if trace is None:
+            if stacks:  # the runs may have changed the model's Python state: start afresh
+                fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+                model = mat.build_fake(handle, dtype, fake_mode)
+                units = find_units(model)
+            with fake_mode:
+                f_inputs, f_targets = mat.fake_batch(inputs, fake_mode), mat.fake_batch(targets, fake_mode)
+                trace = run_trace(handle, model, units, f_inputs, f_targets)
     finally:
         fake_log.setLevel(level)
     return model, units, trace
@@ -89,9 +104,15 @@ def profile_model(
     measure: bool = True,
     repeats: int = 3,
     check_split: bool = True,
+    reuse_min_blocks: int | None = MIN_BLOCKS,
 ) -> ModelProfile:
     """`check_split`: when some cut is not a plain hand-over of one layer's output, try the
-    pipelining tracer on the meta-built model (seconds) to see whether it can be cut there."""
+    pipelining tracer on the meta-built model (seconds) to see whether it can be cut there.
+
+    `reuse_min_blocks`: on fake tensors, a stack (ModuleList/Sequential) of at least this many
+    blocks (4 at least) whose interior blocks are alike is traced through a few of them, and the
+    others' figures are copies of the representative's, after a check that this reproduces one
+    more traced block exactly (repeats.py); None traces every block."""
     start = time.perf_counter()
     tdtype = mat.torch_dtype(dtype)
     inputs, targets = handle.sample_batch(batch_size)
@@ -100,7 +121,7 @@ def profile_model(
 
     fake_error: BaseException | None = None
     try:
-        model, units, trace = _trace_fake(handle, tdtype, inputs, targets)
+        model, units, trace = _trace_fake(handle, tdtype, inputs, targets, reuse_min_blocks)
         activation_bytes = sum(trace.saved_bytes.values())
         num_params = sum(p.numel() for p in model.parameters())
     except BadInput as exc:

@@ -65,11 +65,20 @@ class TraceResult:
     flows: list[TensorFlow]
     loose_param_use: dict[int, int]
     """Storage key of a parameter owned by no unit -> first unit whose ops used it."""
-    uncounted_ops: Counter
+    uncounted_by_unit: Counter
+    """(unit, op name) -> calls of ops that have no FLOP formula (and are not cheap by nature)."""
     returned: dict[int, set[int]] = field(default_factory=dict)
     """Unit -> the flows (tensor ids) its forward returned."""
     io_bytes: dict[int, tuple[int, int]] = field(default_factory=dict)
     """id(module) of each nn.Linear / nn.Embedding -> (input bytes, output bytes) summed over calls."""
+
+    @property
+    def uncounted_ops(self) -> Counter:
+        """Op name -> calls, over all units."""
+        out: Counter = Counter()
+        for (_, name), n in self.uncounted_by_unit.items():
+            out[name] += n
+        return out
 
 
 class _Segments:
@@ -113,7 +122,7 @@ class _Recorder(TorchDispatchMode):
         self.loose_keys = loose_keys
         self.fwd = PhaseCosts()
         self.bwd = PhaseCosts()
-        self.uncounted: Counter = Counter()
+        self.uncounted: Counter = Counter()  # (unit, op name) -> calls
         self.ids: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.flows: list[TensorFlow] = []
         self.loose_use: dict[int, int] = {}
@@ -134,7 +143,7 @@ class _Recorder(TorchDispatchMode):
             costs.ops[seg] += 1
         elif not getattr(func, "is_view", False):
             if not is_cheap(func):
-                self.uncounted[op_name(func)] += 1
+                self.uncounted[(seg, op_name(func))] += 1
             ins = [t for t in tensors_in((args, kwargs)) if storage_key(t) not in self.param_keys]
             costs.other_io_bytes[seg] += sum(map(_nbytes, ins)) + sum(map(_nbytes, tensors_in(out)))
             costs.ops[seg] += 1
@@ -268,7 +277,7 @@ def run_trace(
         matmul_out_bytes=recorder.matmul_out,
         flows=recorder.flows,
         loose_param_use=recorder.loose_use,
-        uncounted_ops=recorder.uncounted,
+        uncounted_by_unit=recorder.uncounted,
         io_bytes=io_bytes,
         returned=returned,
     )
