@@ -109,6 +109,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp", type=_positive_int, help="fix the data-parallel degree")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="fix the ZeRO stage (3 = FSDP)")
     p.add_argument("--recompute", choices=RECOMPUTE, help="fix activation recompute for every layer")
+    p.add_argument("--sequence-parallel", choices=("on", "off"),
+                   help="with tensor parallelism: split norms, residuals and dropout along the sequence too (default: searched)")
     p.add_argument("--schedule", choices=SCHEDULES, help="fix the pipeline schedule")
     p.add_argument("--virtual-stages", type=_positive_int, help="model chunks per pipeline rank (interleaved)")
     p.add_argument("--top", type=_positive_int, default=3, help="alternatives to show (default 3)")
@@ -143,6 +145,7 @@ def cmd_plan(argv: Sequence[str]) -> int:
         fixed=Fixed(
             tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch, zero=args.zero,
             schedule=args.schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
+            sequence_parallel=None if args.sequence_parallel is None else args.sequence_parallel == "on",
         ),
         top_k=args.top,
     )

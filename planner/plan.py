@@ -33,6 +33,8 @@ class Parallel:
         ]
         if self.pp > 1:
             parts.append(sched[self.schedule])
+        if self.tp > 1:
+            parts.append("sequence parallel" if self.sequence_parallel else "no sequence parallel")
         parts += [f"ZeRO-{self.zero}", f"recompute: {self.recompute}"]
         return " · ".join(parts)
 

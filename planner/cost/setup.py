@@ -55,6 +55,11 @@ class Candidate:
     schedule: str
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved 1F1B); 1 otherwise."""
+    sequence_parallel: bool = False
+    """With tp > 1: norms, dropout and residuals split along the sequence over the TP ranks
+    (Korthikanti et al. 2022), their activations and work divided by tp; without it they run
+    replicated on every TP rank. Same communication volume either way (all-gather +
+    reduce-scatter in place of each all-reduce)."""
 
     @property
     def num_stages(self) -> int:
@@ -64,6 +69,8 @@ class Candidate:
         sched = self.schedule if self.pp > 1 else "no pipeline"
         if self.schedule == "interleaved" and self.pp > 1:
             sched += f" x{self.virtual_stages}"
+        if self.tp > 1:
+            sched += " · SP" if self.sequence_parallel else " · no SP"
         return (
             f"dp={self.dp} tp={self.tp} pp={self.pp} · micro-batch {self.micro_batch} x "
             f"{self.num_microbatches} · {sched} · ZeRO-{self.zero}"

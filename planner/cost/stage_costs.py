@@ -12,8 +12,9 @@ Recompute choices (per atom):
   memory-bound ops: norms, activations, softmax, dropout) in backward: PyTorch's selective
   activation checkpointing with a "save matmuls" policy (torchtitan's `selective op` AC);
 - full: keep only the atom's input, recompute its whole forward (Chen et al. 2016).
-Tensor parallel is Megatron-style with sequence parallelism: a sharded layer's activations and
-its memory-bound work are divided by tp too (Korthikanti et al. 2022: sbh(34/t + 5as/ht)).
+Tensor parallel is Megatron-style: a block's column-wise -> row-wise regions are divided by tp;
+with sequence parallelism the rest of the block (norms, residuals, dropout) too (Korthikanti et
+al. 2022: sbh(34/t + 5as/ht) with it, sbh(10 + 24/t + 5as/ht) without).
 """
 
 from __future__ import annotations
@@ -134,12 +135,23 @@ def _layer_costs(
     scale = _scale(profile, cand.micro_batch)
     shard = _shard(layer, cand.tp)
     gpu = cluster.gpu
-    fwd_work = Work(layer.fwd_flops, layer.fwd_matmul_io_bytes, layer.fwd_other_io_bytes, layer.fwd_ops)
-    bwd_work = Work(layer.bwd_flops, layer.bwd_matmul_io_bytes, layer.bwd_other_io_bytes, layer.bwd_ops)
+    # Without sequence parallelism a block's work and tensors outside its column-wise -> row-wise
+    # regions (norms, residuals, dropout) are whole on every TP rank: `whole` of the memory-bound
+    # traffic (backward in the forward's proportion) and `act_whole` of the saved bytes.
+    split_all = shard == 1 or cand.sequence_parallel or not layer.tp.required
+    other = layer.fwd_other_io_bytes
+    whole = 0.0 if split_all or not other else (other - layer.fwd_other_io_tp_bytes) / other
+    fwd_work = Work(layer.fwd_flops, layer.fwd_matmul_io_bytes, layer.fwd_other_io_bytes * (1 - whole), layer.fwd_ops)
+    bwd_work = Work(layer.bwd_flops, layer.bwd_matmul_io_bytes, layer.bwd_other_io_bytes * (1 - whole), layer.bwd_ops)
     fwd_work, bwd_work = fwd_work.scaled(scale / shard), bwd_work.scaled(scale / shard)
+    fwd_work = Work(fwd_work.flops, fwd_work.matmul_bytes, fwd_work.other_bytes + layer.fwd_other_io_bytes * whole * scale, fwd_work.ops)
+    bwd_work = Work(bwd_work.flops, bwd_work.matmul_bytes, bwd_work.other_bytes + layer.bwd_other_io_bytes * whole * scale, bwd_work.ops)
     if cpu_factor is not None and layer.fwd_s is not None and layer.bwd_s is not None:
-        fwd = layer.fwd_s * scale * cpu_factor / shard
-        bwd = layer.bwd_s * scale * cpu_factor / shard
+        # measured seconds split as the roofline splits them (more than 1/tp without SP)
+        even = Work(layer.fwd_flops, layer.fwd_matmul_io_bytes, layer.fwd_other_io_bytes, layer.fwd_ops).scaled(scale / shard)
+        share = roofline_s(fwd_work, gpu, training.precision) / max(roofline_s(even, gpu, training.precision), 1e-30)
+        fwd = layer.fwd_s * scale * cpu_factor / shard * share
+        bwd = layer.bwd_s * scale * cpu_factor / shard * share
         roof = roofline_s(fwd_work, gpu, training.precision)
         other_share = memory_bound_s(fwd_work.other_bytes, gpu) / roof if roof > 0 else 0.0
         sel_extra = fwd * min(1.0, other_share)
@@ -155,9 +167,14 @@ def _layer_costs(
         tp_bwd = ar(volume) if layer.tp.colwise else 0.0
     fwd += tp_fwd
     bwd += tp_bwd
-    act = layer.activation_bytes * scale / shard
-    kept_inputs = input_bytes * scale / shard
-    act_sel = min(act, layer.activation_matmul_bytes * scale / shard + kept_inputs)
+
+    def split(total: int, tp_part: int) -> float:
+        """Bytes per device of `total`, of which `tp_part` TP splits even without SP."""
+        return total * scale / shard if split_all else (tp_part / shard + total - tp_part) * scale
+
+    act = split(layer.activation_bytes, layer.activation_tp_bytes)
+    kept_inputs = input_bytes * scale / (shard if split_all else 1)  # the block input: whole without SP
+    act_sel = min(act, split(layer.activation_matmul_bytes, layer.activation_matmul_tp_bytes) + kept_inputs)
     act_full = min(act, kept_inputs)
     sharded = layer.tp.sharded_params if shard > 1 and layer.tp is not None else 0
     params = layer.num_params - sharded + sharded / shard
@@ -181,10 +198,11 @@ def atom_table(
     tp: int,
     micro_batch: int,
     cpu_factor: float | None = None,
+    sequence_parallel: bool = True,
 ) -> tuple[AtomCost, ...]:
-    """Per-atom costs for a TP degree and micro-batch (what the other choices do not change).
-    `cpu_factor`: use the profile's measured seconds, times this."""
-    probe = Candidate(tp, 1, 1, micro_batch, 1, 0, "1f1b")
+    """Per-atom costs for a TP degree, micro-batch and sequence-parallel choice (what the other
+    choices do not change). `cpu_factor`: use the profile's measured seconds, times this."""
+    probe = Candidate(tp, 1, 1, micro_batch, 1, 0, "1f1b", sequence_parallel=sequence_parallel)
     tp_link = links(cluster, probe).tp
     layers = profile.layers
     per_layer = []
@@ -229,7 +247,7 @@ def stage_costs(
     lk = links(cluster, cand)
     layers = profile.layers
     if atoms is None:
-        atoms = atom_table(profile, cluster, training, cand.tp, cand.micro_batch, cpu_factor)
+        atoms = atom_table(profile, cluster, training, cand.tp, cand.micro_batch, cpu_factor, cand.sequence_parallel)
     w, g, o = training.bytes_per_param()
     max_act = max(a.act_bytes[NONE] for a in atoms)
     max_params = sorted((a.params for a in atoms), reverse=True)[:2]

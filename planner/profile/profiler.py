@@ -270,6 +270,9 @@ def _assemble(
         "fwd_other_io_bytes": per_layer(trace.fwd.other_io_bytes),
         "bwd_matmul_io_bytes": per_layer(trace.bwd.matmul_io_bytes),
         "bwd_other_io_bytes": per_layer(trace.bwd.other_io_bytes),
+        "activation_tp_bytes": per_layer(trace.saved_tp_bytes),
+        "activation_matmul_tp_bytes": per_layer(trace.matmul_out_tp_bytes),
+        "fwd_other_io_tp_bytes": per_layer(trace.fwd_other_io_tp_bytes),
         "fwd_ops": per_layer(trace.fwd.ops),
         "bwd_ops": per_layer(trace.bwd.ops),
     }

@@ -380,6 +380,9 @@ def grow(trace: TraceResult, grows: list[_Grow], units: list[Unit]) -> TraceResu
         uncounted_by_unit=uncounted,
         returned=returned,
         io_bytes=_grow_io(trace.io_bytes, grows, units),
+        saved_tp_bytes=_grow_counter(trace.saved_tp_bytes, grows),
+        matmul_out_tp_bytes=_grow_counter(trace.matmul_out_tp_bytes, grows),
+        fwd_other_io_tp_bytes=_grow_counter(trace.fwd_other_io_tp_bytes, grows),
     )
 
 
@@ -401,12 +404,14 @@ def trace_key(trace: TraceResult) -> tuple:
         list(trace.order), phases, _nonzero(trace.saved_bytes), _nonzero(trace.matmul_out_bytes),
         Counter(_flow_key(f) for f in trace.flows), returned, dict(trace.loose_param_use),
         _nonzero(trace.uncounted_by_unit), dict(trace.io_bytes),
+        (_nonzero(trace.saved_tp_bytes), _nonzero(trace.matmul_out_tp_bytes), _nonzero(trace.fwd_other_io_tp_bytes)),
     )
 
 
 def _first_difference(a: tuple, b: tuple) -> str:
     names = ("call order", "costs", "saved bytes", "matmul outputs", "tensors between units",
-             "returned tensors", "loose parameters", "uncounted ops", "Linear inputs and outputs")
+             "returned tensors", "loose parameters", "uncounted ops", "Linear inputs and outputs",
+             "tensor-parallel shares")
     return next((n for n, x, y in zip(names, a, b) if x != y), "nothing")
 
 

@@ -32,6 +32,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from planner.model_file import ModelHandle
 from planner.profile.flops import formula_for, is_cheap, kept_by_selective, op_name
 from planner.profile.layers import Unit
+from planner.profile.tp_plan import find_tp_plan
 
 BEFORE_ANY = -1  # segment of glue that runs before the first unit
 
@@ -71,6 +72,13 @@ class TraceResult:
     """Unit -> the flows (tensor ids) its forward returned."""
     io_bytes: dict[int, tuple[int, int]] = field(default_factory=dict)
     """id(module) of each nn.Linear / nn.Embedding -> (input bytes, output bytes) summed over calls."""
+    saved_tp_bytes: Counter = field(default_factory=Counter)
+    """Of saved_bytes, what tensor parallelism shards with or without sequence parallelism:
+    tensors made inside a column-wise -> row-wise region (``tp_regions``)."""
+    matmul_out_tp_bytes: Counter = field(default_factory=Counter)
+    """Of matmul_out_bytes, the outputs made inside such a region."""
+    fwd_other_io_tp_bytes: Counter = field(default_factory=Counter)
+    """Of fwd.other_io_bytes, the memory-bound traffic inside such a region."""
 
     @property
     def uncounted_ops(self) -> Counter:
@@ -128,6 +136,12 @@ class _Recorder(TorchDispatchMode):
         self.loose_use: dict[int, int] = {}
         self.storage_creator: dict[int, int] = {}
         self.matmul_out: Counter = Counter()
+        # tensor-parallel regions: storages made inside one, and the column/row-wise module depth
+        self.sharded: set[int] = set()
+        self.in_colwise = 0
+        self.in_rowwise = 0
+        self.matmul_out_tp: Counter = Counter()
+        self.other_io_tp: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -148,13 +162,34 @@ class _Recorder(TorchDispatchMode):
             costs.other_io_bytes[seg] += sum(map(_nbytes, ins)) + sum(map(_nbytes, tensors_in(out)))
             costs.ops[seg] += 1
         if not self.seg.backward:
+            sharded = self._in_region(args, kwargs)
+            if sharded and formula is None and not getattr(func, "is_view", False):
+                self.other_io_tp[seg] += sum(map(_nbytes, tensors_in(out))) + sum(
+                    _nbytes(t) for t in tensors_in((args, kwargs)) if storage_key(t) not in self.param_keys)
             new = self._track(seg, args, kwargs, out)
+            if sharded:  # new storages only: a view of a column-wise input stays whole
+                self.sharded.update(new)
+            else:  # a new storage at a freed one's address is not the old one
+                self.sharded.difference_update(new)
             # what selective recompute keeps: every new output of a matmul-like op (not the
             # attention core's batched matmuls), whether or not autograd saves it
             if kept_by_selective(func) and torch.is_grad_enabled():
                 made = {storage_key(t): t.untyped_storage().nbytes() for t in tensors_in(out)}
-                self.matmul_out[seg] += sum(made[k] for k in new if k in made)
+                kept = sum(made[k] for k in new if k in made)
+                self.matmul_out[seg] += kept
+                if sharded:
+                    self.matmul_out_tp[seg] += kept
         return out
+
+    def _in_region(self, args, kwargs) -> bool:
+        """Whether an op runs inside a column-wise -> row-wise region, where tensor parallelism
+        splits its tensors whether or not sequence parallelism is on: in a column-wise Linear, or
+        on a tensor made in the region, outside the row-wise Linear that closes it."""
+        if self.in_rowwise:
+            return False
+        if self.in_colwise:
+            return True
+        return any(storage_key(t) in self.sharded for t in tensors_in((args, kwargs)))
 
     def _track(self, seg: int, args, kwargs, out) -> set[int]:
         """Record who made and who uses each tensor; return the keys of new storages."""
@@ -229,6 +264,7 @@ def run_trace(
 ) -> TraceResult:
     """One forward + loss + backward of `model` on the batch, instrumented per unit."""
     seg = _Segments()
+    tp_saved: Counter = Counter()
     order: list[int] = []
     param_keys = {storage_key(p) for p in model.parameters()} | {storage_key(b) for b in model.buffers()}
     owned = {storage_key(p) for u in units for p in u.module.parameters()}
@@ -242,6 +278,8 @@ def run_trace(
             seen_storages.add(key)
             unit = recorder.storage_creator.get(key, seg.current())
             saved[unit] += t.untyped_storage().nbytes()
+            if key in recorder.sharded:
+                tp_saved[unit] += t.untyped_storage().nbytes()
         return t
 
     def enter(index: int) -> None:
@@ -261,7 +299,8 @@ def run_trace(
 
     recorder = _Recorder(seg, param_keys, loose)
     returned: dict[int, set[int]] = {}
-    with watch_units(units, enter, leave, entered_backward), linear_io(model) as io_bytes, recorder:
+    with watch_units(units, enter, leave, entered_backward), linear_io(model) as io_bytes, \
+            watch_regions(recorder, *tp_regions(model, units)), recorder:
         with saved_tensors_hooks(pack, lambda t: t):
             outputs = handle.forward(model, inputs)
             loss = handle.loss(outputs, targets)
@@ -280,7 +319,44 @@ def run_trace(
         uncounted_by_unit=recorder.uncounted,
         io_bytes=io_bytes,
         returned=returned,
+        saved_tp_bytes=tp_saved,
+        matmul_out_tp_bytes=recorder.matmul_out_tp,
+        fwd_other_io_tp_bytes=recorder.other_io_tp,
     )
+
+
+def tp_regions(model: torch.nn.Module, units: list[Unit]) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    """The column-wise and the row-wise Linears of every unit's tensor-parallel plan (tp_plan.py)."""
+    colwise: list[torch.nn.Module] = []
+    rowwise: list[torch.nn.Module] = []
+    for unit in units:
+        plan = find_tp_plan(unit.module, model, unit.name)
+        if plan is not None:
+            subs = dict(unit.module.named_modules())
+            colwise += [subs[n] for n in plan.colwise]
+            rowwise += [subs[n] for n in plan.rowwise]
+    return colwise, rowwise
+
+
+@contextmanager
+def watch_regions(recorder: _Recorder, colwise: list[torch.nn.Module], rowwise: list[torch.nn.Module]) -> Iterator[None]:
+    """Keep the recorder's column-wise / row-wise depth while those modules' forwards run."""
+
+    def depth(attr: str, step: int):
+        def hook(module, *_):
+            setattr(recorder, attr, getattr(recorder, attr) + step)
+        return hook
+
+    handles = []
+    try:
+        for modules, attr in ((colwise, "in_colwise"), (rowwise, "in_rowwise")):
+            for m in modules:
+                handles.append(m.register_forward_pre_hook(depth(attr, 1)))
+                handles.append(m.register_forward_hook(depth(attr, -1)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @contextmanager

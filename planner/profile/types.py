@@ -56,6 +56,16 @@ class LayerProfile:
     bwd_ops: int = 0
     tp: Optional["TPInfo"] = None
     """How tensor parallelism splits this layer, or None when it cannot."""
+    # -- what tensor parallelism splits without sequence parallelism -----------------------------
+    activation_tp_bytes: int = 0
+    """Of activation_bytes, the tensors made inside a column-wise -> row-wise region (from a
+    column-wise Linear's output up to the row-wise Linear): split by TP with or without sequence
+    parallelism. The rest (norms, residuals, dropout, the column-wise inputs) is split only with
+    it (Korthikanti et al. 2022: sbh(10 + 24/t + 5as/(ht)) without, sbh(34 + 5as/h)/t with)."""
+    activation_matmul_tp_bytes: int = 0
+    """Of activation_matmul_bytes, the outputs made inside such a region."""
+    fwd_other_io_tp_bytes: int = 0
+    """Of fwd_other_io_bytes, the memory-bound traffic inside such a region."""
 
 
 @dataclass(frozen=True)

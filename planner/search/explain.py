@@ -40,7 +40,7 @@ def parallel_of(s: Scored) -> Parallel:
     return Parallel(
         dp=c.dp, tp=c.tp, pp=c.pp, micro_batch=c.micro_batch, num_microbatches=c.num_microbatches,
         zero=c.zero, schedule=c.schedule, virtual_stages=c.virtual_stages,
-        recompute=_recompute_label(s.partition.choice), sequence_parallel=c.tp > 1,
+        recompute=_recompute_label(s.partition.choice), sequence_parallel=c.sequence_parallel,
     )
 
 
@@ -202,7 +202,10 @@ def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int
         )
     if c.tp > 1:
         where = "inside a node (NVLink)" if not best.costs.links.tp_spans_nodes else "ACROSS nodes (slow: keep TP inside a node if you can)"
-        lines.append(f"Tensor parallelism over {c.tp} GPUs {where} splits each block's matmuls; its all-reduces cost {fmt_seconds(breakdown(best)['tp_comm'])} per step.")
+        sp = ("with sequence parallelism (norms, residuals and dropout split along the sequence too)" if c.sequence_parallel
+              else "without sequence parallelism (norms, residuals and dropout whole on every TP rank)")
+        lines.append(f"Tensor parallelism over {c.tp} GPUs {where} splits each block's matmuls, {sp}; "
+                     f"its collectives cost {fmt_seconds(breakdown(best)['tp_comm'])} per step.")
     if c.pp > 1:
         lines.append(
             f"The pipeline has {c.pp} stages and {c.num_microbatches} micro-batches"

@@ -83,7 +83,8 @@ def _shape(c: Candidate) -> tuple:
 
 
 def _simplicity(c: Candidate) -> tuple:
-    return (c.tp * c.pp, c.zero, c.virtual_stages, -c.micro_batch, c.pp, SCHEDULE_ORDER.index(c.schedule))
+    return (c.tp * c.pp, c.zero, c.virtual_stages, -c.micro_batch, c.pp, SCHEDULE_ORDER.index(c.schedule),
+            not c.sequence_parallel)
 
 
 def _rank(plans) -> list[Scored]:
@@ -179,12 +180,12 @@ def run_search(
     stats = SpaceStats()
     result = SearchResult([], None, None, None, None, stats)
     num_atoms = len(atoms_of(profile))
-    tables: dict[tuple[int, int], tuple] = {}
+    tables: dict[tuple[int, int, bool], tuple] = {}
 
     def costs_of(cand: Candidate) -> StageCosts:
-        key = (cand.tp, cand.micro_batch)
+        key = (cand.tp, cand.micro_batch, cand.sequence_parallel)
         if key not in tables:
-            tables[key] = atom_table(profile, cluster, training, cand.tp, cand.micro_batch, cpu_factor)
+            tables[key] = atom_table(profile, cluster, training, cand.tp, cand.micro_batch, cpu_factor, cand.sequence_parallel)
         return stage_costs(profile, cluster, training, cand, cpu_factor, atoms=tables[key])
 
     survivors: list[tuple[float, StageCosts]] = []

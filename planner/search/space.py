@@ -4,8 +4,9 @@ Candidates: tp x pp x dp = GPUs, tp a degree every tensor-parallel block accepts
 feature sizes) and at most a node (TP's all-reduces want NVLink: Narayanan et al. 2021, Sec. 3.2;
 a user may force more), pp at most the number of atoms, micro-batch b a power of two dividing
 the per-replica batch, m = global batch / (dp b) micro-batches, ZeRO 0-3 (0 only without data
-parallelism), and the schedule (GPipe, 1F1B, interleaved 1F1B with v = 2-4 chunks when m % pp == 0,
-as Megatron-LM requires).
+parallelism), the schedule (GPipe, 1F1B, interleaved 1F1B with v = 2-4 chunks when m % pp == 0,
+as Megatron-LM requires), and with tp > 1 sequence parallelism on or off (on only where tp divides
+the sequence, as the runtime needs).
 
 Bounds, per candidate, from the cost tables alone:
 - memory: the least the fullest rank can hold (memory_lower_bound); above the limit, no
@@ -16,7 +17,7 @@ Bounds, per candidate, from the cost tables alone:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from planner.cost.constants import FRAGMENTATION
@@ -37,6 +38,7 @@ class Fixed:
     schedule: str | None = None
     virtual_stages: int | None = None
     recompute: str | None = None
+    sequence_parallel: bool | None = None
 
 
 # Model chunks per rank tried for interleaved 1F1B: the published Megatron-LM runs use 2-3
@@ -97,14 +99,24 @@ def candidates(
                 stats.reject(f"global batch not divisible by dp={dp}")
                 continue
             per_replica = global_batch // dp
-            b = 1
-            while b <= per_replica:
-                if per_replica % b == 0 and (fixed.micro_batch is None or b == fixed.micro_batch):
-                    yield from _schedules(tp, pp, dp, b, per_replica // b, num_atoms, fixed, stats)
-                b *= 2
-            if fixed.micro_batch is not None and (fixed.micro_batch & (fixed.micro_batch - 1)):
-                if per_replica % fixed.micro_batch == 0:  # a non-power-of-two the user asked for
-                    yield from _schedules(tp, pp, dp, fixed.micro_batch, per_replica // fixed.micro_batch, num_atoms, fixed, stats)
+            sizes = [b for b in (2**k for k in range(per_replica.bit_length())) if per_replica % b == 0]
+            if fixed.micro_batch is not None:  # a non-power-of-two the user asked for, too
+                sizes = [fixed.micro_batch] if per_replica % fixed.micro_batch == 0 else []
+            for sp in _sequence_parallel(profile, tp, fixed, stats):
+                for b in sizes:
+                    for cand in _schedules(tp, pp, dp, b, per_replica // b, num_atoms, fixed, stats):
+                        yield replace(cand, sequence_parallel=sp)
+
+
+def _sequence_parallel(profile: ModelProfile, tp: int, fixed: Fixed, stats: SpaceStats) -> list[bool]:
+    """Both choices with TP (unless fixed); SP splits the sequence, so tp must divide it."""
+    if tp == 1:
+        return [False]
+    choices = [True, False] if fixed.sequence_parallel is None else [fixed.sequence_parallel]
+    if True in choices and profile.seq_len and profile.seq_len % tp:
+        stats.reject(f"sequence parallelism needs tp={tp} to divide the sequence ({profile.seq_len})")
+        choices.remove(True)
+    return choices
 
 
 def _schedules(tp, pp, dp, b, m, num_atoms, fixed: Fixed, stats: SpaceStats) -> Iterator[Candidate]:

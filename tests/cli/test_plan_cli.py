@@ -151,3 +151,17 @@ def test_inter_node_network_is_the_users(capsys):
     assert slow["predicted"]["step_time_s"] > fast["predicted"]["step_time_s"]
     assert main([*args, "--inter-node-gbps", "-1"]) == EXIT_BAD_INPUT
     assert "--inter-node-gbps must be positive" in capsys.readouterr().err
+
+
+def test_sequence_parallelism_is_a_choice(capsys):
+    """--sequence-parallel on|off fixes it (searched otherwise); the plan says which, and without
+    it each GPU holds more activations for the same split."""
+    args = [str(EXAMPLES / "llama.py"), "--gpus", "2", "--tp", "2", "--global-batch", "32", "--micro-batch", "16"]
+    on, off = (_plan_json(capsys, *args, "--sequence-parallel", v) for v in ("on", "off"))
+    assert on["parallel"]["sequence_parallel"] is True and off["parallel"]["sequence_parallel"] is False
+    assert off["stages"][0]["memory_bytes"]["activations"] > on["stages"][0]["memory_bytes"]["activations"]
+    assert any("without sequence parallelism" in line for line in off["explanation"])
+    free = _plan_json(capsys, *args)
+    assert free["parallel"]["sequence_parallel"] in (True, False)
+    assert main([*args, "--sequence-parallel", "maybe"]) == EXIT_BAD_INPUT
+    capsys.readouterr()

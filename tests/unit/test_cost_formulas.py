@@ -148,3 +148,40 @@ def test_matmuls_run_at_the_gpus_measured_ceiling_times_one_share():
         gpu = get_gpu(name)
         assert gpu.matmul_efficiency == ceiling
         assert roofline_s(work, gpu, "bf16") == pytest.approx(1e15 / (gpu.peak("bf16") * ceiling * MATMUL_EFFICIENCY))
+
+
+@pytest.fixture(scope="module")
+def gpt_bf16():
+    from planner.model_file import load_model_file
+    from planner.profile import profile_model
+    from tests.conftest import EXAMPLES
+
+    return profile_model(load_model_file(EXAMPLES / "gpt.py"), measure=False, dtype="bf16")
+
+
+def test_profile_splits_what_tp_shards_without_sequence_parallelism(gpt_bf16):
+    """examples/gpt.py's block (SDPA, no dropout), s=256, h=384, bf16: outside the column-wise ->
+    row-wise regions it saves four whole s x h tensors (the two norms' outputs, the two residual
+    sums): Korthikanti et al.'s 10 sbh less the two dropout masks, plus the norms' fp32 statistics."""
+    block = next(l for l in gpt_bf16.layers if l.name == "blocks.0")
+    sbh_bytes = 256 * 384 * 2
+    whole = block.activation_bytes - block.activation_tp_bytes
+    assert 4 * sbh_bytes <= whole <= 4 * sbh_bytes + 2 * 2 * 256 * 4
+    assert block.activation_matmul_tp_bytes < block.activation_matmul_bytes  # row-wise outputs are whole
+    assert 0 < block.fwd_other_io_tp_bytes < block.fwd_other_io_bytes
+
+
+def test_sequence_parallelism_splits_the_rest(gpt_bf16):
+    from planner.cost.stage_costs import atom_table
+
+    cluster, training = make_cluster("a100-80gb", 2), Training("bf16", "adamw", 8, 80 * 2**30)
+    on = atom_table(gpt_bf16, cluster, training, tp=2, micro_batch=256, sequence_parallel=True)
+    off = atom_table(gpt_bf16, cluster, training, tp=2, micro_batch=256, sequence_parallel=False)
+    i = next(k for k, a in enumerate(on) if gpt_bf16.layers[a.first].name == "blocks.0")
+    block = gpt_bf16.layers[on[i].first]
+    scale = 256 / gpt_bf16.batch_size
+    assert on[i].act_bytes[NONE] == pytest.approx(block.activation_bytes * scale / 2)
+    tp_part = block.activation_tp_bytes
+    assert off[i].act_bytes[NONE] == pytest.approx((tp_part / 2 + block.activation_bytes - tp_part) * scale)
+    assert off[i].fwd_s > on[i].fwd_s  # norms and residuals run whole on both ranks (memory-bound at 256 x 256 tokens)
+    assert off[i].params == on[i].params and off[i].tp_comm_s == pytest.approx(on[i].tp_comm_s)

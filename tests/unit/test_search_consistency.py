@@ -46,6 +46,7 @@ def picked(best) -> Fixed:
         schedule=c.schedule if c.pp > 1 else None,
         virtual_stages=c.virtual_stages if c.schedule == "interleaved" and c.pp > 1 else None,
         recompute=MODES[choice.pop()] if len(choice) == 1 else None,
+        sequence_parallel=c.sequence_parallel if c.tp > 1 else None,
     )
 
 
