@@ -172,13 +172,19 @@ def gpu_of(hw: dict, catalogue: dict[str, GPUSpec]) -> tuple[GPUSpec, str | None
     names = sorted(n for n in catalogue if n.startswith(fam))
     assert names, f"no {fam} in the catalogue for {text!r}"
     mem = re.search(r"(\d+)\s*GB", text)
-    same = [n for n in names if mem is None or round(catalogue[n].memory_gb) == int(mem.group(1))]
+
+    def labelled_gb(spec: GPUSpec) -> int:
+        """The memory size in the part's name (80 for "H100 SXM5 80GB"): HBM in binary units."""
+        return int(re.search(r"(\d+)\s*GB", spec.display_name).group(1))
+
+    same = [n for n in names if mem is None or labelled_gb(catalogue[n]) == int(mem.group(1))]
     note = None
     if same:
         spec = catalogue[same[0]]
-    else:  # a variant the catalogue lacks: the family's entry with the row's memory (and HBM)
+    else:  # a variant the catalogue lacks: the family's entry with the row's memory (and HBM),
+        # its usable memory scaled from the family entry's (what nvidia-smi reports per labelled GB)
         spec = catalogue[names[-1]]
-        spec = replace(spec, memory_bytes=int(int(mem.group(1)) * 1e9))
+        spec = replace(spec, memory_bytes=int(spec.memory_bytes * int(mem.group(1)) / labelled_gb(spec)))
         hbm = re.search(r"(\d+(?:\.\d+)?)\s*TB/s", text)
         if hbm:
             spec = replace(spec, hbm_bandwidth_Bps=float(hbm.group(1)) * 1e12)

@@ -67,7 +67,7 @@ def test_70b_on_8_gpus_does_not_fit(capsys):
     err = capsys.readouterr().err.strip()
     assert code == EXIT_INFEASIBLE
     assert len(err.splitlines()) == 1
-    assert "1.10 TB" in err and "640.00 GB" in err  # the state against the cluster's memory
+    assert "1.10 TB" in err and "687.19 GB" in err  # the state against the cluster's memory (8 x 81,920 MiB)
     assert "needs" in err and "16 GPUs of this type" in err
 
 

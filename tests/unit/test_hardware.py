@@ -85,7 +85,7 @@ def test_dense_peaks_not_sparse():
 
 def test_spot_values_in_si_units():
     h200, a100 = get_gpu("h200"), get_gpu("a100-40gb")
-    assert h200.memory_bytes == 141 * 10**9 and h200.hbm_bandwidth_Bps == 4800e9
+    assert h200.memory_bytes == pytest.approx(143771 * 2**20, rel=1e-5) and h200.hbm_bandwidth_Bps == 4800e9  # nvidia-smi MiB
     assert a100.intra_node_bandwidth_Bps == 300e9 and a100.inter_node_bandwidth_Bps == 25e9
     assert get_gpu("h100-sxm-80gb").inter_node_bandwidth_Bps == 50e9
     assert get_gpu("v100-32gb").intra_node_bandwidth_Bps == 150e9
