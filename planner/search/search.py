@@ -34,7 +34,7 @@ SEARCH_BUDGET_S = 8.0
 # Plans are ranked by their predicted step time plus a margin for what they add to plain data
 # parallelism, the field's rule of thumb (split the model only when it does not fit or is clearly
 # faster). A model split (tp or pp > 1) must be faster by more than SPLIT_MARGIN: 3% is below what
-# the cost model resolves (median error 6.9% on published runs, bench/bench_published.py). Each
+# the cost model resolves (median error 9.9% over 60 published runs, bench/bench_published.py). Each
 # ZeRO stage and each extra interleaved chunk must pay for itself by a smaller margin.
 SPLIT_MARGIN = 0.03
 ZERO_MARGIN = 0.01
