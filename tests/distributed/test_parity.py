@@ -74,11 +74,11 @@ CONFIGS = {
     "zero1": (2, Fixed(dp=2, tp=1, pp=1, zero=1, micro_batch=2, recompute="none")),
     "fsdp": (2, Fixed(dp=2, tp=1, pp=1, zero=3, micro_batch=2, recompute="full")),
     "fsdp_zero2": (2, Fixed(dp=2, tp=1, pp=1, zero=2, micro_batch=4, recompute="none")),
-    "tp": (2, Fixed(dp=1, tp=2, pp=1, zero=0, micro_batch=4, recompute="none")),
-    "dp_tp": (4, Fixed(dp=2, tp=2, pp=1, zero=0, micro_batch=2, recompute="none")),
-    "dp_tp_recompute": (4, Fixed(dp=2, tp=2, pp=1, zero=0, micro_batch=2, recompute="full")),
+    "tp": (2, Fixed(dp=1, tp=2, pp=1, zero=0, micro_batch=4, recompute="none", sequence_parallel=True)),
+    "dp_tp": (4, Fixed(dp=2, tp=2, pp=1, zero=0, micro_batch=2, recompute="none", sequence_parallel=True)),
+    "dp_tp_recompute": (4, Fixed(dp=2, tp=2, pp=1, zero=0, micro_batch=2, recompute="full", sequence_parallel=False)),
     "dp_tp_zero1": (4, Fixed(dp=2, tp=2, pp=1, zero=1, micro_batch=2, recompute="none")),
-    "fsdp_tp": (4, Fixed(dp=2, tp=2, pp=1, zero=3, micro_batch=2, recompute="full")),
+    "fsdp_tp": (4, Fixed(dp=2, tp=2, pp=1, zero=3, micro_batch=2, recompute="full", sequence_parallel=True)),
     # pipeline parallel (torch.distributed.pipelining): each schedule, then with dp and tp
     "pp_gpipe": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="selective", schedule="gpipe")),
     "pp_1f1b": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
@@ -86,7 +86,7 @@ CONFIGS = {
                                 schedule="interleaved", virtual_stages=2)),
     "pp_dp": (4, Fixed(dp=2, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
     "pp_dp_zero1": (4, Fixed(dp=2, tp=1, pp=2, zero=1, micro_batch=2, recompute="none", schedule="1f1b")),
-    "pp_dp_tp": (8, Fixed(dp=2, tp=2, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
+    "pp_dp_tp": (8, Fixed(dp=2, tp=2, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b", sequence_parallel=True)),
     # the same model taking its inputs as a dict (keyword arguments): stage 0 gets them positionally
     "pp_interleaved_dict": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none",
                                      schedule="interleaved", virtual_stages=2)),
@@ -246,10 +246,12 @@ def test_pipeline_and_layer_mismatch_refused(plans, workdir, capsys):
 
 
 def test_tp_runs_vocabulary_and_sequence_parallel(runs, plans, capsys):
-    """What the cost model assumes for tp > 1 (Megatron TP + sequence parallelism, vocabulary-parallel
-    embeddings and head, the loss on vocabulary-sharded logits) is what ran: no run warning about it,
-    each rank's log says so, and --dry-run shows the shards. (The parity tests above: it trains as one
-    process does.)"""
+    """What the cost model assumes for tp > 1 (Megatron TP with sequence parallelism where the plan
+    says so, vocabulary-parallel embeddings and head, the loss on vocabulary-sharded logits) is what
+    ran: no run warning about it, each rank's log says so, and --dry-run shows the shards. (The parity
+    tests above: it trains as one process does, with and without sequence parallelism.)"""
+    off = "vocabulary-parallel: wte, wpe, lm_head; sequence parallel: False"
+    assert off in (runs["dp_tp_recompute"][1].parent.parent / "launch.log").read_text(errors="replace")
     ran = "vocabulary-parallel: wte, wpe, lm_head; sequence parallel: True; lm_head's logits stay vocabulary-sharded"
     for name in ("tp", "dp_tp", "dp_tp_recompute", "fsdp_tp", "pp_dp_tp"):
         report, params_path = runs[name]
@@ -259,7 +261,7 @@ def test_tp_runs_vocabulary_and_sequence_parallel(runs, plans, capsys):
         assert not any("vocabulary" in w or "sequence parallel" in w or "logits" in w for w in departures), (
             name, report.warnings)
         log = (params_path.parent.parent / "launch.log").read_text(errors="replace")
-        assert ran in log or name == "pp_dp_tp", name  # a pipeline stage logs its own layers
+        assert ran in log or name in ("pp_dp_tp", "dp_tp_recompute"), name  # a pipeline stage logs its own layers
     log = (runs["pp_dp_tp"][1].parent.parent / "launch.log").read_text(errors="replace")
     assert "vocabulary-parallel: wte, wpe; sequence parallel: True" in log
     assert "vocabulary-parallel: lm_head; sequence parallel: True; lm_head's logits stay vocabulary-sharded" in log
