@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from planner import default_batch
 from planner.cost import constants
-from planner.cost.setup import Training
+from planner.cost.setup import Training, tensor_dtype
 from planner.errors import BadInput, Infeasible
 from planner.hardware import Cluster, load_catalogue, make_cluster
 from planner.model_file import ModelHandle
@@ -42,7 +42,7 @@ class PlanRequest:
 
 def profile_for(handle: ModelHandle, request: PlanRequest) -> ModelProfile:
     """The profile the plan needs: in the training precision; timed only for the local CPU."""
-    return profile_model(handle, batch_size=1, dtype=request.precision, measure=request.gpu.lower() == "cpu")
+    return profile_model(handle, batch_size=1, dtype=tensor_dtype(request.precision), measure=request.gpu.lower() == "cpu")
 
 
 def cluster_for(request: PlanRequest) -> Cluster:
@@ -66,6 +66,10 @@ def _check(request: PlanRequest, cluster: Cluster) -> list[str]:
         raise BadInput(f"--zero {f.zero} shards over data-parallel replicas, but --dp is 1")
     if request.global_batch is not None and request.global_batch < 1:
         raise BadInput(f"--global-batch must be at least 1, got {request.global_batch}")
+    if request.precision == "fp8" and "fp8" not in cluster.gpu.peak_flops:
+        have = ", ".join(sorted(cluster.gpu.peak_flops))
+        raise BadInput(f"--precision fp8: {cluster.gpu.name} ({cluster.gpu.display_name}) has no FP8 matmul peak "
+                       f"(it has {have}); FP8 training needs FP8 tensor cores (H100, H200, L40S, MI300X, ...)")
     if f.sequence_parallel and f.tp == 1:
         warnings.append("--sequence-parallel on has no effect with --tp 1 (it splits tensor-parallel blocks)")
     if f.tp is not None and f.tp > cluster.gpus_per_node:
@@ -125,8 +129,11 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
     if result.best is None:
         raise Infeasible(_infeasible_message(profile, request, cluster, result, training))
     assumptions = [
-        f"{cluster.describe()}; dense peak {cluster.gpu.peak(request.precision) / 1e12:,.1f} TFLOP/s "
-        f"({request.precision}), HBM {cluster.gpu.hbm_bandwidth_Bps / 1e9:,.0f} GB/s, "
+        f"{cluster.describe()}; dense peak {cluster.gpu.peak(tensor_dtype(request.precision)) / 1e12:,.1f} TFLOP/s "
+        f"({tensor_dtype(request.precision)})"
+        + (f", {cluster.gpu.peak('fp8') / 1e12:,.1f} for the FP8 Linear matmuls (their casts as memory-bound work)"
+           if request.precision == "fp8" else "")
+        + f", HBM {cluster.gpu.hbm_bandwidth_Bps / 1e9:,.0f} GB/s, "
         f"links {cluster.gpu.intra_node_bandwidth_Bps / 1e9:,.0f} GB/s in a node and "
         f"{cluster.gpu.inter_node_bandwidth_Bps / 1e9:,.1f} GB/s ({cluster.gpu.inter_node_bandwidth_Bps * 8 / 1e9:,.0f} Gb/s) "
         f"across nodes per GPU" + (" (--inter-node-gbps)" if request.inter_node_gbps else "") + " (plan gpus: sources)",

@@ -109,6 +109,11 @@ def prepare(plan_path: str | Path, model_path: str | Path | None = None, *, on_l
     assert world_size == plan.cluster.num_gpus, (
         f"dp({p.dp}) * tp({p.tp}) * pp({p.pp}) != planned devices({plan.cluster.num_gpus})"
     )
+    if plan.training.precision == "fp8":
+        raise BadInput(
+            f"{plan_path}: FP8 training (torchao Float8 Linears) is planned but not run by this runtime yet; "
+            "re-plan with --precision bf16 to run it here"
+        )
     path = Path(model_path if model_path is not None else plan.model.path).expanduser()
     if not path.is_file():
         raise BadInput(f"{path}: no such model file (pass --model MODEL.py)")

@@ -38,8 +38,8 @@ class Profiles:
 
     @staticmethod
     def key(row: Row) -> tuple:
-        # bf16 and fp16 profiles are the same (2-byte tensors, same FLOPs): one serves both
-        return row.shape, "bf16" if row.precision in ("bf16", "fp16") else row.precision
+        # bf16, fp16 and fp8 (bf16 tensors, 8-bit Linear matmuls) profiles are the same: one serves all
+        return row.shape, "bf16" if row.precision in ("bf16", "fp16", "fp8") else row.precision
 
     def prefetch(self, rows: list[Row], workers: int) -> None:
         """Profile every shape the rows need, `workers` at a time (one thread each)."""

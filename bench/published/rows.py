@@ -5,7 +5,7 @@ A row's configuration (tp, pp, dp, micro-batch, ZeRO/FSDP stage, schedule, recom
 the row's cluster: its GPU, GPU count, GPUs per node and, when given, inter-node bandwidth per GPU.
 What the cost model cannot express yet is predicted with the nearest configuration it can, and
 named in the row's notes (these rows are counted apart in the summary, so work that removes a
-note shows up as better numbers): fp8 (run as bf16), context parallelism (folded into tensor
+note shows up as better numbers): context parallelism (folded into tensor
 parallelism when the degree is legal inside a node, else into data parallelism), sequence
 parallelism off (the cost model always shards activations with TP), async TP / TP overlap (TP
 communication counted exposed), torch.compile (eager op costs), Megatron's selective recompute
@@ -279,7 +279,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
     precision_text = str(value(e.get("precision"))).lower()
     precision = "fp16" if "fp16" in precision_text else "bf16"  # same peak on every GPU here
     if "fp8" in precision_text:
-        notes.append("fp8 as bf16")
+        precision = "fp8"  # Float8 Linears (torchtitan, torchao): the cost model's --precision fp8
     p = e["parallel"]
     tp, pp, dp, cp = (int(value(p.get(k)) or 1) for k in ("tp", "pp", "dp", "cp"))
     assert tp * pp * dp * cp == gpus, f"{e['id']}: tp*pp*dp*cp != {gpus}"

@@ -30,15 +30,21 @@ class Work:
     matmul_bytes: float
     other_bytes: float
     ops: int
+    fp8_flops: float = 0.0
+    """Of flops, those run at the FP8 rate (Linear matmuls under --precision fp8)."""
 
     def scaled(self, factor: float) -> "Work":
-        return Work(self.flops * factor, self.matmul_bytes * factor, self.other_bytes * factor, self.ops)
+        return Work(self.flops * factor, self.matmul_bytes * factor, self.other_bytes * factor, self.ops,
+                    self.fp8_flops * factor)
 
 
 def roofline_s(work: Work, gpu: GPUSpec, dtype: str) -> float:
-    peak = gpu.peak(dtype)
+    """`dtype` "fp8": `work.fp8_flops` at the FP8 peak, the other matmuls (attention) at bf16's."""
+    peak = gpu.peak("bf16" if dtype == "fp8" else dtype)
+    rate = gpu.matmul_efficiency * MATMUL_EFFICIENCY  # the same share of each peak (no FP8 MAMF published)
+    flops_s = (work.flops - work.fp8_flops) / (peak * rate) + (work.fp8_flops / (gpu.peak("fp8") * rate) if work.fp8_flops else 0.0)
     hbm = gpu.hbm_bandwidth_Bps * MEMORY_EFFICIENCY
-    matmul = max(work.flops / (peak * gpu.matmul_efficiency * MATMUL_EFFICIENCY), work.matmul_bytes / hbm)
+    matmul = max(flops_s, work.matmul_bytes / hbm)
     return max(matmul + work.other_bytes / hbm, work.ops * OP_OVERHEAD_S)
 
 

@@ -9,7 +9,7 @@ constants, and they apply to every GPU type through its own catalogue figures (a
 # Share of the GPU's maximum achievable matmul throughput (its catalogue `matmul_efficiency` x
 # dense peak: the best shapes, measured) that a model's GEMMs reach in training. One figure for
 # every GPU: the GPU's own ceiling carries the difference between generations (A100 86%, H100 80%
-# of peak). Fitted (0.86) jointly with MEMORY_EFFICIENCY on the 58 predicted runs of
+# of peak). Fitted (0.86) jointly with MEMORY_EFFICIENCY on the 60 runs of
 # bench/reference/published_runs.yaml (Megatron-LM, torchtitan, llm-foundry; A100, H100, H200) by
 # bench/bench_published.py --fit; --loso fits on all sources but one and predicts that one.
 MATMUL_EFFICIENCY = 0.86

@@ -4,17 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PRECISIONS = ("bf16", "fp16", "fp32")
+PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
+
+
+def tensor_dtype(precision: str) -> str:
+    """The dtype of weights and activations for a training precision: FP8 training keeps bf16
+    tensors and runs only its Linear matmuls in 8 bits. Also the peak MFU is quoted against
+    (torchtitan reports its Float8 runs' MFU against the bf16 peak)."""
+    return "bf16" if precision == "fp8" else precision
 
 
 @dataclass(frozen=True)
 class Training:
     precision: str
     """bf16/fp16: mixed precision (16-bit weights, gradients and activations, fp32 master weights
-    and optimizer state); fp32: everything in fp32."""
+    and optimizer state); fp32: everything in fp32; fp8: bf16 mixed precision whose Linear matmuls
+    run in FP8 with dynamic scaling (torchao Float8 training, as torchtitan runs it): weights,
+    gradients, optimizer state and saved activations as bf16."""
     optimizer: str
     global_batch: int
     memory_limit_bytes: int

@@ -19,7 +19,7 @@ al. 2022: sbh(34/t + 5as/ht) with it, sbh(10 + 24/t + 5as/ht) without).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.cost import comm
 from planner.cost.compute import Work, memory_bound_s, roofline_s
@@ -141,11 +141,18 @@ def _layer_costs(
     split_all = shard == 1 or cand.sequence_parallel or not layer.tp.required
     other = layer.fwd_other_io_bytes
     whole = 0.0 if split_all or not other else (other - layer.fwd_other_io_tp_bytes) / other
-    fwd_work = Work(layer.fwd_flops, layer.fwd_matmul_io_bytes, layer.fwd_other_io_bytes * (1 - whole), layer.fwd_ops)
-    bwd_work = Work(layer.bwd_flops, layer.bwd_matmul_io_bytes, layer.bwd_other_io_bytes * (1 - whole), layer.bwd_ops)
+    fp8 = training.precision == "fp8"
+    # FP8 with dynamic scaling reads each 16-bit operand twice (amax, then the scaled cast) and
+    # writes it once in 8 bits: 2.5 x its bf16 bytes of memory-bound work per matmul operand
+    # (torchao's Float8Linear, tensorwise scaling; reuse of a cast in backward is not counted)
+    cast = (2.5 * layer.fwd_linear_operand_bytes, 2.5 * layer.bwd_linear_operand_bytes) if fp8 else (0.0, 0.0)
+    fwd_work = Work(layer.fwd_flops, layer.fwd_matmul_io_bytes, layer.fwd_other_io_bytes * (1 - whole) + cast[0], layer.fwd_ops,
+                    layer.fwd_linear_flops if fp8 else 0.0)
+    bwd_work = Work(layer.bwd_flops, layer.bwd_matmul_io_bytes, layer.bwd_other_io_bytes * (1 - whole) + cast[1], layer.bwd_ops,
+                    layer.bwd_linear_flops if fp8 else 0.0)
     fwd_work, bwd_work = fwd_work.scaled(scale / shard), bwd_work.scaled(scale / shard)
-    fwd_work = Work(fwd_work.flops, fwd_work.matmul_bytes, fwd_work.other_bytes + layer.fwd_other_io_bytes * whole * scale, fwd_work.ops)
-    bwd_work = Work(bwd_work.flops, bwd_work.matmul_bytes, bwd_work.other_bytes + layer.bwd_other_io_bytes * whole * scale, bwd_work.ops)
+    fwd_work = replace(fwd_work, other_bytes=fwd_work.other_bytes + layer.fwd_other_io_bytes * whole * scale)
+    bwd_work = replace(bwd_work, other_bytes=bwd_work.other_bytes + layer.bwd_other_io_bytes * whole * scale)
     if cpu_factor is not None and layer.fwd_s is not None and layer.bwd_s is not None:
         # measured seconds split as the roofline splits them (more than 1/tp without SP)
         even = Work(layer.fwd_flops, layer.fwd_matmul_io_bytes, layer.fwd_other_io_bytes, layer.fwd_ops).scaled(scale / shard)

@@ -86,6 +86,17 @@ def kept_by_selective(func) -> bool:
     return formula_for(func) is not None and func.overloadpacket not in _ATTENTION_CORE
 
 
+_LINEAR = {torch.ops.aten.mm, torch.ops.aten.addmm}
+"""How nn.Linear reaches the dispatcher (forward and both backward matmuls)."""
+
+
+def is_linear_matmul(func) -> bool:
+    """A Linear layer's matmul: what FP8 training converts (torchao's Float8Linear swaps nn.Linear,
+    as torchtitan and Transformer Engine do); attention kernels, batched matmuls and convolutions
+    stay in 16 bits."""
+    return func.overloadpacket in _LINEAR
+
+
 def is_cheap(func) -> bool:
     if torch.Tag.pointwise in getattr(func, "tags", ()) or getattr(func, "is_view", False):
         return True

@@ -273,6 +273,10 @@ def _assemble(
         "activation_tp_bytes": per_layer(trace.saved_tp_bytes),
         "activation_matmul_tp_bytes": per_layer(trace.matmul_out_tp_bytes),
         "fwd_other_io_tp_bytes": per_layer(trace.fwd_other_io_tp_bytes),
+        "fwd_linear_flops": per_layer(trace.fwd.linear_flops),
+        "bwd_linear_flops": per_layer(trace.bwd.linear_flops),
+        "fwd_linear_operand_bytes": per_layer(trace.fwd.linear_operand_bytes),
+        "bwd_linear_operand_bytes": per_layer(trace.bwd.linear_operand_bytes),
         "fwd_ops": per_layer(trace.fwd.ops),
         "bwd_ops": per_layer(trace.bwd.ops),
     }

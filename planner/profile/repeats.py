@@ -297,6 +297,8 @@ def _grow_costs(costs: PhaseCosts, grows: list[_Grow]) -> PhaseCosts:
         matmul_io_bytes=_grow_counter(costs.matmul_io_bytes, grows),
         other_io_bytes=_grow_counter(costs.other_io_bytes, grows),
         ops=_grow_counter(costs.ops, grows),
+        linear_flops=_grow_counter(costs.linear_flops, grows),
+        linear_operand_bytes=_grow_counter(costs.linear_operand_bytes, grows),
     )
 
 
@@ -397,7 +399,8 @@ def _flow_key(f: TensorFlow) -> tuple:
 
 def trace_key(trace: TraceResult) -> tuple:
     """Everything the profiler reads from a trace, with tensor ids replaced by what they name."""
-    phases = [(_nonzero(c.flops), _nonzero(c.matmul_io_bytes), _nonzero(c.other_io_bytes), _nonzero(c.ops))
+    phases = [(_nonzero(c.flops), _nonzero(c.matmul_io_bytes), _nonzero(c.other_io_bytes), _nonzero(c.ops),
+               _nonzero(c.linear_flops), _nonzero(c.linear_operand_bytes))
               for c in (trace.fwd, trace.bwd)]
     returned = {u: Counter(_flow_key(trace.flows[t]) for t in tids) for u, tids in trace.returned.items() if tids}
     return (

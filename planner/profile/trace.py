@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from planner.model_file import ModelHandle
-from planner.profile.flops import formula_for, is_cheap, kept_by_selective, op_name
+from planner.profile.flops import formula_for, is_cheap, is_linear_matmul, kept_by_selective, op_name
 from planner.profile.layers import Unit
 from planner.profile.tp_plan import find_tp_plan
 
@@ -116,6 +116,10 @@ class PhaseCosts:
     Parameters read by them are left out (an embedding reads rows, not its whole table)."""
     ops: Counter = field(default_factory=Counter)
     """Ops that move data (views excluded): each costs a kernel launch on a GPU."""
+    linear_flops: Counter = field(default_factory=Counter)
+    """Of flops, the Linear layers' matmuls (what FP8 training runs in 8 bits)."""
+    linear_operand_bytes: Counter = field(default_factory=Counter)
+    """Bytes of those matmuls' operands (what FP8 training casts)."""
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -152,9 +156,13 @@ class _Recorder(TorchDispatchMode):
         costs = self.bwd if self.seg.backward else self.fwd
         formula = formula_for(func)
         if formula is not None:
-            costs.flops[seg] += int(formula(*args, **kwargs, out_val=out))
+            flops = int(formula(*args, **kwargs, out_val=out))
+            costs.flops[seg] += flops
             costs.matmul_io_bytes[seg] += sum(map(_nbytes, tensors_in((args, kwargs, out))))
             costs.ops[seg] += 1
+            if is_linear_matmul(func):
+                costs.linear_flops[seg] += flops
+                costs.linear_operand_bytes[seg] += sum(map(_nbytes, tensors_in((args, kwargs))))
         elif not getattr(func, "is_view", False):
             if not is_cheap(func):
                 self.uncounted[(seg, op_name(func))] += 1

@@ -66,6 +66,13 @@ class LayerProfile:
     """Of activation_matmul_bytes, the outputs made inside such a region."""
     fwd_other_io_tp_bytes: int = 0
     """Of fwd_other_io_bytes, the memory-bound traffic inside such a region."""
+    # -- what FP8 training converts -------------------------------------------------------------
+    fwd_linear_flops: int = 0
+    """Of fwd_flops, the Linear layers' matmuls (FP8 training runs them at the FP8 rate)."""
+    bwd_linear_flops: int = 0
+    fwd_linear_operand_bytes: int = 0
+    """Bytes of those matmuls' 16-bit operands (inputs and weights), what FP8 training casts."""
+    bwd_linear_operand_bytes: int = 0
 
 
 @dataclass(frozen=True)

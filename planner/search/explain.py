@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from planner.cost.evaluate import DeviceFigures
+from planner.cost.setup import tensor_dtype
 from planner.cost.stage_costs import FULL, SELECTIVE
 from planner.hardware import Cluster
 from planner.plan import (
@@ -104,7 +105,7 @@ def predicted_of(s: Scored, profile: ModelProfile, cluster: Cluster, global_batc
     step = ev.step_time_s
     samples = global_batch / step
     model_flops = s.costs.model_flops_per_step
-    peak = cluster.gpu.peak(precision)
+    peak = cluster.gpu.peak(tensor_dtype(precision))
     b = breakdown(s)
     return Predicted(
         step_time_s=step,
@@ -264,7 +265,7 @@ def build_plan(
         predicted=predicted_of(best, profile, cluster, global_batch, precision),
         cluster=ClusterInfo(
             gpu=cluster.gpu.name, display_name=cluster.gpu.display_name, num_gpus=cluster.num_gpus,
-            gpus_per_node=cluster.gpus_per_node, memory_limit_bytes=limit, peak_flops=cluster.gpu.peak(precision),
+            gpus_per_node=cluster.gpus_per_node, memory_limit_bytes=limit, peak_flops=cluster.gpu.peak(tensor_dtype(precision)),
         ),
         model=ModelInfo(
             name=profile.model_name, path=model_path, source_sha256=profile.source_sha256,

@@ -58,7 +58,7 @@ def test_models_and_approximations_follow_the_rows(rows):
     assert by_id["megatron_h100_weak_1.7B"].shape.attention == "flash"
     llama = by_id["torchtitan_T4_70B_256gpu_10"]
     assert (llama.shape.arch, llama.shape.kv_heads, llama.shape.ffn) == ("llama", 8, 28672)
-    assert llama.fixed.zero == 3 and "fp8 as bf16" in llama.notes
+    assert llama.fixed.zero == 3 and llama.precision == "fp8"
     # the 96 GB part: the 80 GB entry's usable memory (81,559 MiB) scaled to 96, its own HBM rate
     assert llama.gpu.memory_bytes == pytest.approx(81559 * 2**20 * 96 / 80, rel=1e-4) and llama.gpu.hbm_bandwidth_Bps == 2.4e12
     cp = by_id["torchtitan_T2_8B_8gpu_6"]

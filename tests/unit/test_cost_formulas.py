@@ -185,3 +185,28 @@ def test_sequence_parallelism_splits_the_rest(gpt_bf16):
     assert off[i].act_bytes[NONE] == pytest.approx((tp_part / 2 + block.activation_bytes - tp_part) * scale)
     assert off[i].fwd_s > on[i].fwd_s  # norms and residuals run whole on both ranks (memory-bound at 256 x 256 tokens)
     assert off[i].params == on[i].params and off[i].tp_comm_s == pytest.approx(on[i].tp_comm_s)
+
+
+def test_fp8_runs_the_linear_matmuls_at_the_fp8_peak(gpt_bf16):
+    """gpt.py's block (s=256, h=384): its Linears are 2 s 12 h^2 forward FLOPs, twice that backward;
+    under --precision fp8 those run at the FP8 peak, attention at bf16's, and each operand's cast
+    (2.5 x its bf16 bytes) is memory-bound work. (A 7B model gains: tests/cli/test_plan_cli.py.)"""
+    from planner.cost.compute import Work, roofline_s
+    from planner.cost.constants import MATMUL_EFFICIENCY
+    from planner.cost.stage_costs import atom_table
+    from planner.hardware import get_gpu
+
+    block = next(l for l in gpt_bf16.layers if l.name == "blocks.0")
+    assert block.fwd_linear_flops == 2 * 256 * 12 * 384**2 and block.bwd_linear_flops == 2 * block.fwd_linear_flops
+    assert 0 < block.fwd_flops - block.fwd_linear_flops  # attention stays 16-bit
+    h100 = get_gpu("h100-sxm-80gb")
+    rate = h100.matmul_efficiency * MATMUL_EFFICIENCY
+    work = Work(flops=3e15, matmul_bytes=0.0, other_bytes=0.0, ops=1, fp8_flops=2e15)
+    assert roofline_s(work, h100, "fp8") == pytest.approx(1e15 / (989.4e12 * rate) + 2e15 / (1978.9e12 * rate))
+    cluster = make_cluster("h100-sxm-80gb", 1)
+    bf16 = atom_table(gpt_bf16, cluster, Training("bf16", "adamw", 256, 80 * 2**30), tp=1, micro_batch=256)
+    fp8 = atom_table(gpt_bf16, cluster, Training("fp8", "adamw", 256, 80 * 2**30), tp=1, micro_batch=256)
+    i = next(k for k, a in enumerate(bf16) if gpt_bf16.layers[a.first].name == "blocks.0")
+    # at width 384 the casts cost more than the 8-bit matmuls save (torchao's float8 pays off
+    # only for large GEMMs); the same bf16 tensors are saved either way
+    assert fp8[i].fwd_s > bf16[i].fwd_s and fp8[i].act_bytes == bf16[i].act_bytes

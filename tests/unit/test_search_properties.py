@@ -86,7 +86,7 @@ def check_ranking(ranked) -> None:
 def test_every_ranked_plan_is_legal_and_fits(problem):
     name, num_gpus, global_batch, limit, precision, optimizer, fixed, top_k = problem
     profile = get_profile(name)
-    cluster = make_cluster("a100-80gb", num_gpus)
+    cluster = make_cluster("h100-sxm-80gb" if precision == "fp8" else "a100-80gb", num_gpus)  # FP8 needs FP8 cores
     assert cluster.gpus_per_node == min(GPUS_PER_NODE, num_gpus)
     training = Training(precision, optimizer, global_batch, limit)
     result = run_search(profile, cluster, training, fixed, top_k)
