@@ -176,6 +176,7 @@ def feasible(profile: ModelProfile, request: PlanRequest) -> bool:
     """Whether `plan` would find a plan for `request` (the same search, no Plan built)."""
     try:
         cluster = cluster_for(request)
+        _check(request, cluster)
     except BadInput:
         return False
     return search(profile, request, cluster)[0].best is not None

@@ -272,6 +272,8 @@ def min_gpus(handle: ModelHandle, profile: ModelProfile, spec: SweepSpec, batchi
             n //= 2
         if n == best.num_gpus:
             return MinGpus(gpu.name, n, best.plan, True)
+    elif mine and all(p.plan.startswith("not valid:") for p in mine):  # e.g. --precision fp8 on an A100
+        return MinGpus(gpu.name, None, mine[0].plan, False)
     else:
         n = (mine[-1].num_gpus if mine else 1) * 2
         while n <= MAX_GPUS and not planning.feasible(profile, request(n)):

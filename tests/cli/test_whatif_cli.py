@@ -202,3 +202,12 @@ def test_existing_report_and_csv_are_not_overwritten(capsys, tmp_path):
         err = capsys.readouterr().err.strip()
         assert code == 2 and "--force" in err and len(err.splitlines()) == 1
         assert target.read_text() == "mine"
+
+
+def test_fp8_sweep_marks_gpus_without_fp8(capsys):
+    data = _json(capsys, "whatif", GPT, "--gpus", "2", "--gpu", "a100-80gb,h100-sxm-80gb", "--precision", "fp8")
+    a100, h100 = _row(data, "a100-80gb", 2), _row(data, "h100-sxm-80gb", 2)
+    assert a100["fits"] is False and "no FP8 matmul peak" in a100["plan"]
+    assert h100["fits"] is True
+    mins = {m["gpu"]: m for m in data["min_gpus"]}
+    assert mins["a100-80gb"]["num_gpus"] is None and "no FP8 matmul peak" in mins["a100-80gb"]["plan"]
