@@ -14,7 +14,8 @@ force a model split that a smaller micro-batch avoids).
 - The local CPU (`--gpu cpu`), whose steps check a plan rather than train: 8 samples per process.
 
 The batch in samples is rounded to the GPU count times a power of two (nearest in ratio), so that
-every data-parallel degree the search may choose divides it into power-of-two micro-batches. A what-if sweep computes one batch for all its counts (`for_sweep`).
+every data-parallel degree the search may choose divides it into power-of-two micro-batches. A
+what-if sweep computes one batch for all its counts (`for_sweep`).
 """
 
 from __future__ import annotations

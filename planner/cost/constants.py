@@ -43,4 +43,3 @@ RESERVE_CPU_BYTES = int(0.35 * 2**30)
 # Allocator fragmentation on top of what tensors need (PyTorch's caching allocator typically
 # leaves 5-10% of reserved memory unused in training loops).
 FRAGMENTATION = 0.05
-

@@ -136,8 +136,8 @@ def _layer_costs(
     shard = _shard(layer, cand.tp)
     gpu = cluster.gpu
     # Without sequence parallelism a block's work and tensors outside its column-wise -> row-wise
-    # regions (norms, residuals, dropout) are whole on every TP rank: `whole` of the memory-bound
-    # traffic (backward in the forward's proportion) and `act_whole` of the saved bytes.
+    # regions (norms, residuals, dropout) are whole on every TP rank: `whole` is that share of the
+    # memory-bound traffic (backward in the forward's proportion); `split` below does the bytes.
     split_all = shard == 1 or cand.sequence_parallel or not layer.tp.required
     other = layer.fwd_other_io_bytes
     whole = 0.0 if split_all or not other else (other - layer.fwd_other_io_tp_bytes) / other
@@ -156,10 +156,10 @@ def _layer_costs(
     if cpu_factor is not None and layer.fwd_s is not None and layer.bwd_s is not None:
         # measured seconds split as the roofline splits them (more than 1/tp without SP)
         even = Work(layer.fwd_flops, layer.fwd_matmul_io_bytes, layer.fwd_other_io_bytes, layer.fwd_ops).scaled(scale / shard)
-        share = roofline_s(fwd_work, gpu, training.precision) / max(roofline_s(even, gpu, training.precision), 1e-30)
+        roof = roofline_s(fwd_work, gpu, training.precision)
+        share = roof / max(roofline_s(even, gpu, training.precision), 1e-30)
         fwd = layer.fwd_s * scale * cpu_factor / shard * share
         bwd = layer.bwd_s * scale * cpu_factor / shard * share
-        roof = roofline_s(fwd_work, gpu, training.precision)
         other_share = memory_bound_s(fwd_work.other_bytes, gpu) / roof if roof > 0 else 0.0
         sel_extra = fwd * min(1.0, other_share)
     else:

@@ -155,6 +155,7 @@ class _Recorder(TorchDispatchMode):
         seg = self.seg.current()
         costs = self.bwd if self.seg.backward else self.fwd
         formula = formula_for(func)
+        other_io = 0
         if formula is not None:
             flops = int(formula(*args, **kwargs, out_val=out))
             costs.flops[seg] += flops
@@ -167,13 +168,13 @@ class _Recorder(TorchDispatchMode):
             if not is_cheap(func):
                 self.uncounted[(seg, op_name(func))] += 1
             ins = [t for t in tensors_in((args, kwargs)) if storage_key(t) not in self.param_keys]
-            costs.other_io_bytes[seg] += sum(map(_nbytes, ins)) + sum(map(_nbytes, tensors_in(out)))
+            other_io = sum(map(_nbytes, ins)) + sum(map(_nbytes, tensors_in(out)))
+            costs.other_io_bytes[seg] += other_io
             costs.ops[seg] += 1
         if not self.seg.backward:
             sharded = self._in_region(args, kwargs)
-            if sharded and formula is None and not getattr(func, "is_view", False):
-                self.other_io_tp[seg] += sum(map(_nbytes, tensors_in(out))) + sum(
-                    _nbytes(t) for t in tensors_in((args, kwargs)) if storage_key(t) not in self.param_keys)
+            if sharded:
+                self.other_io_tp[seg] += other_io
             new = self._track(seg, args, kwargs, out)
             if sharded:  # new storages only: a view of a column-wise input stays whole
                 self.sharded.update(new)

@@ -86,6 +86,7 @@ def candidates(
         if tp > 1 and not legal_tp(profile, tp):
             stats.reject(f"tp={tp} does not divide the heads or features")
             continue
+        sp_choices = _sequence_parallel(profile, tp, fixed, stats)
         for pp in divisors(num_gpus // tp):
             if fixed.pp is not None and pp != fixed.pp:
                 continue
@@ -102,7 +103,7 @@ def candidates(
             sizes = [b for b in (2**k for k in range(per_replica.bit_length())) if per_replica % b == 0]
             if fixed.micro_batch is not None:  # a non-power-of-two the user asked for, too
                 sizes = [fixed.micro_batch] if per_replica % fixed.micro_batch == 0 else []
-            for sp in _sequence_parallel(profile, tp, fixed, stats):
+            for sp in sp_choices:
                 for b in sizes:
                     for cand in _schedules(tp, pp, dp, b, per_replica // b, num_atoms, fixed, stats):
                         yield replace(cand, sequence_parallel=sp)

@@ -75,8 +75,6 @@ def check_ranking(ranked) -> None:
     """Best first by (score, simplicity); the best plan of each distinct shape."""
     keys = [s.key for s in ranked]
     assert keys == sorted(keys), keys
-    for s in ranked:  # the score is the step time plus the plan's margin, never less
-        assert s.score >= s.step_time_s
     shapes = [s.shape for s in ranked]
     assert len(shapes) == len(set(shapes)), shapes
 
