@@ -111,6 +111,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", choices=RECOMPUTE, help="fix activation recompute for every layer")
     p.add_argument("--sequence-parallel", choices=("on", "off"),
                    help="with tensor parallelism: split norms, residuals and dropout along the sequence too (default: searched)")
+    p.add_argument("--hsdp", choices=("on", "off"),
+                   help="with ZeRO-2/3 over several nodes: shard inside each node, replicate across nodes (default: searched)")
     p.add_argument("--schedule", choices=SCHEDULES, help="fix the pipeline schedule")
     p.add_argument("--virtual-stages", type=_positive_int, help="model chunks per pipeline rank (interleaved)")
     p.add_argument("--top", type=_positive_int, default=3, help="alternatives to show (default 3)")
@@ -146,6 +148,7 @@ def cmd_plan(argv: Sequence[str]) -> int:
             tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch, zero=args.zero,
             schedule=args.schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
             sequence_parallel=None if args.sequence_parallel is None else args.sequence_parallel == "on",
+            hsdp=None if args.hsdp is None else args.hsdp == "on",
         ),
         top_k=args.top,
     )

@@ -22,8 +22,12 @@ class Parallel:
     """gpipe | 1f1b | interleaved (ignored when pp == 1)."""
     virtual_stages: int
     recompute: str
-    """none | selective | full | mixed (per layer: see stages[].recompute_layers)."""
+    """none | selective | alternate | full | mixed (per layer: see stages[].recompute_layers,
+    selective_layers, alternate_layers)."""
     sequence_parallel: bool
+    dp_replicate: int = 1
+    """HSDP (ZeRO-2/3): dp ranks in dp_replicate groups of dp / dp_replicate (one node's); FSDP
+    shards inside a group and the groups are replicas (FSDP2 on a 2-D mesh). 1: no HSDP."""
 
     def one_line(self) -> str:
         sched = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": f"interleaved 1F1B x{self.virtual_stages}"}
@@ -35,7 +39,8 @@ class Parallel:
             parts.append(sched[self.schedule])
         if self.tp > 1:
             parts.append("sequence parallel" if self.sequence_parallel else "no sequence parallel")
-        parts += [f"ZeRO-{self.zero}", f"recompute: {self.recompute}"]
+        parts.append(f"ZeRO-{self.zero}" + (f" HSDP {self.dp_replicate} x {self.dp // self.dp_replicate}" if self.dp_replicate > 1 else ""))
+        parts.append(f"recompute: {self.recompute}")
         return " · ".join(parts)
 
 
@@ -62,6 +67,9 @@ class Stage:
     """Layers with selective recompute (matmul outputs kept, the rest recomputed)."""
     memory_bytes: MemoryBytes
     time_per_microbatch_s: float
+    alternate_layers: tuple[str, ...] = ()
+    """Layers with the alternate policy (every other Linear matmul's output kept, as torchtitan's
+    per-op selective checkpointing; the rest recomputed)."""
 
 
 @dataclass(frozen=True)

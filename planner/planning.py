@@ -70,6 +70,8 @@ def _check(request: PlanRequest, cluster: Cluster) -> list[str]:
         have = ", ".join(sorted(cluster.gpu.peak_flops))
         raise BadInput(f"--precision fp8: {cluster.gpu.name} ({cluster.gpu.display_name}) has no FP8 matmul peak "
                        f"(it has {have}); FP8 training needs FP8 tensor cores (H100, H200, L40S, MI300X, ...)")
+    if f.hsdp and f.zero is not None and f.zero < 2:
+        raise BadInput(f"--hsdp on shards with FSDP (ZeRO-2/3), not --zero {f.zero}")
     if f.sequence_parallel and f.tp == 1:
         warnings.append("--sequence-parallel on has no effect with --tp 1 (it splits tensor-parallel blocks)")
     if f.tp is not None and f.tp > cluster.gpus_per_node:

@@ -5,7 +5,9 @@ ZeRO-1 is the same DDP, with the optimizer state sharded by ``ZeroRedundancyOpti
 same dp group (``runtime.train.make_optimizer_for``: full gradients all-reduced, each rank updates
 its shard of the parameters and broadcasts them after the step); ZeRO 2/3 is FSDP2
 ``fully_shard`` on every layer and then the root, ``reshard_after_forward`` True for ZeRO-3 and
-False for ZeRO-2. Inside pipeline stages the same wrappers apply: ``PipelineStage`` runs a DDP
+False for ZeRO-2; with HSDP (``parallel.dp_replicate`` > 1) on a 2-D (replicate, shard) mesh of
+the same ranks, so that FSDP2 shards inside each group and all-reduces across the replicas.
+Inside pipeline stages the same wrappers apply: ``PipelineStage`` runs a DDP
 stage's micro-batches under ``no_sync`` and syncs on the last backward.
 
 Mixed precision (bf16/fp16 plans), as the cost model counts it (16-bit weights, gradients and
@@ -21,13 +23,14 @@ run report says so).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -158,23 +161,38 @@ def apply_dp(
     # One rank (mixed precision only): free the 16-bit copies after forward, as ZeRO-3 does.
     reshard = zero == 3 or dp_mesh.size() == 1
     mp = mixed_precision(plan) or MixedPrecisionPolicy()
+    shard_mesh = hsdp_mesh(device.type, plan) if plan.parallel.dp_replicate > 1 else dp_mesh
     for name in _separately_shardable(model, layers):
-        fully_shard(model.get_submodule(name), mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-    log.info("data parallel: FSDP2 (ZeRO-%d) over %d rank(s), parameters %s in compute", zero, dp_mesh.size(),
-             plan.training.precision)
+        fully_shard(model.get_submodule(name), mesh=shard_mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=shard_mesh, reshard_after_forward=reshard, mp_policy=mp)
+    how = f"HSDP {plan.parallel.dp_replicate} replicas x {shard_mesh.shape[-1]} shards" if shard_mesh.ndim == 2 else f"over {dp_mesh.size()} rank(s)"
+    log.info("data parallel: FSDP2 (ZeRO-%d) %s, parameters %s in compute", zero, how, plan.training.precision)
     return model
 
 
+@functools.lru_cache(maxsize=None)
+def _hsdp_mesh(device_type: str, pp: int, replicate: int, shard: int, tp: int) -> DeviceMesh:
+    mesh = init_device_mesh(device_type, (pp, replicate, shard, tp), mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+    return mesh["dp_replicate", "dp_shard"]
+
+
+def hsdp_mesh(device_type: str, plan: Plan) -> DeviceMesh:
+    """HSDP's 2-D (replicate, shard) mesh: the ranks of this rank's "dp" axis, row-major (dp index
+    = replica x shards + shard), as FSDP2 takes it for hybrid sharding (made once per process:
+    every rank creates its groups together)."""
+    p = plan.parallel
+    return _hsdp_mesh(device_type, p.pp, p.dp_replicate, p.dp // p.dp_replicate, p.tp)
+
+
 def set_grad_sync(wrapped: nn.Module, sync: bool) -> Any:
-    """A context for one micro-batch: gradient sync only on the last one (DDP no_sync, FSDP2
-    set_requires_gradient_sync)."""
+    """A context for one micro-batch: DDP all-reduces on the last one only (no_sync before);
+    FSDP2 (ZeRO-2/3) reduce-scatters every micro-batch, so that gradients accumulate sharded,
+    as torchtitan and DeepSpeed run it and as the cost model counts it
+    (planner.cost.stage_costs: mb_comm_param_s)."""
     import contextlib
 
     if isinstance(wrapped, DDP):
         return contextlib.nullcontext() if sync else wrapped.no_sync()
-    if isinstance(wrapped, FSDPModule):
-        wrapped.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
 
 

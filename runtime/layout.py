@@ -195,7 +195,10 @@ def shard_lines(
 def describe(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
     """The per-rank layout, as printed by ``plan run --dry-run``."""
     p = plan.parallel
-    out = [f"plan: {p.one_line()}", f"data parallel: {DP_STYLE[p.zero]}"]
+    style = DP_STYLE[p.zero]
+    if p.dp_replicate > 1:
+        style += f", as HSDP on a 2-D mesh: {p.dp_replicate} replicas x {p.dp // p.dp_replicate} shards"
+    out = [f"plan: {p.one_line()}", f"data parallel: {style}"]
     if plan.training.precision in ("bf16", "fp16"):
         how = ("torch.autocast around the forward (DDP)" if p.dp > 1 and p.zero <= 1 else
                "FSDP2 MixedPrecisionPolicy: fp32 parameters cast when gathered, gradients reduced in fp32"
@@ -203,10 +206,13 @@ def describe(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
         out.append(f"precision: {plan.training.precision} compute, fp32 master weights and optimizer state; {how}")
     full = list(dict.fromkeys(_pattern(n) for s in plan.stages for n in s.recompute_layers))
     sel = list(dict.fromkeys(_pattern(n) for s in plan.stages for n in s.selective_layers))
-    if full or sel:
+    alt = list(dict.fromkeys(_pattern(n) for s in plan.stages for n in s.alternate_layers))
+    if full or sel or alt:
         parts = [f"full: {', '.join(full)}"] if full else []
         if sel:
             parts.append(f"selective (matmul outputs saved, the rest recomputed): {', '.join(sel)}")
+        if alt:
+            parts.append(f"alternate (every other Linear matmul output saved, the rest recomputed): {', '.join(alt)}")
         out.append("recompute (torch.utils.checkpoint): " + "; ".join(parts))
     if p.pp > 1:
         out.append(f"pipeline: {p.pp} stages, {p.num_microbatches} micro-batches of {p.micro_batch}, schedule {p.schedule}")

@@ -56,7 +56,7 @@ from runtime.data_parallel import apply_dp, full_parameters, uses_fsdp
 from runtime.meta_init import BuildInfo, materialize_sharded, params_sha256, use_meta
 from runtime.pipeline_traced import sum_tied_grads, traced_stages
 from runtime.preflight import LayerSplit
-from runtime.recompute import apply_recompute_layers
+from runtime.recompute import apply_recompute_layers, recompute_of
 from runtime.tensor_parallel import apply_tp
 from runtime.train import (
     MODEL_SEED, RankResult, global_batch, make_optimizer_for, peak_memory_bytes, slice_rows, to_device,
@@ -250,7 +250,7 @@ def run_pipeline(
     build = BuildInfo(path="meta" if on_meta else "cpu")
     pp_group = mesh["pp"].get_group()
     mine = [(s, names) for s, (r, names) in enumerate(stages) if r == pp_index]
-    full_rc, selective = set(plan.stages[pp_index].recompute_layers), set(plan.stages[pp_index].selective_layers)
+    recompute = recompute_of(plan.stages[pp_index])
     modules, wrapped_stages, params, owned = [], [], {}, {}
     loss_fn: Callable[[Any, Any], torch.Tensor] = handle.loss
     tied: list[tuple[str, dist.ProcessGroup]] = []
@@ -263,7 +263,7 @@ def run_pipeline(
                 f"{not_sequential}); set PLAN_RUNTIME_META=0 or re-plan without --pp"
             )
         traced = traced_stages(
-            handle, plan, full, stages, mine, to_device(sample, device), device, mesh, (full_rc, selective), not_sequential, layers,
+            handle, plan, full, stages, mine, to_device(sample, device), device, mesh, recompute, not_sequential, layers,
         )
         modules, wrapped_stages, params, owned, tied, loss_fn, input_names = traced
         if rank == 0:
@@ -276,7 +276,7 @@ def run_pipeline(
         mine_layers = tuple(by_name[n] for n in names)
         if p.tp > 1:
             apply_tp(module, mine_layers, mesh["tp"], p.sequence_parallel)
-        apply_recompute_layers(module, [n for n in names if n in full_rc], [n for n in names if n in selective])
+        apply_recompute_layers(module, {n: recompute[n] for n in names if n in recompute})
         if on_meta and not uses_fsdp(plan):  # DDP wraps real tensors
             _add_build(build, materialize_sharded(module, full, device, all_names))
         # ZeRO-0/1: DDP (PipelineStage runs its micro-batches under no_sync and reduces on the last

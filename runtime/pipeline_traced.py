@@ -61,11 +61,11 @@ def _output_spec(full: nn.Module, sample: Any) -> Any:
 def traced_stages(
     handle: ModelHandle, plan: Plan, full: nn.Module, stages: list[tuple[int, tuple[str, ...]]],
     mine: list[tuple[int, tuple[str, ...]]], sample: Any, device: torch.device, mesh: DeviceMesh,
-    recompute: tuple[set[str], set[str]], not_sequential: str, layers: tuple[LayerSplit, ...] = (),
+    recompute: dict[str, str], not_sequential: str, layers: tuple[LayerSplit, ...] = (),
 ) -> tuple[list[nn.Module], list[Any], dict[str, nn.Parameter], dict[str, nn.Parameter],
            list[tuple[str, dist.ProcessGroup]], Callable[[Any, Any], torch.Tensor], list[str]]:
     """This rank's stages split by ``torch.distributed.pipelining.pipeline()`` (the tracer) before
-    the first layer of each later stage. `recompute`: the (full, selective) layer names. Returns (stage modules, PipelineStages, parameters by
+    the first layer of each later stage. `recompute`: recomputed layer name -> policy. Returns (stage modules, PipelineStages, parameters by
     original name, the parameters the stages use, tied-weight groups, the loss function, the names
     of the first stage's inputs in order: keyword inputs are passed to it positionally, since the
     multi-stage schedules hand the keyword arguments to every stage of the first rank).
@@ -134,14 +134,13 @@ def traced_stages(
                 setattr(parent, leaf, local[key])
             else:
                 local[key] = q
-        full_rc, selective = recompute  # (full, selective) layer names
-        todo = [n for n in names if n in full_rc or n in selective]
+        todo = [n for n in names if n in recompute]
         for n in todo:
             try:
                 module.get_submodule(n)
             except AttributeError as exc:
                 raise BadInput(f"{handle.name}: cannot recompute {n}: the traced pipeline stage has no such module") from exc
-        apply_recompute_layers(module, [n for n in todo if n in full_rc], [n for n in todo if n in selective])
+        apply_recompute_layers(module, {n: recompute[n] for n in todo})
         if isinstance(module, torch.fx.GraphModule):
             _modify_graph_op_device(module, device)  # devices the trace burned into the graph
         unused = [n for n, _ in module.named_parameters() if n not in used[s]]

@@ -12,6 +12,12 @@
   attention (bmm, baddbmm: Q K^T and the scores times V), whose s x s inputs and outputs are what
   Megatron-LM's selective recompute drops (Korthikanti et al. 2022).
 
+- ``alternate_layers``: the same, except that every second Linear matmul of the layer's forward
+  (``planner.profile.flops.is_linear_matmul``: mm/addmm, counted from the layer's first, afresh for
+  each call and for its recompute) is recomputed too: torchtitan's default per-op policy ("save
+  every other matmul", ``selective_ac_option = "op"``). The profile counts the same matmuls
+  (``activation_alternate_bytes``, ``fwd_alternate_flops``).
+
 The non-reentrant checkpoint stashes the RNG state (``preserve_rng_state=True``, the default) and
 restores it for the recompute, and the saved ops draw no random numbers, so dropout recomputes the
 same masks (tests/unit/test_recompute.py checks gradients equal the plain layer's with dropout).
@@ -31,7 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from planner.plan import Plan
-from planner.profile.flops import kept_by_selective  # also registers the CPU flash-attention formula
+from planner.profile.flops import is_linear_matmul, kept_by_selective  # also registers the CPU flash-attention formula
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +56,27 @@ def _selective_context() -> Any:
     return create_selective_checkpoint_contexts(_save_matmuls)
 
 
-def _checkpointed(module: nn.Module, forward: Callable[..., Any], selective: bool = False) -> Callable[..., Any]:
-    extra = {"context_fn": _selective_context} if selective else {}
+def _alternate_context() -> Any:
+    """One checkpointed call's policy: a fresh count of Linear matmuls for the forward and one for
+    the recompute, so both make the same choices."""
+    calls = {False: 0, True: 0}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if getattr(op, "overloadpacket", None) is not None and is_linear_matmul(op):
+            calls[ctx.is_recompute] += 1
+            if calls[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return _save_matmuls(ctx, op, *args, **kwargs)
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+CONTEXTS = {"full": None, "selective": _selective_context, "alternate": _alternate_context}
+
+
+def _checkpointed(module: nn.Module, forward: Callable[..., Any], kind: str = "full") -> Callable[..., Any]:
+    context_fn = CONTEXTS[kind]
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
 
     def body(*args: Any, **kwargs: Any) -> Any:
         # The recompute calls only this (not the module's __call__ nor a forward wrapped later): a
@@ -67,20 +92,28 @@ def _checkpointed(module: nn.Module, forward: Callable[..., Any], selective: boo
     return run
 
 
+def recompute_of(stage: Any) -> dict[str, str]:
+    """A plan stage's recomputed layers: name -> full | selective | alternate."""
+    out: dict[str, str] = {}
+    for kind, names in (("full", stage.recompute_layers), ("alternate", getattr(stage, "alternate_layers", ())),
+                        ("selective", stage.selective_layers)):
+        for name in names:
+            out.setdefault(name, kind)  # a layer named twice gets the leaner policy
+    return out
+
+
 def apply_recompute(model: nn.Module, plan: Plan) -> list[str]:
-    """Recompute the plan's layers in backward (full or selective); returns their names."""
-    stage = plan.stages[0]
-    return apply_recompute_layers(model, list(stage.recompute_layers), list(stage.selective_layers))
+    """Recompute the plan's layers in backward; returns their names."""
+    return apply_recompute_layers(model, recompute_of(plan.stages[0]))
 
 
-def apply_recompute_layers(model: nn.Module, names: list[str], selective: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """Recompute the named layers of `model` in backward: `names` with a full checkpoint,
-    `selective` with the save-matmuls policy (a layer in both gets the full one). The names."""
-    full = list(dict.fromkeys(names))
-    sel = [n for n in dict.fromkeys(selective) if n not in set(full)]
-    for name, is_sel in [*((n, False) for n in full), *((n, True) for n in sel)]:
+def apply_recompute_layers(model: nn.Module, kinds: dict[str, str]) -> list[str]:
+    """Recompute the named layers of `model` in backward, each with its policy (`kinds`: name ->
+    full | selective | alternate). The names."""
+    for name, kind in kinds.items():
         module = model.get_submodule(name)
         # An instance attribute: the module's __call__ (and the hooks FSDP adds) still run around it.
-        module.forward = _checkpointed(module, module.forward, is_sel)  # type: ignore[method-assign]
-    log.info("recompute: %d layer(s) full, %d selective", len(full), len(sel))
-    return full + sel
+        module.forward = _checkpointed(module, module.forward, kind)  # type: ignore[method-assign]
+    counts = {k: sum(1 for v in kinds.values() if v == k) for k in CONTEXTS}
+    log.info("recompute: %d layer(s) full, %d selective, %d alternate", counts["full"], counts["selective"], counts["alternate"])
+    return list(kinds)

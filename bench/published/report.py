@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import statistics
 
+from planner.search.explain import recompute_label
+
 from .predict import Result
 from .rows import GIB
 
@@ -21,9 +23,7 @@ def plan_label(scored) -> str:
     out = f"tp{c.tp} pp{c.pp} dp{c.dp} mb{c.micro_batch} z{c.zero}"
     if c.pp > 1:
         out += f" {c.schedule}" + (f"x{c.virtual_stages}" if c.schedule == "interleaved" else "")
-    choice = set(scored.partition.choice)
-    rc = "full" if choice == {2} else "selective" if choice == {1} else "none" if choice == {0} else "mixed"
-    return out + f" rc={rc}"
+    return out + f" rc={recompute_label(scored.partition.choice)}"
 
 
 def print_table(results: list[Result]) -> None:

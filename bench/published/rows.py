@@ -221,8 +221,6 @@ def measured_step(e: dict, shape: Shape, global_batch: int, gpus: int) -> float:
 
 def _zero(p: dict, notes: list[str]) -> int:
     text = str(value(p.get("zero"))).lower()
-    if "hsdp" in text or "hybrid" in text:
-        notes.append("HSDP as FSDP")
     if value(p.get("fsdp")) or "zero-3" in text or "full_shard" in text or "full shard" in text:
         return 3
     if "zero-2" in text or "shard_grad_op" in text:
@@ -240,9 +238,12 @@ def _recompute(p: dict, shape: Shape, notes: list[str], assumed: list[str]) -> s
     kind = str(text).split()[0].lower()
     assert kind in ("none", "selective", "full"), f"recompute {text!r}"
     # Megatron-LM's only selective mode recomputes the attention core (Korthikanti et al. 2022);
-    # the GPT rows are Megatron-LM runs. torchtitan's is per-op (save matmuls), as the cost model's.
+    # the GPT rows are Megatron-LM runs. torchtitan's selective is its per-op policy (its default,
+    # selective_ac_option "op": save every other matmul): the cost model's "alternate".
     if kind == "selective" and ("attention core" in str(text) or shape.arch == "gpt"):
         notes.append("attn-core selective as save-matmuls")
+    elif kind == "selective":
+        return "alternate"
     return kind
 
 
@@ -307,6 +308,11 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
     if value(p.get("torch_compile")):
         notes.append("compile")
     zero = _zero(p, notes)
+    if zero == 3 and pp > 1 and source == "torchtitan":
+        # torchtitan's FSDP2 does not reshard after forward under a pipeline (to avoid a gather
+        # per micro-batch): ZeRO-2 in the plan's terms (runtime/README.md, data parallel)
+        zero = 2
+        notes.append("FSDP2 no reshard under PP")
     if cp > 1:  # context parallelism: nearest expressible split of each sequence's work
         if tp * cp <= per_node and _fits_tp(shape, tp * cp):
             notes.append(f"CP{cp} as TP")
@@ -318,10 +324,12 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
             micro = max(1, min(micro or 1, gb // dp))
     recompute = _recompute(p, shape, notes, assumed)
     schedule, v = _schedule(p, pp, assumed)
+    zero_text = str(value(p.get("zero"))).lower()
     fixed = Fixed(
         tp=tp, pp=pp, dp=dp, micro_batch=micro, zero=zero if dp > 1 else 0,
         schedule=schedule, virtual_stages=v, recompute=recompute,
         sequence_parallel=bool(sp) if sp is not None and tp > 1 else None,
+        hsdp=("hsdp" in zero_text or "hybrid" in zero_text) if zero >= 2 and dp > 1 else None,
     )
     peak_gib = value((e.get("measured") or {}).get("peak_memory_gib"))
     return Row(

@@ -4,6 +4,9 @@ A collective over n ranks costs latency * ceil(log2 n) (tree-like startup, as NC
 binary trees) plus its bus volume over the link's achievable bandwidth (ring algorithms:
 all-reduce moves 2(n-1)/n of the buffer per rank, all-gather and reduce-scatter (n-1)/n of the
 gathered size). Thakur, Rabenseifner & Gropp 2005; NCCL's nccl-tests "bus bandwidth" definition.
+All-gather and reduce-scatter have no tree in NCCL: their ring's n - 1 steps each add a step
+latency (`Link.ring_step_s`), which at hundreds of ranks outweighs the startup (NCCL's own
+tuning model, src/graph/tuning.cc: (n - nodes) NVLink steps + (nodes - 1) network steps).
 Each cost is affine in the bytes (`Affine`), so the ILP can use it as a linear expression.
 """
 
@@ -21,6 +24,8 @@ class Link:
 
     bandwidth_Bps: float
     latency_s: float
+    ring_step_s: float = 0.0
+    """Mean latency one step of a ring over the group adds (GPU links: `ring_step_s`)."""
 
 
 @dataclass(frozen=True)
@@ -37,10 +42,24 @@ class Affine:
 NONE = Affine(0.0, 0.0)
 
 
-def _coef(volume: float, n: int, link: Link) -> Affine:
+# NCCL's latency per ring step, Simple protocol (large messages), from its tuning model
+# (NVIDIA/nccl src/graph/tuning.cc, hwLat[NVLINK|NET][RING][SIMPLE]).
+RING_STEP_NVLINK_S = 3.4e-6
+RING_STEP_NET_S = 9.6e-6
+
+
+def ring_step_s(n: int, nodes: int) -> float:
+    """Mean latency of one of a ring's n - 1 steps over n GPUs in `nodes` nodes: n - nodes steps
+    inside a node, nodes - 1 across."""
+    if n <= 1:
+        return 0.0
+    return ((n - nodes) * RING_STEP_NVLINK_S + (nodes - 1) * RING_STEP_NET_S) / (n - 1)
+
+
+def _coef(volume: float, n: int, link: Link, ring_steps: int = 0) -> Affine:
     if n <= 1:
         return NONE
-    startup = link.latency_s * math.ceil(math.log2(n))
+    startup = link.latency_s * math.ceil(math.log2(n)) + ring_steps * link.ring_step_s
     return Affine(startup, volume / (link.bandwidth_Bps * LINK_EFFICIENCY))
 
 
@@ -50,7 +69,7 @@ def allreduce(n: int, link: Link) -> Affine:
 
 def allgather(n: int, link: Link) -> Affine:
     """Applied to the size of the gathered (full) buffer. Reduce-scatter costs the same."""
-    return _coef((n - 1) / n, n, link)
+    return _coef((n - 1) / n, n, link, ring_steps=n - 1)
 
 
 reduce_scatter = allgather

@@ -33,6 +33,11 @@ OP_OVERHEAD_S = 6e-6
 # gradient sync is exposed.
 DDP_BUCKET_BYTES = 25 * 2**20
 
+# Bytes per parameter of gradients FSDP2 accumulates whole between micro-batches (under a
+# pipeline schedule, which turns its gradient sync off but on the last one): its reduce dtype,
+# fp32 in mixed precision (runtime/data_parallel.mixed_precision, as torchtitan's default).
+ACCUMULATE_BYTES = 4
+
 # Memory reserve per device, stated in every plan:
 # - GPU: CUDA context + cuBLAS/cuDNN workspaces (~0.5-0.8 GB measured on A100/H100 with PyTorch)
 #   and NCCL's communication buffers (~0.2-0.5 GB): 1 GiB;

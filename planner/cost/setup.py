@@ -7,7 +7,8 @@ from dataclasses import dataclass
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "alternate", "full")
+"""Recompute choices, in the order of planner.cost.stage_costs.KINDS."""
 
 
 def tensor_dtype(precision: str) -> str:
@@ -69,6 +70,16 @@ class Candidate:
     (Korthikanti et al. 2022), their activations and work divided by tp; without it they run
     replicated on every TP rank. Same communication volume either way (all-gather +
     reduce-scatter in place of each all-reduce)."""
+    dp_replicate: int = 1
+    """HSDP (ZeRO-2/3 only): the dp ranks form dp_replicate groups of dp_shard = dp / dp_replicate
+    (one node's data-parallel ranks); FSDP shards inside a group, and the groups hold replicas
+    whose gradients are all-reduced across nodes (FSDP2 on a 2-D mesh, torchtitan's
+    data_parallel_replicate_degree). 1: one shard group over all dp ranks."""
+
+    @property
+    def dp_shard(self) -> int:
+        """The ranks ZeRO shards over: dp, or one HSDP group."""
+        return self.dp // self.dp_replicate
 
     @property
     def num_stages(self) -> int:
@@ -80,7 +91,8 @@ class Candidate:
             sched += f" x{self.virtual_stages}"
         if self.tp > 1:
             sched += " · SP" if self.sequence_parallel else " · no SP"
+        hsdp = f" · HSDP {self.dp_replicate} x {self.dp_shard}" if self.dp_replicate > 1 else ""
         return (
             f"dp={self.dp} tp={self.tp} pp={self.pp} · micro-batch {self.micro_batch} x "
-            f"{self.num_microbatches} · {sched} · ZeRO-{self.zero}"
+            f"{self.num_microbatches} · {sched} · ZeRO-{self.zero}{hsdp}"
         )

@@ -10,7 +10,10 @@ Recompute choices (per atom):
 - none: keep everything the forward saved;
 - selective: keep what matmul-like ops produced and the atom's input, recompute the rest (the
   memory-bound ops: norms, activations, softmax, dropout) in backward: PyTorch's selective
-  activation checkpointing with a "save matmuls" policy (torchtitan's `selective op` AC);
+  activation checkpointing with a "save matmuls" policy;
+- alternate: as selective, but every second Linear matmul of a layer is recomputed too
+  (torchtitan's default `selective op` AC: "save every other matmul"), about half the matmul
+  outputs' memory for recomputing those matmuls;
 - full: keep only the atom's input, recompute its whole forward (Chen et al. 2016).
 Tensor parallel is Megatron-style: a block's column-wise -> row-wise regions are divided by tp;
 with sequence parallelism the rest of the block (norms, residuals, dropout) too (Korthikanti et
@@ -23,14 +26,17 @@ from dataclasses import dataclass, replace
 
 from planner.cost import comm
 from planner.cost.compute import Work, memory_bound_s, roofline_s
-from planner.cost.constants import DDP_BUCKET_BYTES, RESERVE_CPU_BYTES, RESERVE_GPU_BYTES
+from planner.cost.constants import ACCUMULATE_BYTES, DDP_BUCKET_BYTES, RESERVE_CPU_BYTES, RESERVE_GPU_BYTES
 from planner.cost.pipeline import inflight_per_device
-from planner.cost.setup import Candidate, Training
+from planner.cost.setup import RECOMPUTE, Candidate, Training
 from planner.cost.topology import Links, links
 from planner.hardware import Cluster
 from planner.profile.types import LayerProfile, ModelProfile
 
-NONE, SELECTIVE, FULL = range(3)
+NONE, SELECTIVE, ALTERNATE, FULL = range(4)
+KINDS = (NONE, SELECTIVE, ALTERNATE, FULL)
+KIND_OF = dict(zip(RECOMPUTE, KINDS))
+"""A recompute choice's name (plan, --recompute) -> its index in the cost tables."""
 
 
 @dataclass(frozen=True)
@@ -41,9 +47,9 @@ class AtomCost:
     bwd_s: float
     tp_comm_s: float
     """Part of fwd_s + bwd_s spent in tensor-parallel collectives."""
-    extra_s: tuple[float, float, float]
-    """Recompute time added per micro-batch, by choice (none, selective, full)."""
-    act_bytes: tuple[float, float, float]
+    extra_s: tuple[float, ...]
+    """Recompute time added per micro-batch, by choice (none, selective, alternate, full)."""
+    act_bytes: tuple[float, ...]
     """Activation bytes kept per micro-batch, by choice."""
     params: float
     """Parameters on the device before ZeRO sharding (after tensor parallelism)."""
@@ -78,18 +84,22 @@ class StageCosts:
     mb_comm_param_s: float
     """Data-parallel traffic every micro-batch: ZeRO-3 all-gathers each atom's parameters for
     forward and again for backward and reduce-scatters its gradients; ZeRO-2 reduce-scatters
-    (sharded gradients cannot accumulate unreduced); ZeRO-0/1: none. Prefetching overlaps the
-    bytes (params x mb_comm_param_s) with compute, but each collective's startup latency
-    (atoms x mb_comm_atom_s) stays on the critical path: a layer waits for its gather."""
+    (sharded gradients cannot accumulate unreduced, as torchtitan and DeepSpeed run it);
+    ZeRO-0/1: none; under a pipeline (`pipelined_fsdp`) only ZeRO-3's gather for backward.
+    Prefetching overlaps the bytes (params x mb_comm_param_s) with compute, but each
+    collective's startup latency (atoms x mb_comm_atom_s) stays on the critical path: a layer
+    waits for its gather."""
     grad_sync: comm.Affine
     """Once per step, on the gradient bytes, overlapped with the last micro-batch's backward:
     an all-reduce for ZeRO-0 and ZeRO-1 (DDP, whose gradients stay whole; ZeRO-1 then steps a
-    sharded optimizer, as runtime/data_parallel.py runs it); none for ZeRO-2/3 (per micro-batch)."""
+    sharded optimizer, as runtime/data_parallel.py runs it); ZeRO-2/3 under a pipeline: the
+    weights' all-gather and the gradients' reduce-scatter; none otherwise (per micro-batch)."""
     tail_s: float
     """Gradient sync that cannot overlap the backward: the last bucket (DDP's 25 MB, or all the
     gradients of a rank when they are fewer)."""
     after_step_param_s: float
-    """Per parameter, after the optimizer: ZeRO-1/2 all-gather the updated 16-bit weights."""
+    """Per parameter, after the optimizer: ZeRO-1/2 all-gather the updated 16-bit weights (ZeRO-2
+    under a pipeline: in grad_sync)."""
     after_step_atom_s: float
     """... one collective per atom (layer by layer), each paying its startup latency."""
     optimizer_s_per_param: float
@@ -101,11 +111,22 @@ class StageCosts:
     def num_devices(self) -> int:
         return self.cand.pp
 
+    @property
+    def pipelined_fsdp(self) -> bool:
+        """ZeRO-2/3 (FSDP2) under a pipeline schedule: PyTorch's PipelineStage runs every backward
+        but the last without gradient sync and without resharding, so a stage's parameters and
+        gradients are whole for most of the step, and reduce-scattered once, after the last
+        micro-batch (torch.distributed.pipelining.stage, backward_maybe_with_nosync)."""
+        return self.cand.pp > 1 and self.cand.zero >= 2 and self.cand.dp > 1
+
     def state_bytes_per_param(self) -> tuple[float, float, float]:
         """(weights, gradients, optimizer state) bytes per parameter on a device after ZeRO
         sharding over the dp replicas: stage 1 shards the optimizer state, 2 also the gradients,
-        3 also the weights."""
-        dp, zero = self.cand.dp, self.cand.zero
+        3 also the weights. Under a pipeline (`pipelined_fsdp`) ZeRO-2/3 hold the stage's 16-bit
+        weights and its gradients whole, the gradients accumulated in FSDP2's reduce dtype (fp32)."""
+        dp, zero = self.cand.dp_shard, self.cand.zero
+        if self.pipelined_fsdp:
+            return float(self.weight_bytes), float(max(self.grad_bytes, ACCUMULATE_BYTES)), self.optim_bytes / dp
         return (
             self.weight_bytes / (dp if zero >= 3 else 1),
             self.grad_bytes / (dp if zero >= 2 else 1),
@@ -130,7 +151,7 @@ def _layer_costs(
     cand: Candidate,
     tp_link: comm.Link,
     cpu_factor: float | None,
-) -> tuple[float, float, float, tuple[float, float, float], tuple[float, float, float], float]:
+) -> tuple[float, float, float, tuple[float, ...], tuple[float, ...], float]:
     """(fwd_s, bwd_s, tp_comm_s, extra_s, act_bytes, params) of one layer, per micro-batch."""
     scale = _scale(profile, cand.micro_batch)
     shard = _shard(layer, cand.tp)
@@ -150,6 +171,9 @@ def _layer_costs(
                     layer.fwd_linear_flops if fp8 else 0.0)
     bwd_work = Work(layer.bwd_flops, layer.bwd_matmul_io_bytes, layer.bwd_other_io_bytes * (1 - whole) + cast[1], layer.bwd_ops,
                     layer.bwd_linear_flops if fp8 else 0.0)
+    # the Linear matmuls the alternate policy recomputes (column- or row-wise: split by TP)
+    alt_work = Work(layer.fwd_alternate_flops, layer.fwd_alternate_io_bytes, 0.0, 0,
+                    layer.fwd_alternate_flops if fp8 else 0.0).scaled(scale / shard)
     fwd_work, bwd_work = fwd_work.scaled(scale / shard), bwd_work.scaled(scale / shard)
     fwd_work = replace(fwd_work, other_bytes=fwd_work.other_bytes + layer.fwd_other_io_bytes * whole * scale)
     bwd_work = replace(bwd_work, other_bytes=bwd_work.other_bytes + layer.bwd_other_io_bytes * whole * scale)
@@ -162,10 +186,12 @@ def _layer_costs(
         bwd = layer.bwd_s * scale * cpu_factor / shard * share
         other_share = memory_bound_s(fwd_work.other_bytes, gpu) / roof if roof > 0 else 0.0
         sel_extra = fwd * min(1.0, other_share)
+        alt_extra = sel_extra + fwd * min(1.0, roofline_s(alt_work, gpu, training.precision) / roof if roof > 0 else 0.0)
     else:
         fwd = roofline_s(fwd_work, gpu, training.precision)
         bwd = roofline_s(bwd_work, gpu, training.precision)
         sel_extra = memory_bound_s(fwd_work.other_bytes, gpu)
+        alt_extra = sel_extra + roofline_s(alt_work, gpu, training.precision)
     tp_fwd = tp_bwd = 0.0
     if shard > 1:
         ar = comm.allreduce(shard, tp_link)
@@ -182,10 +208,14 @@ def _layer_costs(
     act = split(layer.activation_bytes, layer.activation_tp_bytes)
     kept_inputs = input_bytes * scale / (shard if split_all else 1)  # the block input: whole without SP
     act_sel = min(act, split(layer.activation_matmul_bytes, layer.activation_matmul_tp_bytes) + kept_inputs)
+    alt_bytes, alt_tp_bytes = layer.activation_alternate_bytes, layer.activation_alternate_tp_bytes
+    if alt_bytes is None:  # a profile from before the policy: as selective
+        alt_bytes, alt_tp_bytes, alt_extra = layer.activation_matmul_bytes, layer.activation_matmul_tp_bytes, sel_extra
+    act_alt = min(act_sel, split(alt_bytes, alt_tp_bytes or 0) + kept_inputs)
     act_full = min(act, kept_inputs)
     sharded = layer.tp.sharded_params if shard > 1 and layer.tp is not None else 0
     params = layer.num_params - sharded + sharded / shard
-    return fwd, bwd, tp_fwd + tp_bwd, (0.0, sel_extra, fwd), (act, act_sel, act_full), params
+    return fwd, bwd, tp_fwd + tp_bwd, (0.0, sel_extra, alt_extra, fwd), (act, act_sel, act_alt, act_full), params
 
 
 def atoms_of(profile: ModelProfile) -> list[tuple[int, int]]:
@@ -220,9 +250,9 @@ def atom_table(
     atoms = []
     for first, last in atoms_of(profile):
         rows = per_layer[first : last + 1]
-        act = tuple(sum(r[4][k] for r in rows) for k in range(3))
+        act = tuple(sum(r[4][k] for r in rows) for k in KINDS)
         # Recomputing an atom keeps its own input only (the first layer's), not each layer's.
-        act = (act[0], act[1], rows[0][4][FULL])
+        act = (*act[:FULL], rows[0][4][FULL])
         last_layer = layers[last]
         out_shard = tp if tp > 1 and last_layer.tp is not None else 1
         atoms.append(
@@ -232,7 +262,7 @@ def atom_table(
                 fwd_s=sum(r[0] for r in rows),
                 bwd_s=sum(r[1] for r in rows),
                 tp_comm_s=sum(r[2] for r in rows),
-                extra_s=tuple(sum(r[3][k] for r in rows) for k in range(3)),
+                extra_s=tuple(sum(r[3][k] for r in rows) for k in KINDS),
                 act_bytes=act,
                 params=sum(r[5] for r in rows),
                 out_bytes=last_layer.output_bytes * scale / out_shard,
@@ -260,13 +290,25 @@ def stage_costs(
     max_params = sorted((a.params for a in atoms), reverse=True)[:2]
     cut_bytes = max((a.out_bytes for a in atoms if a.cut_ok), default=0.0)
     on_gpu = cluster.gpu.origin != "measured"
-    dp, zero = cand.dp, cand.zero
+    dp, zero, shard = cand.dp, cand.zero, cand.dp_shard
     grads_per_rank = sum(a.params for a in atoms) / cand.pp * g  # a model smaller than a bucket
-    ag, rs = comm.allgather(dp, lk.dp), comm.reduce_scatter(dp, lk.dp)
+    ag, rs = comm.allgather(shard, lk.dp), comm.reduce_scatter(shard, lk.dp)
+    if lk.dp_replicate is not None:
+        # HSDP: each shard group's reduce-scatter, then the replicas all-reduce their 1/shard
+        ar = comm.allreduce(cand.dp_replicate, lk.dp_replicate)
+        rs = comm.Affine(rs.fixed_s + ar.fixed_s, rs.per_byte_s + ar.per_byte_s / shard)
     rs_or_ar = comm.allreduce(dp, lk.dp) if zero <= 1 else rs
     grad_sync = rs_or_ar if zero <= 1 and dp > 1 else comm.NONE
     per_atom = per_param = 0.0
-    if zero == 3 and dp > 1:
+    pipelined_fsdp = cand.pp > 1 and zero >= 2 and dp > 1
+    if pipelined_fsdp:
+        # Once per step: the first forward gathers the stage's weights, the last backward
+        # reduce-scatters its gradients (an all-reduce's volume), overlapped like DDP's sync.
+        # ZeRO-3 also frees the weights after each forward, so each backward gathers them again.
+        grad_sync = comm.Affine(ag.fixed_s + rs.fixed_s, ag.per_byte_s * w / g + rs.per_byte_s)
+        if zero == 3:
+            per_atom, per_param = ag.fixed_s, ag.per_byte_s * w
+    elif zero == 3 and dp > 1:
         per_atom = 2 * ag.fixed_s + rs.fixed_s
         per_param = 2 * ag.per_byte_s * w + rs.per_byte_s * g
     elif zero == 2 and dp > 1:
@@ -280,7 +322,7 @@ def stage_costs(
         grad_bytes=g,
         optim_bytes=o,
         working_bytes=2 * max_act,
-        zero3_gather_bytes=sum(max_params) * w if cand.zero == 3 else 0.0,
+        zero3_gather_bytes=sum(max_params) * w if cand.zero == 3 and not pipelined_fsdp else 0.0,
         reserve_fixed_bytes=RESERVE_GPU_BYTES if on_gpu else RESERVE_CPU_BYTES,
         limit_bytes=training.memory_limit_bytes,
         p2p_s=2 * comm.p2p(lk.pp)(cut_bytes) if cand.pp > 1 else 0.0,
@@ -288,10 +330,10 @@ def stage_costs(
         mb_comm_param_s=per_param,
         grad_sync=grad_sync,
         tail_s=rs_or_ar(min(DDP_BUCKET_BYTES, grads_per_rank)) if cand.dp > 1 else 0.0,
-        after_step_param_s=ag.per_byte_s * w if cand.zero in (1, 2) else 0.0,
-        after_step_atom_s=ag.fixed_s if cand.zero in (1, 2) else 0.0,
+        after_step_param_s=ag.per_byte_s * w if cand.zero in (1, 2) and not pipelined_fsdp else 0.0,
+        after_step_atom_s=ag.fixed_s if cand.zero in (1, 2) and not pipelined_fsdp else 0.0,
         optimizer_s_per_param=memory_bound_s(training.optimizer_traffic_per_param(), cluster.gpu)
-        / (cand.dp if cand.zero >= 1 else 1),
+        / (shard if cand.zero >= 1 else 1),
         links=lk,
         model_flops_per_step=model_flops,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.cost.comm import Link
+from planner.cost.comm import Link, ring_step_s
 from planner.cost.setup import Candidate
 from planner.hardware import Cluster
 
@@ -20,30 +20,40 @@ from planner.hardware import Cluster
 class Links:
     tp: Link
     dp: Link
+    """The data-parallel group ZeRO shards over (all dp ranks, or one HSDP shard group)."""
     pp: Link
     tp_spans_nodes: bool
     dp_spans_nodes: bool
     pp_spans_nodes: bool
+    dp_replicate: Link | None = None
+    """HSDP: a replica group (one rank per shard group, one per node), across nodes."""
 
 
 def _link(cluster: Cluster, group_size: int, spans: bool, members_per_node: int = 1) -> Link:
-    return Link(cluster.bandwidth_Bps(group_size, spans, members_per_node), cluster.latency_s(group_size, spans))
+    step = 0.0
+    if cluster.gpu.origin != "measured":  # NCCL's ring steps (a measured CPU runs gloo)
+        step = ring_step_s(group_size, -(-group_size // members_per_node) if spans else 1)
+    return Link(cluster.bandwidth_Bps(group_size, spans, members_per_node), cluster.latency_s(group_size, spans), step)
 
 
 def links(cluster: Cluster, cand: Candidate) -> Links:
     per_node = cluster.gpus_per_node
+    shard, rep = cand.dp_shard, cand.dp_replicate
     tp_spans = cand.tp > per_node
-    dp_spans = cand.tp * cand.dp > per_node
+    dp_spans = cand.tp * shard > per_node
     pp_spans = cand.pp > 1 and cand.tp * cand.dp >= per_node
     # members of one group in a node, whose network ports it uses at once: a TP group fills its
-    # nodes; a DP group strides by tp, so a node holds per_node / tp of it (at least one)
+    # nodes; a DP group strides by tp, so a node holds per_node / tp of it (at least one); an
+    # HSDP replica group strides by a shard group: one member per node, each of the shard
+    # group's ranks on its own port
     tp_members = min(cand.tp, per_node)
-    dp_members = min(cand.dp, max(1, per_node // cand.tp))
+    dp_members = min(shard, max(1, per_node // cand.tp))
     return Links(
         tp=_link(cluster, cand.tp, tp_spans, tp_members),
-        dp=_link(cluster, cand.dp, dp_spans, dp_members),
+        dp=_link(cluster, shard, dp_spans, dp_members),
         pp=_link(cluster, 2, pp_spans),
         tp_spans_nodes=tp_spans,
         dp_spans_nodes=dp_spans,
         pp_spans_nodes=pp_spans,
+        dp_replicate=_link(cluster, rep, cand.tp * cand.dp > per_node) if rep > 1 else None,
     )

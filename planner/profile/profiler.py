@@ -264,14 +264,20 @@ def _assemble(
 
     fwd_flops, bwd_flops = per_layer(trace.fwd.flops), per_layer(trace.bwd.flops)
     saved = per_layer(trace.saved_bytes)
+    matmul_out, dropped = per_layer(trace.matmul_out_bytes), per_layer(trace.fwd.alternate_out_bytes)
+    matmul_out_tp, dropped_tp = per_layer(trace.matmul_out_tp_bytes), per_layer(trace.fwd.alternate_out_tp_bytes)
     extra = {
-        "activation_matmul_bytes": per_layer(trace.matmul_out_bytes),
+        "activation_matmul_bytes": matmul_out,
+        "activation_alternate_bytes": [a - b for a, b in zip(matmul_out, dropped)],
+        "activation_alternate_tp_bytes": [a - b for a, b in zip(matmul_out_tp, dropped_tp)],
+        "fwd_alternate_flops": per_layer(trace.fwd.alternate_flops),
+        "fwd_alternate_io_bytes": per_layer(trace.fwd.alternate_io_bytes),
         "fwd_matmul_io_bytes": per_layer(trace.fwd.matmul_io_bytes),
         "fwd_other_io_bytes": per_layer(trace.fwd.other_io_bytes),
         "bwd_matmul_io_bytes": per_layer(trace.bwd.matmul_io_bytes),
         "bwd_other_io_bytes": per_layer(trace.bwd.other_io_bytes),
         "activation_tp_bytes": per_layer(trace.saved_tp_bytes),
-        "activation_matmul_tp_bytes": per_layer(trace.matmul_out_tp_bytes),
+        "activation_matmul_tp_bytes": matmul_out_tp,
         "fwd_other_io_tp_bytes": per_layer(trace.fwd_other_io_tp_bytes),
         "fwd_linear_flops": per_layer(trace.fwd.linear_flops),
         "bwd_linear_flops": per_layer(trace.bwd.linear_flops),

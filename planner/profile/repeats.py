@@ -46,6 +46,8 @@ stored in the blocks differs. ``profile_model(..., reuse_min_blocks=None)`` trac
 
 from __future__ import annotations
 
+import dataclasses
+
 import enum
 import functools
 import logging
@@ -292,14 +294,7 @@ def _grow_counter(counter: Counter, grows: list[_Grow]) -> Counter:
 
 
 def _grow_costs(costs: PhaseCosts, grows: list[_Grow]) -> PhaseCosts:
-    return PhaseCosts(
-        flops=_grow_counter(costs.flops, grows),
-        matmul_io_bytes=_grow_counter(costs.matmul_io_bytes, grows),
-        other_io_bytes=_grow_counter(costs.other_io_bytes, grows),
-        ops=_grow_counter(costs.ops, grows),
-        linear_flops=_grow_counter(costs.linear_flops, grows),
-        linear_operand_bytes=_grow_counter(costs.linear_operand_bytes, grows),
-    )
+    return PhaseCosts(**{f.name: _grow_counter(getattr(costs, f.name), grows) for f in dataclasses.fields(costs)})
 
 
 def _grow_flows(trace: TraceResult, grows: list[_Grow]) -> tuple[list[TensorFlow], dict[int, set[int]]]:
@@ -399,9 +394,7 @@ def _flow_key(f: TensorFlow) -> tuple:
 
 def trace_key(trace: TraceResult) -> tuple:
     """Everything the profiler reads from a trace, with tensor ids replaced by what they name."""
-    phases = [(_nonzero(c.flops), _nonzero(c.matmul_io_bytes), _nonzero(c.other_io_bytes), _nonzero(c.ops),
-               _nonzero(c.linear_flops), _nonzero(c.linear_operand_bytes))
-              for c in (trace.fwd, trace.bwd)]
+    phases = [tuple(_nonzero(getattr(c, f.name)) for f in dataclasses.fields(c)) for c in (trace.fwd, trace.bwd)]
     returned = {u: Counter(_flow_key(trace.flows[t]) for t in tids) for u, tids in trace.returned.items() if tids}
     return (
         list(trace.order), phases, _nonzero(trace.saved_bytes), _nonzero(trace.matmul_out_bytes),

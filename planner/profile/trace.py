@@ -120,6 +120,16 @@ class PhaseCosts:
     """Of flops, the Linear layers' matmuls (what FP8 training runs in 8 bits)."""
     linear_operand_bytes: Counter = field(default_factory=Counter)
     """Bytes of those matmuls' operands (what FP8 training casts)."""
+    # What the alternate recompute policy (torchtitan's per-op selective checkpointing: keep every
+    # other Linear matmul's output) recomputes beyond selective's memory-bound ops: the forward's
+    # second, fourth, ... Linear matmul of each unit (runtime/recompute.py counts the same way).
+    alternate_flops: Counter = field(default_factory=Counter)
+    alternate_io_bytes: Counter = field(default_factory=Counter)
+    """Bytes those matmuls read and write."""
+    alternate_out_bytes: Counter = field(default_factory=Counter)
+    """Their outputs: what the alternate policy does not keep of matmul_out_bytes."""
+    alternate_out_tp_bytes: Counter = field(default_factory=Counter)
+    """Of alternate_out_bytes, the outputs made inside a column-wise -> row-wise region."""
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -145,6 +155,7 @@ class _Recorder(TorchDispatchMode):
         self.in_colwise = 0
         self.in_rowwise = 0
         self.matmul_out_tp: Counter = Counter()
+        self.linear_calls: Counter = Counter()  # per unit, the forward's Linear matmuls so far
         self.other_io_tp: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -155,11 +166,12 @@ class _Recorder(TorchDispatchMode):
         seg = self.seg.current()
         costs = self.bwd if self.seg.backward else self.fwd
         formula = formula_for(func)
-        other_io = 0
+        other_io = flops = matmul_io = 0
         if formula is not None:
             flops = int(formula(*args, **kwargs, out_val=out))
+            matmul_io = sum(map(_nbytes, tensors_in((args, kwargs, out))))
             costs.flops[seg] += flops
-            costs.matmul_io_bytes[seg] += sum(map(_nbytes, tensors_in((args, kwargs, out))))
+            costs.matmul_io_bytes[seg] += matmul_io
             costs.ops[seg] += 1
             if is_linear_matmul(func):
                 costs.linear_flops[seg] += flops
@@ -188,6 +200,14 @@ class _Recorder(TorchDispatchMode):
                 self.matmul_out[seg] += kept
                 if sharded:
                     self.matmul_out_tp[seg] += kept
+                if is_linear_matmul(func):
+                    self.linear_calls[seg] += 1
+                    if self.linear_calls[seg] % 2 == 0:  # what the alternate policy recomputes
+                        costs.alternate_flops[seg] += flops
+                        costs.alternate_io_bytes[seg] += matmul_io
+                        costs.alternate_out_bytes[seg] += kept
+                        if sharded:
+                            costs.alternate_out_tp_bytes[seg] += kept
         return out
 
     def _in_region(self, args, kwargs) -> bool:

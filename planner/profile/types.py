@@ -73,6 +73,17 @@ class LayerProfile:
     fwd_linear_operand_bytes: int = 0
     """Bytes of those matmuls' 16-bit operands (inputs and weights), what FP8 training casts."""
     bwd_linear_operand_bytes: int = 0
+    # -- what the alternate recompute policy keeps and recomputes ---------------------------------
+    activation_alternate_bytes: Optional[int] = None
+    """Of activation_matmul_bytes, what the alternate policy (torchtitan's per-op selective
+    checkpointing) keeps: the outputs of matmul-like ops except every second Linear matmul.
+    None in a profile written before the policy existed: read as activation_matmul_bytes."""
+    activation_alternate_tp_bytes: Optional[int] = None
+    """Of activation_alternate_bytes, the outputs made inside a column-wise -> row-wise region."""
+    fwd_alternate_flops: int = 0
+    """FLOPs of the Linear matmuls the alternate policy recomputes (every second one)."""
+    fwd_alternate_io_bytes: int = 0
+    """Bytes those matmuls read and write."""
 
 
 @dataclass(frozen=True)

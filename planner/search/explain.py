@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from planner.cost.evaluate import DeviceFigures
-from planner.cost.setup import tensor_dtype
-from planner.cost.stage_costs import FULL, SELECTIVE
+from planner.cost.setup import RECOMPUTE, tensor_dtype
+from planner.cost.stage_costs import ALTERNATE, FULL, SELECTIVE
 from planner.hardware import Cluster
 from planner.plan import (
     Alternative,
@@ -25,15 +25,9 @@ from planner.search.search import Scored, SearchResult, margin
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}
 
 
-def _recompute_label(choice: tuple[int, ...]) -> str:
+def recompute_label(choice: tuple[int, ...]) -> str:
     kinds = set(choice)
-    if kinds == {0}:
-        return "none"
-    if kinds == {SELECTIVE}:
-        return "selective"
-    if kinds == {FULL}:
-        return "full"
-    return "mixed"
+    return RECOMPUTE[kinds.pop()] if len(kinds) == 1 else "mixed"
 
 
 def parallel_of(s: Scored) -> Parallel:
@@ -41,7 +35,7 @@ def parallel_of(s: Scored) -> Parallel:
     return Parallel(
         dp=c.dp, tp=c.tp, pp=c.pp, micro_batch=c.micro_batch, num_microbatches=c.num_microbatches,
         zero=c.zero, schedule=c.schedule, virtual_stages=c.virtual_stages,
-        recompute=_recompute_label(s.partition.choice), sequence_parallel=c.sequence_parallel,
+        recompute=recompute_label(s.partition.choice), sequence_parallel=c.sequence_parallel, dp_replicate=c.dp_replicate,
     )
 
 
@@ -72,13 +66,13 @@ def _stages(s: Scored, profile: ModelProfile) -> tuple[Stage, ...]:
     p = s.cand.pp
     stages = []
     for d in s.evaluation.devices:
-        chunks, full, sel = [], [], []
+        chunks, full, sel, alt = [], [], [], []
         for st in range(d.rank, s.cand.num_stages, p):
             chunk = []
             for a in range(bounds[st], bounds[st + 1]):
                 layer_names = names[atoms[a].first : atoms[a].last + 1]
                 chunk += layer_names
-                (full if choice[a] == FULL else sel if choice[a] == SELECTIVE else []).extend(layer_names)
+                {FULL: full, SELECTIVE: sel, ALTERNATE: alt}.get(choice[a], []).extend(layer_names)
             chunks.append(tuple(chunk))
         stages.append(
             Stage(
@@ -87,6 +81,7 @@ def _stages(s: Scored, profile: ModelProfile) -> tuple[Stage, ...]:
                 chunks=tuple(chunks),
                 recompute_layers=tuple(full),
                 selective_layers=tuple(sel),
+                alternate_layers=tuple(alt),
                 memory_bytes=_memory(d),
                 time_per_microbatch_s=d.time_per_microbatch_s,
             )
@@ -214,8 +209,14 @@ def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int
             + f" with {SCHEDULE_NAMES[c.schedule]}: {fmt_seconds(breakdown(best)['bubble'])} of bubble per step."
         )
     if c.zero:
-        lines.append(f"ZeRO-{c.zero} shards " + {1: "the optimizer state", 2: "optimizer state and gradients", 3: "optimizer state, gradients and parameters"}[c.zero] + f" over the {c.dp} data-parallel replicas.")
-    rc = _recompute_label(best.partition.choice)
+        what = {1: "the optimizer state", 2: "optimizer state and gradients", 3: "optimizer state, gradients and parameters"}[c.zero]
+        if c.dp_replicate > 1:
+            lines.append(f"ZeRO-{c.zero} as HSDP shards {what} over the {c.dp_shard} data-parallel ranks of a node; "
+                         f"the {c.dp_replicate} nodes' groups are replicas whose gradients are all-reduced across "
+                         f"the network (1/{c.dp_shard} of them per GPU), so only that crosses nodes.")
+        else:
+            lines.append(f"ZeRO-{c.zero} shards {what} over the {c.dp} data-parallel replicas.")
+    rc = recompute_label(best.partition.choice)
     if rc != "none":
         lines.append(f"Recompute ({rc}) trades {fmt_seconds(breakdown(best)['recompute'])} per step for activation memory.")
     lines.append(f"What binds: {binding_of(best, limit)}.")

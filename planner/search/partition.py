@@ -11,21 +11,21 @@ Variables
     o_sg in Z, [u, n_g u]     ... at this offset:  E_s = sum_g (a_g u_sg + o_sg)
     w_gs = n_g sum_{h>g} u_sh + o_sg     atoms of segment g in stages <= s (w_{g,S-1} = n_g)
     c_gs = w_gs - w_g,s-1     atoms of segment g in stage s
-    q_gi, f_gi in Z>=0        atoms of segment g on rank i selectively / fully recomputed
-                              (q + f <= sum of c_gs over the rank's stages s)
+    r_kgi in Z>=0             atoms of segment g on rank i with recompute choice k (selective,
+                              alternate, full; sum_k r_kgi <= sum of c_gs over the rank's stages s)
     T_i >= 0                  time per micro-batch of rank i;  M >= T_i
     X_i >= 0                  exposed gradient sync of rank i;  U >= sync_i
 Constraints
     [Place]      sum_g u_sg = 1;  s + 1 <= E_s <= A - (S - 1 - s)
     [Order]      E_s >= E_{s-1} + 1                           every stage non-empty
     [Chunks]     interleaved schedules only: E_s fixed to the balanced split of the atoms
-    [Recompute]  q_gi + f_gi <= sum_{s on i} c_gs   (or = for a fixed choice)
-    [Time]       T_i >= sum_g (sum_{s on i} c_gs t_g + q_gi dq_g + f_gi df_g) + p2p  (t = fwd + bwd)
+    [Recompute]  sum_k r_kgi <= sum_{s on i} c_gs   (or r_kgi = that for a fixed choice k)
+    [Time]       T_i >= sum_g (sum_{s on i} c_gs t_g + sum_k r_kgi d_kg) + p2p  (t = fwd + bwd)
                  (ZeRO-2/3: T_i >= their bytes per micro-batch instead, if more; and both
                  terms carry the collectives' latency per atom)
                  M >= T_i
-    [Memory]     (1 + frag)(params_i (w/z3 + g/z2 + o/z1) + infl_i (sum c act0 - q(act0 - act1)
-                 - f(act0 - act2)) + working + gathered) + reserve <= limit        for each rank i
+    [Memory]     (1 + frag)(params_i (w/z3 + g/z2 + o/z1) + infl_i (sum c act0 - sum_k r_k (act0 - act_k))
+                 + working + gathered) + reserve <= limit        for each rank i
     [Sync]       X_i >= tail,  X_i >= grad_sync(params_i) - backward_i   (ZeRO-0/1);
                  U >= X_i + param_gather(params_i, atoms_i) + optimizer(params_i)
 Objective
@@ -47,7 +47,10 @@ import pulp
 
 from planner.cost.constants import FRAGMENTATION
 from planner.cost.evaluate import evaluate
-from planner.cost.stage_costs import FULL, NONE, SELECTIVE, StageCosts
+from planner.cost.stage_costs import KIND_OF, KINDS, NONE, StageCosts
+
+RECOMPUTING = KINDS[1:]
+"""The choices that recompute something (all but NONE), from the most kept to the least."""
 
 GIB = 2**30
 # Relative optimality gap: plans within 0.1% of the optimum count as optimal (HiGHS default 1e-4).
@@ -151,21 +154,19 @@ def solve_partition(
             cnt[g, i] = expr
 
     # -- [Recompute]: counts per rank (its chunks' atoms of a segment are interchangeable) ----
-    q: dict[tuple[int, int], dict] = {}
-    f: dict[tuple[int, int], dict] = {}
+    # r[k, g, i]: atoms of segment g on rank i with recompute choice k (NONE: the rest)
+    fixed_kind = None if recompute is None else KIND_OF[recompute]
+    r: dict[tuple[int, int, int], dict] = {}
     for g, seg in enumerate(segs):
         for i in range(p):
-            if recompute == "selective":
-                q[g, i], f[g, i] = cnt[g, i], {}
-            elif recompute == "full":
-                q[g, i], f[g, i] = {}, cnt[g, i]
-            elif recompute == "none":
-                q[g, i] = f[g, i] = {}
-            else:
-                qv = _var(prob, f"q_{g}_{i}", 0, seg.count, cat="Integer")
-                fv = _var(prob, f"f_{g}_{i}", 0, seg.count, cat="Integer")
-                q[g, i], f[g, i] = {qv: 1.0}, {fv: 1.0}
-                prob += qv + fv <= _expr(cnt[g, i]), f"recompute_{g}_{i}"
+            if fixed_kind is not None:
+                for k in RECOMPUTING:
+                    r[k, g, i] = cnt[g, i] if k == fixed_kind else {}
+                continue
+            chosen = [_var(prob, f"r{k}_{g}_{i}", 0, seg.count, cat="Integer") for k in RECOMPUTING]
+            for k, var in zip(RECOMPUTING, chosen):
+                r[k, g, i] = {var: 1.0}
+            prob += pulp.lpSum(chosen) <= _expr(cnt[g, i]), f"recompute_{g}_{i}"
 
     # -- per-rank sums ----------------------------------------------------------------------
     def rank_sum(i: int, per_atom) -> pulp.LpAffineExpression:
@@ -174,8 +175,8 @@ def solve_partition(
             atom = costs.atoms[seg.start]
             base = per_atom(atom, NONE)
             _add(expr, cnt[g, i], base)
-            _add(expr, q[g, i], per_atom(atom, SELECTIVE) - base)
-            _add(expr, f[g, i], per_atom(atom, FULL) - base)
+            for k in RECOMPUTING:
+                _add(expr, r[k, g, i], per_atom(atom, k) - base)
         return _expr(expr)
 
     # Time rows are in units of `unit` (one micro-batch through the whole model), so that every
@@ -257,15 +258,15 @@ def solve_partition(
     choice = [NONE] * A
     for g, seg in enumerate(segs):
         for i in range(p):
-            nf = int(round(pulp.value(_expr(f[g, i])) or 0))
-            nq = int(round(pulp.value(_expr(q[g, i])) or 0))
             ids = [
                 a
                 for s in range(i, S, p)
                 for a in range(max(bounds[s], seg.start), min(bounds[s + 1], seg.start + seg.count))
             ]
-            for k, atom in enumerate(ids):
-                choice[atom] = FULL if k < nf else SELECTIVE if k < nf + nq else NONE
+            # the rank's atoms of the segment are interchangeable: the leanest choices first
+            kinds = [k for k in reversed(RECOMPUTING) for _ in range(int(round(pulp.value(_expr(r[k, g, i])) or 0)))]
+            for atom, k in zip(ids, kinds):
+                choice[atom] = k
     return PartitionResult(status, tuple(bounds), tuple(choice), pulp.value(prob.objective) * unit, elapsed)
 
 
@@ -367,7 +368,7 @@ def _start_plan(costs, recompute, initial) -> tuple[tuple[int, ...], tuple[int, 
         bounds, choice = list(initial[0]), list(initial[1])
         ev = evaluate(costs, bounds, choice)
     else:
-        kinds = (NONE, SELECTIVE, FULL) if recompute is None else ({"none": NONE, "selective": SELECTIVE, "full": FULL}[recompute],)
+        kinds = KINDS if recompute is None else (KIND_OF[recompute],)
         for k in kinds:
             times = [a.fwd_s + a.bwd_s + a.extra_s[k] for a in costs.atoms]
             bounds = balanced_bounds(times, S, p)

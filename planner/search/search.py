@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from planner.cost.evaluate import Evaluation, evaluate
 from planner.cost.setup import Candidate, Training
-from planner.cost.stage_costs import FULL, NONE, SELECTIVE, StageCosts, atom_table, atoms_of, stage_costs
+from planner.cost.stage_costs import FULL, KIND_OF, StageCosts, atom_table, atoms_of, stage_costs
 from planner.hardware import Cluster
 from planner.profile.types import ModelProfile
 from planner.search.partition import MIP_GAP, PartitionResult, balanced_bounds, solve_partition
@@ -84,7 +84,7 @@ def _shape(c: Candidate) -> tuple:
 
 def _simplicity(c: Candidate) -> tuple:
     return (c.tp * c.pp, c.zero, c.virtual_stages, -c.micro_batch, c.pp, SCHEDULE_ORDER.index(c.schedule),
-            not c.sequence_parallel)
+            not c.sequence_parallel, c.dp_replicate)
 
 
 def _rank(plans) -> list[Scored]:
@@ -225,7 +225,7 @@ def run_search(
         if shape not in best_by_shape or scored.key < best_by_shape[shape].key:
             best_by_shape[shape] = scored
     result.ranked = _rank(best_by_shape.values())
-    leanest = {None: FULL, "full": FULL, "selective": SELECTIVE, "none": NONE}[fixed.recompute]
+    leanest = FULL if fixed.recompute is None else KIND_OF[fixed.recompute]
     if not result.ranked:
         _min_need(result, survivors, leanest)
     # Plain data parallelism as a user would try it: any recompute that makes it fit.

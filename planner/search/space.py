@@ -5,8 +5,9 @@ feature sizes) and at most a node (TP's all-reduces want NVLink: Narayanan et al
 a user may force more), pp at most the number of atoms, micro-batch b a power of two dividing
 the per-replica batch, m = global batch / (dp b) micro-batches, ZeRO 0-3 (0 only without data
 parallelism), the schedule (GPipe, 1F1B, interleaved 1F1B with v = 2-4 chunks when m % pp == 0,
-as Megatron-LM requires), and with tp > 1 sequence parallelism on or off (on only where tp divides
-the sequence, as the runtime needs).
+as Megatron-LM requires), with tp > 1 sequence parallelism on or off (on only where tp divides
+the sequence, as the runtime needs), and for ZeRO-2/3 over dp ranks in several nodes, HSDP (one
+shard group per node, replicas across nodes) or not.
 
 Bounds, per candidate, from the cost tables alone:
 - memory: the least the fullest rank can hold (memory_lower_bound); above the limit, no
@@ -22,7 +23,7 @@ from typing import Iterator
 
 from planner.cost.constants import FRAGMENTATION
 from planner.cost.setup import Candidate
-from planner.cost.stage_costs import FULL, NONE, SELECTIVE, StageCosts
+from planner.cost.stage_costs import FULL, KIND_OF, KINDS, NONE, StageCosts
 from planner.profile.types import ModelProfile
 
 
@@ -39,6 +40,7 @@ class Fixed:
     virtual_stages: int | None = None
     recompute: str | None = None
     sequence_parallel: bool | None = None
+    hsdp: bool | None = None
 
 
 # Model chunks per rank tried for interleaved 1F1B: the published Megatron-LM runs use 2-3
@@ -103,10 +105,25 @@ def candidates(
             sizes = [b for b in (2**k for k in range(per_replica.bit_length())) if per_replica % b == 0]
             if fixed.micro_batch is not None:  # a non-power-of-two the user asked for, too
                 sizes = [fixed.micro_batch] if per_replica % fixed.micro_batch == 0 else []
+            replicas = _hsdp_replicas(tp, dp, gpus_per_node, fixed, stats)
             for sp in sp_choices:
                 for b in sizes:
                     for cand in _schedules(tp, pp, dp, b, per_replica // b, num_atoms, fixed, stats):
-                        yield replace(cand, sequence_parallel=sp)
+                        for rep in replicas if cand.zero >= 2 else [] if fixed.hsdp else [1]:
+                            yield replace(cand, sequence_parallel=sp, dp_replicate=rep)
+
+
+def _hsdp_replicas(tp: int, dp: int, gpus_per_node: int, fixed: Fixed, stats: SpaceStats) -> list[int]:
+    """dp_replicate choices for ZeRO-2/3: 1 (shard over all dp ranks) and, where the dp ranks span
+    nodes, HSDP with one shard group per node (replicas across nodes)."""
+    in_node = min(dp, max(1, gpus_per_node // tp))
+    hsdp_ok = dp > in_node and dp % in_node == 0 and gpus_per_node % tp == 0
+    if fixed.hsdp and not hsdp_ok:
+        stats.reject(f"HSDP needs dp={dp} to span nodes in whole groups of the {in_node} dp ranks in a node")
+        return []
+    if fixed.hsdp:
+        return [dp // in_node]
+    return [1, dp // in_node] if hsdp_ok and fixed.hsdp is None else [1]
 
 
 def _sequence_parallel(profile: ModelProfile, tp: int, fixed: Fixed, stats: SpaceStats) -> list[bool]:
@@ -155,7 +172,7 @@ def memory_lower_bound(costs: StageCosts, recompute: str | None = None) -> float
     micro-batches in flight: ACT cannot all go to the rank holding one).
     """
     cand = costs.cand
-    k = {None: FULL, "full": FULL, "selective": SELECTIVE, "none": NONE}[recompute]
+    k = FULL if recompute is None else KIND_OF[recompute]
     per_param = sum(costs.state_bytes_per_param())
     state = sum(a.params for a in costs.atoms) * per_param
     act = sum(min(a.act_bytes[k], a.act_bytes[NONE]) for a in costs.atoms)
@@ -174,7 +191,7 @@ def time_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
     offers (a fractional-knapsack bound).
     """
     cand = costs.cand
-    k = {None: NONE, "none": NONE, "selective": SELECTIVE, "full": FULL}[recompute]
+    k = NONE if recompute is None else KIND_OF[recompute]
     times = [a.fwd_s + a.bwd_s + a.extra_s[k] for a in costs.atoms]
     total = sum(times) + (_least_recompute_s(costs) if recompute is None else 0.0)
     p, v = cand.pp, cand.virtual_stages if cand.schedule == "interleaved" else 1
@@ -223,7 +240,7 @@ def _least_recompute_s(costs: StageCosts) -> float:
     ratios = [
         (a.extra_s[c] - a.extra_s[NONE]) / (a.act_bytes[NONE] - a.act_bytes[c])
         for a in costs.atoms
-        for c in (SELECTIVE, FULL)
+        for c in KINDS[1:]
         if a.act_bytes[NONE] > a.act_bytes[c]
     ]
     return over / slope * min(ratios) if ratios else 0.0

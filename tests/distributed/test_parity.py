@@ -1,5 +1,5 @@
-"""The runtime against a single process: DDP, FSDP, TP, dp x tp and pipeline parallel (GPipe, 1F1B,
-interleaved; pp x dp; pp x dp x tp) on CPU/gloo, fp32, SGD.
+"""The runtime against a single process: DDP, FSDP, HSDP, TP, dp x tp and pipeline parallel (GPipe,
+1F1B, interleaved; pp x dp; pp x dp x tp) on CPU/gloo, fp32, SGD.
 
 Each configuration trains a tiny GPT for 5 steps from the same initial weights and data; the loss
 after every step and the final parameters must match one process training on the whole global
@@ -79,12 +79,14 @@ CONFIGS = {
     "dp_tp_recompute": (4, Fixed(dp=2, tp=2, pp=1, zero=0, micro_batch=2, recompute="full", sequence_parallel=False)),
     "dp_tp_zero1": (4, Fixed(dp=2, tp=2, pp=1, zero=1, micro_batch=2, recompute="none")),
     "fsdp_tp": (4, Fixed(dp=2, tp=2, pp=1, zero=3, micro_batch=2, recompute="full", sequence_parallel=True)),
+    # HSDP on 2 "nodes" of 2: FSDP2 shards in each pair, the pairs are replicas (2 micro-batches)
+    "hsdp": (4, Fixed(dp=4, tp=1, pp=1, zero=3, micro_batch=1, recompute="none", hsdp=True)),
     # pipeline parallel (torch.distributed.pipelining): each schedule, then with dp and tp
     "pp_gpipe": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="selective", schedule="gpipe")),
     "pp_1f1b": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
     "pp_interleaved": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none",
                                 schedule="interleaved", virtual_stages=2)),
-    "pp_dp": (4, Fixed(dp=2, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
+    "pp_dp": (4, Fixed(dp=2, tp=1, pp=2, zero=0, micro_batch=2, recompute="alternate", schedule="1f1b")),
     "pp_dp_zero1": (4, Fixed(dp=2, tp=1, pp=2, zero=1, micro_batch=2, recompute="none", schedule="1f1b")),
     "pp_dp_tp": (8, Fixed(dp=2, tp=2, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b", sequence_parallel=True)),
     # the same model taking its inputs as a dict (keyword arguments): stage 0 gets them positionally
@@ -131,7 +133,8 @@ def plans(workdir) -> dict[str, Path]:
     dict_profile = profile_for(dict_handle, base)
     out = {}
     for name, (world, fixed) in CONFIGS.items():
-        request = PlanRequest(gpus=world, gpu="cpu", global_batch=GLOBAL_BATCH, fixed=fixed, optimizer="sgd", precision="fp32")
+        request = PlanRequest(gpus=world, gpu="cpu", global_batch=GLOBAL_BATCH, fixed=fixed, optimizer="sgd", precision="fp32",
+                              gpus_per_node=2 if fixed.hsdp else None)
         if name in DICT_CONFIGS:
             plan = make_plan(dict_handle, request, dict_profile)
         else:
@@ -212,13 +215,15 @@ def test_plan_shapes(plans):
     selective = Plan.load(plans["ddp_selective"]).stages[0]
     assert selective.selective_layers and not selective.recompute_layers
     assert any(s.selective_layers for s in Plan.load(plans["pp_gpipe"]).stages)
+    assert all(s.alternate_layers and not s.selective_layers for s in Plan.load(plans["pp_dp"]).stages)
     assert Plan.load(plans["zero1"]).parallel.zero == 1
+    assert Plan.load(plans["hsdp"]).parallel.dp_replicate == 2
 
 
 @pytest.mark.parametrize("name", ["ddp_selective", "zero1", "pp_gpipe", "pp_dp", "pp_dp_zero1"])
 def test_runs_as_planned(name, runs):
     """Selective recompute (SAC), ZeRO-1 (DDP + ZeroRedundancyOptimizer) and DDP inside pipeline
-    stages run as the plan says: no departure is reported."""
+    stages (with the alternate recompute policy) run as the plan says: no departure is reported."""
     assert not runs[name][0].warnings, runs[name][0].warnings
 
 

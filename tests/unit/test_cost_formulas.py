@@ -5,6 +5,7 @@ stage, data-parallel exposure (DDP's last bucket, ZeRO-1's gathers, ZeRO-3 per m
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -31,6 +32,12 @@ def test_collectives_alpha_beta():
     assert ag(4e9) == pytest.approx(20e-6 + 0.75 * 4e9 / 80e9)
     assert comm.reduce_scatter(4, LINK) == ag
     assert comm.allreduce(1, LINK)(1e9) == 0.0  # no peers, no traffic
+    # a ring (all-gather, reduce-scatter) adds a latency per step: n - nodes NVLink steps and
+    # nodes - 1 network steps (NCCL's tuning model); 1,536 GPUs in 192 nodes: 6.4 ms per call
+    assert comm.ring_step_s(16, 2) == pytest.approx((14 * 3.4e-6 + 9.6e-6) / 15)
+    ring = comm.Link(bandwidth_Bps=100 * GB, latency_s=10e-6, ring_step_s=comm.ring_step_s(1536, 192))
+    assert comm.allgather(1536, ring).fixed_s == pytest.approx(11 * 10e-6 + 1344 * 3.4e-6 + 191 * 9.6e-6)
+    assert comm.allreduce(1536, ring).fixed_s == pytest.approx(11 * 10e-6)  # all-reduce: trees
     assert comm.p2p(LINK)(8e9) == pytest.approx(10e-6 + 0.1)
 
 
@@ -99,7 +106,7 @@ def test_zero1_all_reduces_then_gathers_layer_by_layer():
     profile, costs = _costs(zero=1)
     ev = evaluate(costs, [0, len(costs.atoms)], [NONE] * len(costs.atoms))
     params, atoms = profile.num_params, len(costs.atoms)
-    link = comm.Link(300 * GB, 8e-6)
+    link = comm.Link(300 * GB, 8e-6, comm.ring_step_s(4, 1))
     ar, ag = comm.allreduce(4, link), comm.allgather(4, link)
     exposed = max(ar(min(DDP_BUCKET_BYTES, params * 2)), ar(params * 2) - sum(a.bwd_s for a in costs.atoms))
     gathers = ag.per_byte_s * 2 * params + ag.fixed_s * atoms  # the 16-bit weights, one collective per layer
@@ -109,7 +116,7 @@ def test_zero1_all_reduces_then_gathers_layer_by_layer():
 
 def test_zero3_gathers_every_micro_batch_overlapped_except_latency():
     profile, costs = _costs(zero=3, gpus_per_node=1)  # 4 nodes of 1: every collective crosses the network
-    link = comm.Link(25 * GB, 15e-6)
+    link = comm.Link(25 * GB, 15e-6, comm.ring_step_s(4, 4))
     ag, rs = comm.allgather(4, link), comm.reduce_scatter(4, link)
     params, atoms = profile.num_params, len(costs.atoms)
     per_mb_bytes_s = (2 * ag.per_byte_s * 2 + rs.per_byte_s * 2) * params  # gather twice, scatter grads
@@ -210,3 +217,75 @@ def test_fp8_runs_the_linear_matmuls_at_the_fp8_peak(gpt_bf16):
     # at width 384 the casts cost more than the 8-bit matmuls save (torchao's float8 pays off
     # only for large GEMMs); the same bf16 tensors are saved either way
     assert fp8[i].fwd_s > bf16[i].fwd_s and fp8[i].act_bytes == bf16[i].act_bytes
+
+
+def _pipelined(zero: int, m: int = 4):
+    profile = synthetic_profile(n_blocks=4, h=1024, s=512, heads=16, vocab=32768)
+    cluster = make_cluster("a100-80gb", 8, 1)  # 8 nodes of 1: every collective crosses the network
+    training = Training("bf16", "adamw", 4 * m, 80 * 2**30)
+    cand = Candidate(tp=1, pp=2, dp=4, micro_batch=1, num_microbatches=m, zero=zero, schedule="1f1b")
+    return stage_costs(profile, cluster, training, cand)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_fsdp_under_a_pipeline_keeps_the_stage_whole_and_syncs_once(zero):
+    """PipelineStage runs FSDP2's backwards without gradient sync and without resharding but on the
+    last micro-batch: the 16-bit weights (2 B) and fp32-accumulated gradients (4 B) of a stage are
+    whole, only the optimizer state (12 B) is sharded over dp = 4; the weights' all-gather and the
+    gradients' reduce-scatter happen once a step, overlapped with the last backward; ZeRO-3 also
+    gathers again for each micro-batch's backward (what its forward freed)."""
+    costs = _pipelined(zero)
+    assert costs.pipelined_fsdp
+    assert costs.state_bytes_per_param() == pytest.approx((2, 4, 3))
+    assert costs.zero3_gather_bytes == 0
+    link = comm.Link(25 * GB, 15e-6, comm.ring_step_s(4, 4))
+    ag, rs = comm.allgather(4, link), comm.reduce_scatter(4, link)
+    assert costs.grad_sync(2e9) == pytest.approx(ag(2e9) + rs(2e9))  # weights and gradients: 2 B each
+    assert costs.after_step_param_s == 0 and costs.after_step_atom_s == 0
+    if zero == 3:
+        assert costs.mb_comm_param_s == pytest.approx(ag.per_byte_s * 2) and costs.mb_comm_atom_s == pytest.approx(ag.fixed_s)
+    else:
+        assert costs.mb_comm_param_s == 0 and costs.mb_comm_atom_s == 0
+    # without a pipeline the same ZeRO stage shards gradients (and ZeRO-3 weights) and syncs every micro-batch
+    flat = _costs(zero)[1]
+    assert not flat.pipelined_fsdp and flat.mb_comm_param_s > 0
+
+
+def test_alternate_recompute_sits_between_selective_and_full(gpt_bf16):
+    """gpt.py's block runs its Linears q, k, v, proj, fc, fc2 in that order: the alternate policy
+    keeps q, v and fc's outputs of the selective set, and recomputes k, proj and fc2 (their forward
+    FLOPs, 2 s h (h + h + 4h) at s=256, h=384), besides what selective recomputes."""
+    from planner.cost.stage_costs import ALTERNATE, FULL, SELECTIVE, atom_table
+
+    block = next(l for l in gpt_bf16.layers if l.name == "blocks.0")
+    assert block.fwd_alternate_flops == 2 * 256 * 384 * (384 + 384 + 4 * 384)
+    dropped = block.activation_matmul_bytes - block.activation_alternate_bytes
+    assert dropped == 2 * 256 * (384 + 384 + 384)  # k, proj and fc2's bf16 outputs
+    cluster, training = make_cluster("a100-80gb", 1), Training("bf16", "adamw", 8, 80 * 2**30)
+    atoms = atom_table(gpt_bf16, cluster, training, tp=1, micro_batch=gpt_bf16.batch_size)
+    a = next(x for x in atoms if gpt_bf16.layers[x.first].name == "blocks.0")
+    assert a.act_bytes[NONE] > a.act_bytes[SELECTIVE] > a.act_bytes[ALTERNATE] > a.act_bytes[FULL]
+    assert a.extra_s[SELECTIVE] < a.extra_s[ALTERNATE] < a.extra_s[FULL]
+    assert a.act_bytes[SELECTIVE] - a.act_bytes[ALTERNATE] == pytest.approx(dropped)
+
+
+def test_hsdp_shards_inside_a_node_and_all_reduces_the_shards_across():
+    """16 A100s in 2 nodes, ZeRO-3 over dp = 16 as HSDP 2 x 8: state sharded over the 8 ranks of a
+    node (bf16 + AdamW: 16 / 8 B per parameter); each micro-batch gathers twice and reduce-scatters
+    over NVLink (an 8-rank ring), then all-reduces its 1/8 of the gradients with the other node
+    (2 ranks, one 25 GB/s NIC each)."""
+    profile = synthetic_profile(n_blocks=4, h=1024, s=512, heads=16, vocab=32768)
+    cluster = make_cluster("a100-80gb", 16)
+    training = Training("bf16", "adamw", 64, 80 * 2**30)
+    cand = Candidate(tp=1, pp=1, dp=16, micro_batch=1, num_microbatches=4, zero=3, schedule="1f1b", dp_replicate=2)
+    costs = stage_costs(profile, cluster, training, cand)
+    assert cand.dp_shard == 8 and costs.state_bytes_per_param() == pytest.approx((2 / 8, 2 / 8, 12 / 8))
+    inside = comm.Link(300 * GB, 8e-6, comm.ring_step_s(8, 1))
+    across = comm.Link(25 * GB, 15e-6, comm.ring_step_s(2, 2))
+    ag, rs, ar = comm.allgather(8, inside), comm.reduce_scatter(8, inside), comm.allreduce(2, across)
+    assert costs.mb_comm_param_s == pytest.approx(2 * ag.per_byte_s * 2 + (rs.per_byte_s + ar.per_byte_s / 8) * 2)
+    assert costs.mb_comm_atom_s == pytest.approx(2 * ag.fixed_s + rs.fixed_s + ar.fixed_s)
+    # plain FSDP over all 16 moves every byte over the network (8 rings, one per NIC: 200 GB/s)
+    flat = stage_costs(profile, cluster, training, replace(cand, dp_replicate=1))
+    assert flat.state_bytes_per_param() == pytest.approx((2 / 16, 2 / 16, 12 / 16))
+    assert costs.mb_comm_param_s < flat.mb_comm_param_s

@@ -30,13 +30,13 @@ import pytest
 
 from planner.cost.evaluate import evaluate
 from planner.cost.setup import Candidate, Training
-from planner.cost.stage_costs import FULL, NONE, SELECTIVE, StageCosts, atoms_of, stage_costs
+from planner.cost.stage_costs import KIND_OF, KINDS, StageCosts, atoms_of, stage_costs
 from planner.hardware import make_cluster
 from planner.profile.types import LayerProfile, ModelProfile, ProfileTotals, TPInfo
 from planner.search.partition import MIP_GAP, balanced_bounds, segments_of, solve_partition
 from tests.conftest import EXAMPLES
 
-MODES = {"none": NONE, "selective": SELECTIVE, "full": FULL}
+MODES = KIND_OF
 # Step times are ~1e-3..1 s; a plan the ILP returns may differ from the optimum by MIP_GAP
 # (relative) plus the solver's feasibility tolerances (absolute, tiny).
 ABS_TOL_S = 1e-9
@@ -206,7 +206,7 @@ def exhaustive(costs: StageCosts) -> Exhaustive:
     A, S = len(costs.atoms), costs.cand.num_stages
     steps, peaks, choices, bounds = [], [], [], []
     for b in splits(A, S):
-        for ch in itertools.product((NONE, SELECTIVE, FULL), repeat=A):
+        for ch in itertools.product(KINDS, repeat=A):
             ev = evaluate(costs, b, list(ch))
             steps.append(ev.step_time_s)
             peaks.append(ev.peak_bytes)
@@ -342,7 +342,7 @@ def test_ilp_matches_exhaustive_search(profiles, name, cand):
     for what, limit in limits_from(ex.peak).items():
         costs = _costs(profile, cand, limit)
         assert replace(costs, limit_bytes=base.limit_bytes) == base  # the limit changes nothing else
-        for mode in (None, "none", "selective", "full"):
+        for mode in (None, *MODES):
             _check(costs, ex, limit, mode, f"{name} {cand.label()} [{what}]")
     _count("cases")
 
@@ -382,7 +382,7 @@ def test_random_instances(seed):
         if np.min(np.abs(ex.peak - limit)) < 1e-6 * limit:  # on a peak: within the solver's tolerance
             continue
         costs = _costs(profile, cand, limit)
-        for mode in (None, "none", "selective", "full"):
+        for mode in (None, *MODES):
             _check(costs, ex, limit, mode, f"seed {seed}: {cand.label()}")
 
 

@@ -1,6 +1,7 @@
 """runtime/recompute.py in one process: selective recompute (save-matmuls SAC) of an examples/gpt.py
-block keeps fewer bytes than no recompute and more than full recompute, and its gradients equal the
-plain block's bit for bit, dropout included (the checkpoint restores the RNG state)."""
+block keeps fewer bytes than no recompute, the alternate policy (every other Linear matmul saved)
+fewer still, full recompute the fewest; the gradients equal the plain block's bit for bit, dropout
+included (the checkpoint restores the RNG state); and what each keeps is what the profile says."""
 
 from __future__ import annotations
 
@@ -48,9 +49,9 @@ def test_selective_between_none_and_full_with_equal_gradients(attn):
     torch.manual_seed(0)
     plain = torch.nn.ModuleDict({"block": Block(cfg)})
     results = {}
-    for kind in ("none", "selective", "full"):
+    for kind in ("none", "selective", "alternate", "full"):
         model = copy.deepcopy(plain)
-        apply_recompute_layers(model, ["block"] if kind == "full" else [], ["block"] if kind == "selective" else [])
+        apply_recompute_layers(model, {} if kind == "none" else {"block": kind})
         torch.manual_seed(1)
         x = torch.randn(4, cfg.seq_len, cfg.n_embd, requires_grad=True)
         torch.manual_seed(2)  # the dropout masks
@@ -61,9 +62,9 @@ def test_selective_between_none_and_full_with_equal_gradients(attn):
         y.pow(2).sum().backward()
         results[kind] = (kept, x.grad.clone(), {n: p.grad.clone() for n, p in model.named_parameters()})
     kept = {k: v[0] for k, v in results.items()}
-    assert kept["full"] < kept["selective"] < kept["none"], kept
+    assert kept["full"] < kept["alternate"] < kept["selective"] < kept["none"], kept
     _, x_grad, grads = results["none"]
-    for kind in ("selective", "full"):
+    for kind in ("selective", "alternate", "full"):
         assert torch.equal(results[kind][1], x_grad), kind
         for name, g in grads.items():
             assert torch.equal(results[kind][2][name], g), f"{kind}: {name}"
@@ -85,10 +86,12 @@ def test_matmul_like_is_the_profilers_set():
         assert not is_matmul_like(op)
 
 
+@pytest.mark.parametrize("kind", ["selective", "alternate"])
 @pytest.mark.parametrize("attn", ["sdpa", "math"])
-def test_selective_keeps_what_the_profile_says(attn, tmp_path):
+def test_selective_keeps_what_the_profile_says(attn, kind, tmp_path):
     """The plan's selective figure for a layer (activation_matmul_bytes: every matmul-like output)
-    is what the runtime's save-matmuls checkpoint keeps, so the predicted memory holds."""
+    is what the runtime's save-matmuls checkpoint keeps, and its alternate figure
+    (activation_alternate_bytes) what the every-other-matmul one keeps, so the predicted memory holds."""
     sys.path.insert(0, str(EXAMPLES))
     from gpt import Block, GPTConfig
 
@@ -103,11 +106,13 @@ def test_selective_keeps_what_the_profile_says(attn, tmp_path):
         f"def sample_batch(n):\n    return gpt_batch(CFG, n)\n"
     )
     profile = profile_model(load_model_file(path), batch_size=4, dtype="fp32", force_meta=True, measure=False)
-    predicted = next(l for l in profile.layers if l.name == "blocks.0").activation_matmul_bytes
+    layer = next(l for l in profile.layers if l.name == "blocks.0")
+    predicted = layer.activation_matmul_bytes if kind == "selective" else layer.activation_alternate_bytes
+    assert layer.activation_alternate_bytes < layer.activation_matmul_bytes and layer.fwd_alternate_flops > 0
 
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({"block": Block(GPTConfig(**sizes))})
-    apply_recompute_layers(model, [], ["block"])
+    apply_recompute_layers(model, {"block": kind})
     x = torch.randn(4, 16, 32, requires_grad=True)
     with _LiveStorages() as mode:
         y = model["block"](x)

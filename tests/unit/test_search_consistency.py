@@ -16,13 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.cost.setup import Training
-from planner.cost.stage_costs import FULL, NONE, SELECTIVE
+from planner.cost.stage_costs import KIND_OF
 from planner.hardware import make_cluster
 from planner.search.search import margin, run_search
 from planner.search.space import Fixed
 from tests.unit.test_search_properties import GIB, LIMITS_GIB, get_profile
 
-MODES = {NONE: "none", SELECTIVE: "selective", FULL: "full"}
+MODES = {kind: name for name, kind in KIND_OF.items()}
 # One relative gap of the ILP (partition.MIP_GAP) between two solves of one candidate.
 RTOL = 2e-3
 
@@ -47,6 +47,7 @@ def picked(best) -> Fixed:
         virtual_stages=c.virtual_stages if c.schedule == "interleaved" and c.pp > 1 else None,
         recompute=MODES[choice.pop()] if len(choice) == 1 else None,
         sequence_parallel=c.sequence_parallel if c.tp > 1 else None,
+        hsdp=c.dp_replicate > 1 if c.zero >= 2 else None,
     )
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from planner.cost.constants import RESERVE_GPU_BYTES
 from planner.cost.evaluate import evaluate
 from planner.cost.setup import OPTIMIZERS, PRECISIONS, SCHEDULES, Training
-from planner.cost.stage_costs import FULL, NONE, SELECTIVE, atoms_of
+from planner.cost.stage_costs import KIND_OF, KINDS, atoms_of
 from planner.hardware import make_cluster
 from planner.model_file import load_model_file
 from planner.profile import profile_model
@@ -27,7 +27,7 @@ from tests.unit.test_partition import synthetic_profile
 GIB = 2**30
 GPUS = (1, 2, 4, 8, 16, 32)
 GPUS_PER_NODE = 8  # a100-80gb's node: fewer GPUs make one partial node, more whole nodes
-MODES = {"none": NONE, "selective": SELECTIVE, "full": FULL}
+MODES = KIND_OF
 
 # Memory limits per GPU (GiB) from "nothing fits" to "everything fits", per model: the 1 GiB
 # reserve dominates the two small examples.
@@ -105,7 +105,7 @@ def test_every_ranked_plan_is_legal_and_fits(problem):
         bounds = list(part.bounds)
         assert len(bounds) == c.num_stages + 1 and bounds[0] == 0 and bounds[-1] == num_atoms, (where, bounds)
         assert all(a < b for a, b in zip(bounds, bounds[1:])), (where, bounds)
-        assert len(part.choice) == num_atoms and set(part.choice) <= {NONE, SELECTIVE, FULL}, where
+        assert len(part.choice) == num_atoms and set(part.choice) <= set(KINDS), where
         # every device fits, and the figures are evaluate()'s for the chosen assignment
         assert ev.fits and all(d.total_bytes <= limit for d in ev.devices), (where, ev.peak_bytes)
         assert ev == evaluate(costs, bounds, list(part.choice)), where
