@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from planner.cost.constants import LINK_EFFICIENCY
+from planner.cost.constants import LINK_EFFICIENCY, OVERLAP_EFFICIENCY
 
 
 @dataclass(frozen=True)
@@ -77,3 +77,16 @@ reduce_scatter = allgather
 
 def p2p(link: Link) -> Affine:
     return Affine(link.latency_s, 1 / (link.bandwidth_Bps * LINK_EFFICIENCY))
+
+
+def overlapped_s(a_s: float, b_s: float) -> float:
+    """Two activities run at once (compute and a collective): the longer, plus the share of the
+    shorter that contention leaves exposed (OVERLAP_EFFICIENCY). Equals max(a + (1 - e) b,
+    b + (1 - e) a), which the ILP states as two linear rows."""
+    return max(a_s, b_s) + (1 - OVERLAP_EFFICIENCY) * min(a_s, b_s)
+
+
+def exposed_after_s(window_s: float, comm_s: float) -> float:
+    """Of a collective overlapped with `window_s` of compute, the seconds it adds past the window:
+    max(comm - e window, (1 - e) comm)."""
+    return overlapped_s(window_s, comm_s) - window_s

@@ -4,11 +4,13 @@ atom. This is the cost model's single source of figures: the ILP optimises the s
 number a plan reports comes from here.
 
 Per pipeline rank i (holding stages i, i+p, ... when interleaved), for one micro-batch:
-    T_i = sum over its atoms (fwd + bwd + recompute extra) + pipeline sends per stage
-          or the data-parallel bytes of each micro-batch (ZeRO-2/3) if more, plus those collectives'
-          startup latencies
+    T_i = overlapped(sum over its atoms (fwd + bwd + recompute extra) + pipeline sends per stage,
+                     the data-parallel bytes of each micro-batch (ZeRO-2/3)),
+          plus those collectives' startup latencies, where overlapped(a, b) = max(a, b) + (1 - e)
+          min(a, b) (comm.overlapped_s: contention leaves a share of the shorter exposed)
 Step = pipeline(T) + max_i (exposed gradient sync_i + parameter all-gather_i + optimizer_i), with
-    exposed sync_i = max(last bucket, gradient sync_i - one micro-batch backward of rank i)
+    exposed sync_i = max(last bucket, overlapped(backward_i, sync_i) - backward_i) over one
+    micro-batch's backward of rank i
     (stage_costs.StageCosts documents which collectives each ZeRO stage runs, and when)
 Memory_i = (1 + fragmentation) x (weights + grads + optimizer state (each / dp per ZeRO stage)
            + in-flight_i x kept activations + working set [+ ZeRO-3 gathered layers]) + reserve.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.cost.comm import exposed_after_s, overlapped_s
 from planner.cost.constants import FRAGMENTATION
 from planner.cost.pipeline import pipeline_s
 from planner.cost.stage_costs import StageCosts
@@ -82,9 +85,9 @@ def evaluate(costs: StageCosts, bounds: list[int], choice: list[int]) -> Evaluat
         params = sum(a.params for a in atoms)
         g = costs.grad_bytes
         # data-parallel traffic every micro-batch (ZeRO-2/3): bytes overlap compute, latency does not
-        t = max(t, costs.mb_comm_param_s * params) + costs.mb_comm_atom_s * len(atoms)
+        t = overlapped_s(t, costs.mb_comm_param_s * params) + costs.mb_comm_atom_s * len(atoms)
         one_backward = sum(a.bwd_s for a in atoms)
-        exposed = max(costs.tail_s, costs.grad_sync(params * g) - one_backward, 0.0) if dp > 1 else 0.0
+        exposed = max(costs.tail_s, exposed_after_s(one_backward, costs.grad_sync(params * g))) if dp > 1 else 0.0
         sync = exposed + (costs.after_step_param_s + costs.optimizer_s_per_param) * params + costs.after_step_atom_s * len(atoms)
         w_dev, g_dev, o_dev = costs.state_bytes_per_param()
         weights = params * w_dev + costs.zero3_gather_bytes

@@ -22,7 +22,8 @@ al. 2022: sbh(34/t + 5as/ht) with it, sbh(10 + 24/t + 5as/ht) without).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import weakref
+from dataclasses import dataclass, fields, replace
 
 from planner.cost import comm
 from planner.cost.compute import Work, memory_bound_s, roofline_s
@@ -218,6 +219,26 @@ def _layer_costs(
     return fwd, bwd, tp_fwd + tp_bwd, (0.0, sel_extra, alt_extra, fwd), (act, act_sel, act_alt, act_full), params
 
 
+_NAMES = ("index", "name", "modules", "kind")
+
+
+_FIGURES: dict[int, tuple[weakref.ref, list[int]]] = {}
+
+
+def _layer_figures(profile: ModelProfile) -> list[int]:
+    """Per layer, an id of everything its costs depend on (all but where it is and what it is
+    called): equal ids, equal costs. Made once per profile (the search asks for many tables)."""
+    hit = _FIGURES.get(id(profile))
+    if hit is not None and hit[0]() is profile:
+        return hit[1]
+    names = [f.name for f in fields(LayerProfile) if f.name not in _NAMES]
+    ids: dict[tuple, int] = {}
+    out = [ids.setdefault(tuple(getattr(layer, n) for n in names), len(ids)) for layer in profile.layers]
+    key = id(profile)
+    _FIGURES[key] = (weakref.ref(profile, lambda _ref, key=key: _FIGURES.pop(key, None)), out)
+    return out
+
+
 def atoms_of(profile: ModelProfile) -> list[tuple[int, int]]:
     """Layer ranges [first, last] between valid pipeline cuts."""
     out, start = [], 0
@@ -243,9 +264,14 @@ def atom_table(
     tp_link = links(cluster, probe).tp
     layers = profile.layers
     per_layer = []
+    seen: dict[tuple, tuple] = {}  # identical layers (a transformer's blocks) cost the same
+    figures = _layer_figures(profile)
     for layer in layers:
         input_bytes = layers[layer.index - 1].output_bytes if layer.index > 0 else 0
-        per_layer.append(_layer_costs(layer, input_bytes, profile, cluster, training, probe, tp_link, cpu_factor))
+        key = (figures[layer.index], input_bytes)
+        if key not in seen:
+            seen[key] = _layer_costs(layer, input_bytes, profile, cluster, training, probe, tp_link, cpu_factor)
+        per_layer.append(seen[key])
     scale = _scale(profile, micro_batch)
     atoms = []
     for first, last in atoms_of(profile):

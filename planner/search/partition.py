@@ -20,13 +20,15 @@ Constraints
     [Order]      E_s >= E_{s-1} + 1                           every stage non-empty
     [Chunks]     interleaved schedules only: E_s fixed to the balanced split of the atoms
     [Recompute]  sum_k r_kgi <= sum_{s on i} c_gs   (or r_kgi = that for a fixed choice k)
-    [Time]       T_i >= sum_g (sum_{s on i} c_gs t_g + sum_k r_kgi d_kg) + p2p  (t = fwd + bwd)
-                 (ZeRO-2/3: T_i >= their bytes per micro-batch instead, if more; and both
-                 terms carry the collectives' latency per atom)
+    [Time]       T_i >= B_i + (1 - e) D_i,  T_i >= D_i + (1 - e) B_i   (comm.overlapped_s)
+                 B_i = sum_g (sum_{s on i} c_gs t_g + sum_k r_kgi d_kg) + p2p  (t = fwd + bwd),
+                 D_i = ZeRO-2/3's bytes per micro-batch (0 otherwise); both rows carry the
+                 collectives' latency per atom
                  M >= T_i
     [Memory]     (1 + frag)(params_i (w/z3 + g/z2 + o/z1) + infl_i (sum c act0 - sum_k r_k (act0 - act_k))
                  + working + gathered) + reserve <= limit        for each rank i
-    [Sync]       X_i >= tail,  X_i >= grad_sync(params_i) - backward_i   (ZeRO-0/1);
+    [Sync]       X_i >= tail,  X_i >= grad_sync(params_i) - e backward_i,
+                 X_i >= (1 - e) grad_sync(params_i)   (comm.exposed_after_s);
                  U >= X_i + param_gather(params_i, atoms_i) + optimizer(params_i)
 Objective
     minimise  m M + (sum_i T_i - M) / v + U          (= evaluate()'s step time, cost/pipeline.py)
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 
 import pulp
 
+from planner.cost import comm
 from planner.cost.constants import FRAGMENTATION
 from planner.cost.evaluate import evaluate
 from planner.cost.stage_costs import KIND_OF, KINDS, NONE, StageCosts
@@ -195,15 +198,20 @@ def solve_partition(
     T = {}
     g_b = costs.grad_bytes
     dp = cand.dp
+    e = comm.OVERLAP_EFFICIENCY
     per_param_bytes = sum(costs.state_bytes_per_param())
     for i in range(p):
         T[i] = _var(prob, f"T_{i}", 0)
         params = rank_sum(i, params_of)
         # [Time]
         latency = costs.mb_comm_atom_s * sc * rank_sum(i, one) if costs.mb_comm_atom_s else 0
-        prob += T[i] >= rank_sum(i, step_time) + costs.p2p_s * sc * (S // p) + latency, f"time_{i}"
-        if costs.mb_comm_param_s:  # ZeRO-2/3 bytes per micro-batch, overlapped with compute
-            prob += T[i] >= costs.mb_comm_param_s * sc * params + latency, f"dp_mb_{i}"
+        busy = rank_sum(i, step_time) + costs.p2p_s * sc * (S // p)
+        if costs.mb_comm_param_s:  # ZeRO-2/3 bytes per micro-batch, overlapped with compute (comm.overlapped_s)
+            dp_bytes = costs.mb_comm_param_s * sc * params
+            prob += T[i] >= busy + (1 - e) * dp_bytes + latency, f"time_{i}"
+            prob += T[i] >= dp_bytes + (1 - e) * busy + latency, f"dp_mb_{i}"
+        else:
+            prob += T[i] >= busy + latency, f"time_{i}"
         prob += M >= T[i]
         # [Memory]
         memory = (
@@ -221,8 +229,10 @@ def solve_partition(
         if dp > 1:
             X = _var(prob, f"X_{i}", 0)
             prob += X >= costs.tail_s * sc
-            if costs.grad_sync.per_byte_s:
-                prob += X >= (costs.grad_sync.fixed_s + costs.grad_sync.per_byte_s * g_b * params) * sc - rank_sum(i, backward)
+            if costs.grad_sync.per_byte_s:  # comm.exposed_after_s over one micro-batch's backward
+                sync_s = (costs.grad_sync.fixed_s + costs.grad_sync.per_byte_s * g_b * params) * sc
+                prob += X >= sync_s - e * rank_sum(i, backward)
+                prob += X >= (1 - e) * sync_s
             sync = sync + X
         prob += U >= sync, f"sync_{i}"
 
@@ -349,7 +359,7 @@ def balanced_bounds(times: list[float], num_stages: int, pp: int) -> list[int]:
 
     lo, hi = max(times), sum(times)
     best = split(hi) or [round(n * k / num_stages) for k in range(num_stages + 1)]
-    for _ in range(50):
+    while hi - lo > 1e-6 * hi:  # to a millionth of the slowest stage
         mid = (lo + hi) / 2
         b = split(mid)
         if b is not None:

@@ -224,7 +224,7 @@ def min_max_split(times: list[float], parts: int) -> float:
         return runs <= parts
 
     lo, hi = max(times), sum(times)
-    for _ in range(50):
+    while hi - lo > 1e-6 * hi:  # lo stays a lower bound at any precision
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if fits(mid) else (mid, hi)
     return lo
