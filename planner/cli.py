@@ -6,6 +6,7 @@ Exit codes: 0 ok, 2 bad input (one line on stderr), 3 nothing fits. ``--debug`` 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -25,10 +26,35 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    """A positive, finite number (seconds, GiB, Gb/s): nan, inf, 0 and negatives are refused."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive and finite, got {text!r}")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises BadInput (one line, exit 2) instead of printing usage and exiting."""
+    """argparse that raises BadInput (one line, exit 2) instead of printing usage and exiting.
+
+    Every float flag of these commands is a positive quantity (seconds, GiB, Gb/s), so a flag
+    declared with ``type=float`` gets `_positive_float`: nan, inf, 0 or a negative number is
+    refused with the flag's name ("plan: --memory-limit must be positive and finite, got 'nan'").
+    A flag that needs zero or negative numbers declares its own type."""
+
+    def add_argument(self, *args, **kwargs):  # type: ignore[override]
+        if kwargs.get("type") is float:
+            kwargs["type"] = _positive_float
+        return super().add_argument(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
+        # argparse words a type function's refusal "argument --flag: must be ..."; say "--flag must be ..."
+        flag, sep, rest = message.partition(": must be ")
+        if sep and flag.startswith("argument -") and " " not in flag[len("argument "):]:
+            message = f"{flag[len('argument '):]} must be {rest}"
         raise BadInput(f"{self.prog}: {message}")
 
 
@@ -50,10 +76,13 @@ def _profile_parser() -> argparse.ArgumentParser:
 def cmd_profile(argv: Sequence[str]) -> int:
     args = _profile_parser().parse_args(argv)
     from planner import schema
+    from planner.files import check_output_path
     from planner.model_file import load_model_file
     from planner.profile import profile_model
     from planner.report.profile_table import render_profile
 
+    if args.output:  # before profiling: a path that cannot be written is refused at once
+        check_output_path(args.output, force=args.force, flag="-o")
     handle = load_model_file(args.model)
     profile = profile_model(
         handle,
@@ -64,7 +93,7 @@ def cmd_profile(argv: Sequence[str]) -> int:
         repeats=args.repeats,
     )
     if args.output:
-        schema.write_new_file(args.output, profile.to_json(), force=args.force)
+        schema.write_new_file(args.output, profile.to_json(), force=args.force, flag="-o")
     if args.json:
         print(profile.to_json())
     else:
@@ -101,8 +130,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=_positive_int, help="fix the micro-batch size")
     p.add_argument("--precision", choices=PRECISIONS, help="bf16/fp16 mixed precision, or fp32 (default bf16; fp32 with --gpu cpu)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default adamw")
-    p.add_argument("--memory-limit", type=float, metavar="GiB", help="usable memory per GPU (default: all of it)")
-    p.add_argument("--inter-node-gbps", type=float, metavar="Gb/s",
+    p.add_argument("--memory-limit", type=_positive_float, metavar="GiB", help="usable memory per GPU (default: all of it)")
+    p.add_argument("--inter-node-gbps", type=_positive_float, metavar="Gb/s",
                    help="network between nodes per GPU, e.g. 400 for one NDR NIC per GPU (default: the GPU type's figure)")
     p.add_argument("--tp", type=_positive_int, help="fix the tensor-parallel degree")
     p.add_argument("--pp", type=_positive_int, help="fix the pipeline-parallel degree")
@@ -111,6 +140,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", choices=RECOMPUTE, help="fix activation recompute for every layer")
     p.add_argument("--sequence-parallel", choices=("on", "off"),
                    help="with tensor parallelism: split norms, residuals and dropout along the sequence too (default: searched)")
+    p.add_argument("--tp-overlap", choices=("on", "off"),
+                   help="plan for a trainer that overlaps TP collectives with the GEMMs (Megatron-LM --tp-comm-overlap, "
+                        "torchtitan async TP; default off: plan run does not)")
     p.add_argument("--hsdp", choices=("on", "off"),
                    help="with ZeRO-2/3 over several nodes: shard inside each node, replicate across nodes (default: searched)")
     p.add_argument("--schedule", choices=SCHEDULES, help="fix the pipeline schedule")
@@ -127,14 +159,18 @@ def _plan_parser() -> argparse.ArgumentParser:
 
 def cmd_plan(argv: Sequence[str]) -> int:
     args = _plan_parser().parse_args(argv)
+    from planner.files import check_output_path
     from planner.model_file import load_model_file
     from planner.planning import PlanRequest, make_plan
     from planner.report.plan_table import render_plan
     from planner.search.space import Fixed
 
-    if args.output and not args.force:
-        if Path(args.output).exists():
-            raise BadInput(f"{args.output}: already exists; pass --force to overwrite it")
+    if args.output:  # before planning: a path that cannot be written is refused at once
+        check_output_path(args.output, force=args.force, flag="-o")
+        if args.run:  # and the run report that goes next to it
+            from runtime.report import report_path
+
+            check_output_path(report_path(args.output), force=args.force)
     request = PlanRequest(
         gpus=args.gpus,
         gpu=args.gpu,
@@ -149,6 +185,7 @@ def cmd_plan(argv: Sequence[str]) -> int:
             schedule=args.schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
             sequence_parallel=None if args.sequence_parallel is None else args.sequence_parallel == "on",
             hsdp=None if args.hsdp is None else args.hsdp == "on",
+            tp_overlap=args.tp_overlap == "on",
         ),
         top_k=args.top,
     )
@@ -163,7 +200,7 @@ def cmd_plan(argv: Sequence[str]) -> int:
     if output:
         from planner import schema
 
-        schema.write_new_file(output, plan.to_json(), force=args.force)
+        schema.write_new_file(output, plan.to_json(), force=args.force, flag="-o" if args.output else None)
     if args.json:
         print(plan.to_json())
     else:
@@ -182,7 +219,7 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive_int, default=10, help="training steps; the first is a warm-up (default 10)")
     p.add_argument("--dry-run", action="store_true", help="print the launch command and the per-rank layout; start nothing")
     p.add_argument("--json", action="store_true", help="print the run report as JSON instead of a table")
-    p.add_argument("--timeout-s", type=float, default=600.0, help="stop the whole run after this many seconds (default 600)")
+    p.add_argument("--timeout-s", type=_positive_float, default=600.0, help="stop the whole run after this many seconds (default 600)")
     p.add_argument("--force", action="store_true", help="overwrite an existing PLAN.run.json")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="save DCP checkpoints (model, optimizer, step) in DIR/step-NNNNNNNN")
     p.add_argument("--checkpoint-every", metavar="K", type=_positive_int, help="save a checkpoint every K steps (needs --checkpoint-dir)")
@@ -198,8 +235,6 @@ def cmd_run(argv: Sequence[str]) -> int:
     from runtime.preflight import check_checkpointing, prepare
     from runtime.report import render_report, report_path
 
-    if args.timeout_s <= 0:
-        raise BadInput(f"plan run: --timeout-s must be positive, got {args.timeout_s:g}")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise BadInput("plan run: --checkpoint-every needs --checkpoint-dir DIR")
     prepared = prepare(args.plan, args.model)
@@ -214,8 +249,9 @@ def cmd_run(argv: Sequence[str]) -> int:
         for line in describe(prepared.plan, prepared.layers) + [f"warning: {w}" for w in runtime_warnings(prepared.plan, prepared.layers)]:
             print(line)
         return 0
-    if out.exists() and not args.force:
-        raise BadInput(f"{out}: already exists; pass --force to overwrite it")
+    from planner.files import check_output_path
+
+    check_output_path(out, force=args.force)  # the run report, next to the plan: before the launch
     result = launch([args.plan], prepared.world_size, model=prepared.handle.path, steps=args.steps,
                     timeout_s=args.timeout_s, run_dir=run_dir, **ckpt)
     report = result.reports[0]
@@ -231,8 +267,14 @@ def cmd_run(argv: Sequence[str]) -> int:
 
 
 def cmd_whatif(argv: Sequence[str]) -> int:
+    from planner.files import check_output_path
+    from planner.report.whatif_table import _parser as whatif_parser
     from planner.report.whatif_table import cmd_whatif as run_whatif
 
+    args = whatif_parser().parse_args(argv)
+    for flag, path in (("--report", args.report), ("--csv", args.csv)):
+        if path:  # before the sweep: a path that cannot be written is refused at once
+            check_output_path(path, force=args.force, flag=flag)
     return run_whatif(argv)
 
 

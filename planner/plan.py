@@ -25,6 +25,8 @@ class Parallel:
     """none | selective | alternate | full | mixed (per layer: see stages[].recompute_layers,
     selective_layers, alternate_layers)."""
     sequence_parallel: bool
+    tp_overlap: bool = False
+    """TP collectives overlapped with the GEMMs (a trainer's feature the runtime lacks: plan run refuses)."""
     dp_replicate: int = 1
     """HSDP (ZeRO-2/3): dp ranks in dp_replicate groups of dp / dp_replicate (one node's); FSDP
     shards inside a group and the groups are replicas (FSDP2 on a 2-D mesh). 1: no HSDP."""
@@ -39,6 +41,8 @@ class Parallel:
             parts.append(sched[self.schedule])
         if self.tp > 1:
             parts.append("sequence parallel" if self.sequence_parallel else "no sequence parallel")
+            if self.tp_overlap:
+                parts.append("TP overlap")
         parts.append(f"ZeRO-{self.zero}" + (f" HSDP {self.dp_replicate} x {self.dp // self.dp_replicate}" if self.dp_replicate > 1 else ""))
         parts.append(f"recompute: {self.recompute}")
         return " · ".join(parts)

@@ -20,7 +20,7 @@ from planner.profile import ModelProfile, profile_model
 from planner.report.units import fmt_bytes
 from planner.search.explain import build_plan
 from planner.search.search import SearchResult, run_search
-from planner.search.space import Fixed
+from planner.search.space import Fixed, plain_cuts
 
 DEFAULT_GPU = "h100-sxm-80gb"
 
@@ -72,6 +72,10 @@ def _check(request: PlanRequest, cluster: Cluster) -> list[str]:
                        f"(it has {have}); FP8 training needs FP8 tensor cores (H100, H200, L40S, MI300X, ...)")
     if f.hsdp and f.zero is not None and f.zero < 2:
         raise BadInput(f"--hsdp on shards with FSDP (ZeRO-2/3), not --zero {f.zero}")
+    if f.tp_overlap and f.sequence_parallel is False:
+        raise BadInput("--tp-overlap on overlaps the sequence-parallel collectives: it needs --sequence-parallel on")
+    if f.tp_overlap and f.tp == 1:
+        warnings.append("--tp-overlap on has no effect with --tp 1")
     if f.sequence_parallel and f.tp == 1:
         warnings.append("--sequence-parallel on has no effect with --tp 1 (it splits tensor-parallel blocks)")
     if f.tp is not None and f.tp > cluster.gpus_per_node:
@@ -158,11 +162,20 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
 
 
 def _check_pipeline_cuts(profile: ModelProfile, request: PlanRequest) -> None:
-    """A fixed --pp needs pp - 1 valid cuts (pp x virtual stages - 1 with --virtual-stages): one line why not."""
+    """A fixed --pp needs pp - 1 valid cuts (pp x virtual stages - 1 with --virtual-stages): one line why not.
+    With --tp > 1 too, the stages must not need the pipelining tracer (the runtime cannot apply
+    tensor parallelism to traced stages yet)."""
     f = request.fixed
     if f.pp is None or f.pp <= 1:
         return
     stages = f.pp * (f.virtual_stages or 1)
+    if f.tp is not None and f.tp > 1 and profile.pipeline_split == "traced" and plain_cuts(profile) < stages - 1:
+        raise BadInput(
+            f"--pp {f.pp} --tp {f.tp}: {profile.model_name}'s forward is a plain sequence of its layers only after "
+            f"{profile.layers[profile.plain_from()].name} ({plain_cuts(profile)} cut(s) there, {stages} stages need "
+            f"{stages - 1}); earlier cuts need the pipelining tracer, whose stages the runtime does not run with tensor "
+            "parallelism yet: fix --tp 1 or fewer stages"
+        )
     cuts = len(profile.cut_points())
     if cuts + 1 >= stages:
         return

@@ -14,7 +14,13 @@ stage exactly as to a whole model.
 - Every later stage runs its layers in order, each on the previous one's output. This needs the
   model's forward to be a plain sequence of its layers from the first split point on (checked once
   on the meta device: each layer's input is the previous layer's output and the model's output is
-  the last layer's); a model that is not gets a one-line error naming it.
+  the last layer's); a model that is not is split by the tracer instead (below). The planner puts
+  the first cut of a plan with tensor parallelism where the layers run in sequence
+  (ModelProfile.plain_from), and plan run refuses before launch a plan that would need the tracer
+  with TP (``traced_reason``).
+- A weight tied across stages (a token embedding in stage 0, the LM head in the last) is one copy
+  per stage module; after each step the copies' gradients are summed over the pipeline ranks that
+  hold them (``tied_copies``, ``sum_copies_grads``), so the copies stay equal, as one process's.
 
 Traced split: a model whose forward is not such a sequence (Hugging Face blocks take a mask and
 position arguments; glue between layers) is split with ``torch.distributed.pipelining.pipeline()``
@@ -117,6 +123,16 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent._modules[leaf] = new
 
 
+def traced_reason(handle: ModelHandle, plan: Plan, layers: tuple[LayerSplit, ...]) -> str | None:
+    """Why this plan's stages are split by the pipelining tracer, or None when the forward from the
+    plan's first split on is a plain sequence of its layers (runtime/pipeline.py's docstring,
+    "Traced split"). run_pipeline decides with it, and plan run's preflight refuses before launch
+    what the traced path cannot run (tensor parallelism)."""
+    first_split = stage_layers(plan)[1][1][0]
+    sample = slice_rows(global_batch(handle, plan, 0)[0], 0, plan.parallel.micro_batch)
+    return sequential_reason(handle, [l.name for l in layers], first_split, sample)
+
+
 def sequential_reason(handle: ModelHandle, names: list[str], first_split: str, sample: Any) -> str | None:
     """None when the model's forward, from `first_split` on, is a plain sequence of its layers
     (each layer called once on the previous one's output alone, the model returning the last
@@ -196,6 +212,60 @@ def build_stage_module(
     return model
 
 
+def tied_copies(
+    full: nn.Module, stages: list[tuple[int, tuple[str, ...]]], all_names: list[str], modules: list[nn.Module],
+    my_stages: list[int], mesh: DeviceMesh, pp_index: int,
+) -> list[tuple[list[nn.Parameter], dist.ProcessGroup | None]]:
+    """A weight tied across stages (a token embedding and the LM head) is one copy per stage
+    module: for each, this rank's copies and a group of the pipeline ranks holding one (None: all
+    on this rank), so that their gradients are summed after each step and the copies stay equal.
+    Every rank creates every group, in the same order. A stage holds a parameter under a layer of
+    its own, or, for stage 0, one outside every layer."""
+    aliases: dict[int, list[str]] = {}
+    for n, q in full.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(q), []).append(n)
+
+    def held(s: int, n: str) -> bool:
+        layer = next((l for l in all_names if n.startswith(l + ".")), None)
+        return layer in stages[s][1] if layer is not None else s == 0
+
+    ranks = mesh.mesh  # (pp, dp, tp) -> global rank
+    dp_index, tp_index = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    out: list[tuple[list[nn.Parameter], dist.ProcessGroup | None]] = []
+    for names in sorted(ns for ns in aliases.values() if len(ns) > 1):
+        holders = {s: next(n for n in names if held(s, n)) for s in range(len(stages)) if any(held(s, n) for n in names)}
+        if len(holders) < 2:
+            continue  # one module holds every use: autograd already sums them
+        pp_ranks = sorted({stages[s][0] for s in holders})
+        mine: dict[int, dist.ProcessGroup | None] = {}
+        if len(pp_ranks) > 1:
+            for d in range(ranks.shape[1]):
+                for t in range(ranks.shape[2]):
+                    group = dist.new_group([int(ranks[r, d, t]) for r in pp_ranks])
+                    if (d, t) == (dp_index, tp_index):
+                        mine[0] = group
+        local = [modules[my_stages.index(s)].get_parameter(n) for s, n in holders.items() if s in my_stages]
+        if local:
+            out.append((local, mine.get(0)))
+    return out
+
+
+def sum_copies_grads(copies: list[tuple[list[nn.Parameter], dist.ProcessGroup | None]]) -> None:
+    """Sum the gradients of each tied weight's copies (tied_copies) and give every copy the sum."""
+    from torch.distributed.tensor import DTensor
+
+    for params, group in copies:
+        grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        total = torch.stack(local).sum(0)
+        if group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        for q, g in zip(params, grads):
+            if q.grad is None:
+                q.grad = g
+            (q.grad.to_local() if isinstance(q.grad, DTensor) else q.grad).copy_(total)
+
+
 def _add_build(build: BuildInfo, made: BuildInfo) -> None:
     """Add one stage's meta-path materialisation to this rank's BuildInfo."""
     build.materialized_parameters += made.materialized_parameters
@@ -233,11 +303,8 @@ def run_pipeline(
     stages = stage_layers(plan)
     all_names = [l.name for l in layers]
     by_name = {l.name: l for l in layers}
-    split_points = [names[0] for _, names in stages[1:]]
     sample = slice_rows(global_batch(handle, plan, 0)[0], 0, p.micro_batch)
-    # A forward that is not a plain sequence of its layers from the first split on is split by the
-    # pipelining tracer instead (runtime/pipeline.py's docstring, "Traced split").
-    not_sequential = sequential_reason(handle, all_names, split_points[0], sample)
+    not_sequential = traced_reason(handle, plan, layers)
 
     meta_full = handle.build_model("meta")
     on_meta = use_meta(meta_full, device)
@@ -254,6 +321,7 @@ def run_pipeline(
     modules, wrapped_stages, params, owned = [], [], {}, {}
     loss_fn: Callable[[Any, Any], torch.Tensor] = handle.loss
     tied: list[tuple[str, dist.ProcessGroup]] = []
+    copies: list[tuple[list[nn.Parameter], dist.ProcessGroup | None]] = []
     input_names: list[str] | None = None
     if not_sequential is not None:
         if on_meta:
@@ -296,6 +364,8 @@ def run_pipeline(
         })
         modules.append(module)
         wrapped_stages.append(PipelineStage(wrapped, s, len(stages), device, group=pp_group))
+    if not_sequential is None:
+        copies = tied_copies(full, stages, all_names, modules, [s for s, _ in mine], mesh, pp_index)
     del full
     if p.schedule == "interleaved":
         schedule = ScheduleInterleaved1F1B(wrapped_stages, n_microbatches=p.num_microbatches, loss_fn=loss_fn)
@@ -341,6 +411,7 @@ def run_pipeline(
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             schedule.step(*args, target=targets if has_last else None, losses=micro if has_last else None, **kwargs)
         sum_tied_grads(tied, owned)
+        sum_copies_grads(copies)
         optimizer.step()
         total = torch.zeros((), device=device)
         if has_last:

@@ -103,17 +103,25 @@ def prepare(plan_path: str | Path, model_path: str | Path | None = None, *, on_l
     `on_launcher`: also check that this machine hosts the plan's devices (workers skip it: on
     several nodes each sees only its own GPUs)."""
     plan_path = Path(plan_path)
-    plan = Plan.load(plan_path)
+    plan = Plan.load(plan_path)  # BadInput naming the file and the field: planner.schema checks every plan it loads
     p = plan.parallel
     world_size = p.dp * p.tp * p.pp
-    assert world_size == plan.cluster.num_gpus, (
-        f"dp({p.dp}) * tp({p.tp}) * pp({p.pp}) != planned devices({plan.cluster.num_gpus})"
-    )
+    if world_size != plan.cluster.num_gpus:  # Plan.load refuses it already (planner.schema.check_plan)
+        raise BadInput(
+            f"{plan_path}: parallel: dp {p.dp} x tp {p.tp} x pp {p.pp} = {world_size}, not cluster.num_gpus {plan.cluster.num_gpus}"
+        )
     if plan.training.precision == "fp8":
         raise BadInput(
             f"{plan_path}: FP8 training (torchao Float8 Linears) is planned but not run by this runtime yet; "
             "re-plan with --precision bf16 to run it here"
         )
+    if p.tp_overlap:
+        raise BadInput(
+            f"{plan_path}: the plan overlaps TP collectives with the GEMMs (--tp-overlap on, as Megatron-LM's "
+            "--tp-comm-overlap or torchtitan's async TP run it), which this runtime does not; re-plan without it to run it here"
+        )
+    if p.dp_replicate > 1 and (p.zero < 2 or p.dp % p.dp_replicate):
+        raise BadInput(f"{plan_path}: parallel.dp_replicate {p.dp_replicate} needs ZeRO-2/3 and must divide dp {p.dp}")
     path = Path(model_path if model_path is not None else plan.model.path).expanduser()
     if not path.is_file():
         raise BadInput(f"{path}: no such model file (pass --model MODEL.py)")
@@ -132,9 +140,15 @@ def prepare(plan_path: str | Path, model_path: str | Path | None = None, *, on_l
             f"{path.name}: its layers differ from the plan's ({diff or 'another order'}): re-plan"
         )
     if p.pp > 1:
-        from runtime.pipeline import check_pipeline
+        from runtime.pipeline import check_pipeline, traced_reason
 
         check_pipeline(plan, layers)
+        why = traced_reason(handle, plan, layers) if p.tp > 1 and on_launcher else None
+        if why is not None:
+            raise BadInput(
+                f"{plan_path}: tensor parallelism on pipeline stages split by the tracer is not supported yet "
+                f"(the split is traced because {why}): re-plan with --tp 1 or --pp 1"
+            )
     if on_launcher:
         device_type = check_devices(plan, plan_path, world_size)
     else:

@@ -301,10 +301,8 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
     sp = value(p.get("sequence_parallel"))
     if sp is None and tp > 1:
         assumed.append("sequence parallelism free")
-    if value(p.get("async_tp")) and tp > 1:
-        notes.append("async TP")
-    if "tp-comm-overlap" in str(value(p.get("overlap"))) and tp > 1:
-        notes.append("TP overlap")
+    # TP overlap: Megatron-LM's --tp-comm-overlap, torchtitan's async TP (the cost model's --tp-overlap)
+    tp_overlap = tp > 1 and bool(value(p.get("async_tp")) or "tp-comm-overlap" in str(value(p.get("overlap"))))
     if value(p.get("torch_compile")):
         notes.append("compile")
     zero = _zero(p, notes)
@@ -330,6 +328,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
         schedule=schedule, virtual_stages=v, recompute=recompute,
         sequence_parallel=bool(sp) if sp is not None and tp > 1 else None,
         hsdp=("hsdp" in zero_text or "hybrid" in zero_text) if zero >= 2 and dp > 1 else None,
+        tp_overlap=tp_overlap or None,
     )
     peak_gib = value((e.get("measured") or {}).get("peak_memory_gib"))
     return Row(

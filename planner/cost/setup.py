@@ -70,6 +70,10 @@ class Candidate:
     (Korthikanti et al. 2022), their activations and work divided by tp; without it they run
     replicated on every TP rank. Same communication volume either way (all-gather +
     reduce-scatter in place of each all-reduce)."""
+    tp_overlap: bool = False
+    """With tp > 1 and sequence parallelism: TP's all-gathers and reduce-scatters run in chunks
+    beside the Linear GEMMs they feed (Megatron-LM --tp-comm-overlap, torchtitan's async TP),
+    exposed only where they outlast those GEMMs, and never below one chunk (1/tp of them)."""
     dp_replicate: int = 1
     """HSDP (ZeRO-2/3 only): the dp ranks form dp_replicate groups of dp_shard = dp / dp_replicate
     (one node's data-parallel ranks); FSDP shards inside a group, and the groups hold replicas
@@ -91,6 +95,7 @@ class Candidate:
             sched += f" x{self.virtual_stages}"
         if self.tp > 1:
             sched += " · SP" if self.sequence_parallel else " · no SP"
+            sched += " · TP overlap" if self.tp_overlap else ""
         hsdp = f" · HSDP {self.dp_replicate} x {self.dp_shard}" if self.dp_replicate > 1 else ""
         return (
             f"dp={self.dp} tp={self.tp} pp={self.pp} · micro-batch {self.micro_batch} x "

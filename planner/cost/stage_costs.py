@@ -81,6 +81,10 @@ class StageCosts:
     limit_bytes: int
     p2p_s: float
     """Pipeline sends per stage per micro-batch: the activation forward, its gradient backward."""
+    min_first_atoms: int
+    """Atoms the first pipeline stage must hold at least: with tp > 1 on a model split by the
+    pipelining tracer, the first cut must leave a plain sequence of layers after it (the runtime
+    applies TP only to stages it splits without the tracer: ModelProfile.plain_from)."""
     mb_comm_atom_s: float
     mb_comm_param_s: float
     """Data-parallel traffic every micro-batch: ZeRO-3 all-gathers each atom's parameters for
@@ -199,6 +203,13 @@ def _layer_costs(
         volume = layer.tp.allreduce_bytes * scale
         tp_fwd = ar(volume) if layer.tp.rowwise else 0.0
         tp_bwd = ar(volume) if layer.tp.colwise else 0.0
+        if cand.tp_overlap and cand.sequence_parallel:
+            # chunked beside the Linear GEMMs (their share of the phase's time): what outlasts
+            # them, and at least the first chunk
+            gemm_fwd = fwd * layer.fwd_linear_flops / layer.fwd_flops if layer.fwd_flops else 0.0
+            gemm_bwd = bwd * layer.bwd_linear_flops / layer.bwd_flops if layer.bwd_flops else 0.0
+            tp_fwd = max(tp_fwd / shard, tp_fwd - gemm_fwd)
+            tp_bwd = max(tp_bwd / shard, tp_bwd - gemm_bwd)
     fwd += tp_fwd
     bwd += tp_bwd
 
@@ -257,10 +268,11 @@ def atom_table(
     micro_batch: int,
     cpu_factor: float | None = None,
     sequence_parallel: bool = True,
+    tp_overlap: bool = False,
 ) -> tuple[AtomCost, ...]:
-    """Per-atom costs for a TP degree, micro-batch and sequence-parallel choice (what the other
-    choices do not change). `cpu_factor`: use the profile's measured seconds, times this."""
-    probe = Candidate(tp, 1, 1, micro_batch, 1, 0, "1f1b", sequence_parallel=sequence_parallel)
+    """Per-atom costs for a TP degree, micro-batch, sequence-parallel and TP-overlap choice (what
+    the other choices do not change). `cpu_factor`: use the profile's measured seconds, times this."""
+    probe = Candidate(tp, 1, 1, micro_batch, 1, 0, "1f1b", sequence_parallel=sequence_parallel, tp_overlap=tp_overlap)
     tp_link = links(cluster, probe).tp
     layers = profile.layers
     per_layer = []
@@ -310,7 +322,8 @@ def stage_costs(
     lk = links(cluster, cand)
     layers = profile.layers
     if atoms is None:
-        atoms = atom_table(profile, cluster, training, cand.tp, cand.micro_batch, cpu_factor, cand.sequence_parallel)
+        atoms = atom_table(profile, cluster, training, cand.tp, cand.micro_batch, cpu_factor, cand.sequence_parallel,
+                           cand.tp_overlap)
     w, g, o = training.bytes_per_param()
     max_act = max(a.act_bytes[NONE] for a in atoms)
     max_params = sorted((a.params for a in atoms), reverse=True)[:2]
@@ -340,6 +353,10 @@ def stage_costs(
     elif zero == 2 and dp > 1:
         per_atom, per_param = rs.fixed_s, rs.per_byte_s * g
     model_flops = sum(l.fwd_flops + l.bwd_flops for l in layers) * training.global_batch / profile.batch_size
+    first_atoms = 1
+    if cand.tp > 1 and cand.pp > 1 and profile.pipeline_split == "traced":
+        start = profile.plain_from()
+        first_atoms = next((k + 1 for k, a in enumerate(atoms) if a.last >= start), len(atoms))
     return StageCosts(
         cand=cand,
         atoms=atoms,
@@ -352,6 +369,7 @@ def stage_costs(
         reserve_fixed_bytes=RESERVE_GPU_BYTES if on_gpu else RESERVE_CPU_BYTES,
         limit_bytes=training.memory_limit_bytes,
         p2p_s=2 * comm.p2p(lk.pp)(cut_bytes) if cand.pp > 1 else 0.0,
+        min_first_atoms=first_atoms,
         mb_comm_atom_s=per_atom,
         mb_comm_param_s=per_param,
         grad_sync=grad_sync,

@@ -335,6 +335,7 @@ def _assemble(
                 activation_bytes=saved[li],
                 output_bytes=crossing[li] if li < num_layers - 1 else 0,
                 cut_after_ok=li < num_layers - 1 and crossing_count[li] > 0 and foreign[li] == 0,
+                cut_plain=li < num_layers - 1 and crossing_count[li] > 0 and foreign[li] == 0,
                 fwd_s=seconds(fwd_s, li),
                 bwd_s=seconds(bwd_s, li),
                 **{k: v[li] for k, v in extra.items()},

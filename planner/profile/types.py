@@ -40,6 +40,10 @@ class LayerProfile:
     and sends whatever crosses (masks, position embeddings, ...; all counted in output_bytes)."""
     fwd_s: Optional[float] = None
     bwd_s: Optional[float] = None
+    cut_plain: Optional[bool] = None
+    """Whether what crosses the cut after this layer is exactly what it returned (a split there
+    needs no tracer), whatever cut_after_ok says. None in profiles made before the field: read
+    as cut_after_ok where the split is sequential."""
     # -- what the cost model needs beyond the headline figures --------------------------------
     activation_matmul_bytes: int = 0
     """Bytes of the forward's matmul-like outputs: what selective recompute (save matmuls, recompute
@@ -196,4 +200,17 @@ class ModelProfile(schema.Versioned):
     def cut_points(self) -> list[int]:
         """Indices i such that a pipeline stage may end after layer i."""
         return [layer.index for layer in self.layers[:-1] if layer.cut_after_ok]
+
+    def plain_from(self) -> int:
+        """The first layer index i from which every cut (after i, i + 1, ...) is a plain hand-over:
+        a pipeline whose first stage ends at or after layer i runs its stages as a plain sequence
+        of layers, without the tracer (the runtime's tensor parallelism needs that)."""
+        start = len(self.layers) - 1
+        for layer in reversed(self.layers[:-1]):
+            plain = layer.cut_plain if layer.cut_plain is not None else (
+                layer.cut_after_ok and self.pipeline_split != "traced")
+            if not plain:
+                break
+            start = layer.index
+        return start
 

@@ -385,4 +385,6 @@ def render_report(sweep: Sweep) -> str:
 
 
 def write_report(sweep: Sweep, path: str | Path) -> None:
-    Path(path).expanduser().write_text(render_report(sweep), encoding="utf-8")
+    from planner.files import atomic_write_text
+
+    atomic_write_text(path, render_report(sweep), encoding="utf-8")

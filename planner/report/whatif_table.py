@@ -292,7 +292,9 @@ def to_jsonable(sweep: Sweep) -> dict:
 
 def write_csv(sweep: Sweep, path: str) -> None:
     rows = [p.row() for p in sweep.points]
-    with open(Path(path).expanduser(), "w", newline="", encoding="utf-8") as f:
+    from planner.files import atomic_open
+
+    with atomic_open(path, newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)

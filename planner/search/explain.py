@@ -36,6 +36,7 @@ def parallel_of(s: Scored) -> Parallel:
         dp=c.dp, tp=c.tp, pp=c.pp, micro_batch=c.micro_batch, num_microbatches=c.num_microbatches,
         zero=c.zero, schedule=c.schedule, virtual_stages=c.virtual_stages,
         recompute=recompute_label(s.partition.choice), sequence_parallel=c.sequence_parallel, dp_replicate=c.dp_replicate,
+        tp_overlap=c.tp_overlap,
     )
 
 
@@ -200,8 +201,9 @@ def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int
         where = "inside a node (NVLink)" if not best.costs.links.tp_spans_nodes else "ACROSS nodes (slow: keep TP inside a node if you can)"
         sp = ("with sequence parallelism (norms, residuals and dropout split along the sequence too)" if c.sequence_parallel
               else "without sequence parallelism (norms, residuals and dropout whole on every TP rank)")
+        overlap = " (overlapped with the GEMMs: what outlasts them)" if c.tp_overlap else ""
         lines.append(f"Tensor parallelism over {c.tp} GPUs {where} splits each block's matmuls, {sp}; "
-                     f"its collectives cost {fmt_seconds(breakdown(best)['tp_comm'])} per step.")
+                     f"its collectives cost {fmt_seconds(breakdown(best)['tp_comm'])} per step{overlap}.")
     if c.pp > 1:
         lines.append(
             f"The pipeline has {c.pp} stages and {c.num_microbatches} micro-batches"

@@ -16,7 +16,8 @@ Variables
     T_i >= 0                  time per micro-batch of rank i;  M >= T_i
     X_i >= 0                  exposed gradient sync of rank i;  U >= sync_i
 Constraints
-    [Place]      sum_g u_sg = 1;  s + 1 <= E_s <= A - (S - 1 - s)
+    [Place]      sum_g u_sg = 1;  s + 1 <= E_s <= A - (S - 1 - s);  E_0 >= the first stage's
+                 least atoms (StageCosts.min_first_atoms: TP on a traced model)
     [Order]      E_s >= E_{s-1} + 1                           every stage non-empty
     [Chunks]     interleaved schedules only: E_s fixed to the balanced split of the atoms
     [Recompute]  sum_k r_kgi <= sum_{s on i} c_gs   (or r_kgi = that for a fixed choice k)
@@ -113,7 +114,9 @@ def solve_partition(
     u: dict[tuple[int, int], object] = {}
     o: dict[tuple[int, int], object] = {}
     for s in range(S - 1):
-        lo, hi = s + 1, A - (S - 1 - s)
+        lo, hi = max(s + 1, costs.min_first_atoms if s == 0 else 0), A - (S - 1 - s)
+        if lo > hi:
+            return PartitionResult("infeasible", None, None, None, time.perf_counter() - start)
         inside = [g for g, seg in enumerate(segs) if seg.start < hi and seg.start + seg.count >= lo]
         for g in inside:
             seg = segs[g]
@@ -386,7 +389,7 @@ def _start_plan(costs, recompute, initial) -> tuple[tuple[int, ...], tuple[int, 
             ev = evaluate(costs, bounds, choice)
             if ev.fits:
                 break
-    if not ev.fits:
+    if not ev.fits or (S > 1 and bounds[1] < costs.min_first_atoms):
         return None
     if cand.schedule == "interleaved" and cand.virtual_stages > 1:
         chunks = balanced_bounds([a.fwd_s + a.bwd_s for a in costs.atoms], S, p)

@@ -183,9 +183,9 @@ def run_search(
     tables: dict[tuple[int, int, bool], tuple] = {}
 
     def costs_of(cand: Candidate) -> StageCosts:
-        key = (cand.tp, cand.micro_batch, cand.sequence_parallel)
+        key = (cand.tp, cand.micro_batch, cand.sequence_parallel, cand.tp_overlap)
         if key not in tables:
-            tables[key] = atom_table(profile, cluster, training, cand.tp, cand.micro_batch, cpu_factor, cand.sequence_parallel)
+            tables[key] = atom_table(profile, cluster, training, *key[:2], cpu_factor, *key[2:])
         return stage_costs(profile, cluster, training, cand, cpu_factor, atoms=tables[key])
 
     survivors: list[tuple[float, StageCosts]] = []

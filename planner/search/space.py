@@ -41,7 +41,17 @@ class Fixed:
     recompute: str | None = None
     sequence_parallel: bool | None = None
     hsdp: bool | None = None
+    tp_overlap: bool | None = None
+    """Only ever on when asked for: the runtime does not overlap TP collectives (plan run refuses)."""
 
+
+TRACED_TP = "tensor parallelism needs pipeline cuts that leave a plain sequence of layers (the tracer's are not run with TP yet)"
+
+
+def plain_cuts(profile: ModelProfile) -> int:
+    """Cuts from which on the model is a plain sequence of layers (ModelProfile.plain_from)."""
+    start = profile.plain_from()
+    return sum(1 for i in profile.cut_points() if i >= start)
 
 # Model chunks per rank tried for interleaved 1F1B: the published Megatron-LM runs use 2-3
 # (published_runs.yaml: 3-5 layers per virtual stage); more multiplies the pipeline sends.
@@ -92,6 +102,9 @@ def candidates(
         for pp in divisors(num_gpus // tp):
             if fixed.pp is not None and pp != fixed.pp:
                 continue
+            if tp > 1 and pp > 1 and profile.pipeline_split == "traced" and plain_cuts(profile) < pp - 1:
+                stats.reject(TRACED_TP)
+                continue
             if pp > num_atoms:
                 stats.reject(f"pp={pp} needs more pipeline cuts than the model's {num_atoms - 1}")
                 continue
@@ -110,7 +123,8 @@ def candidates(
                 for b in sizes:
                     for cand in _schedules(tp, pp, dp, b, per_replica // b, num_atoms, fixed, stats):
                         for rep in replicas if cand.zero >= 2 else [] if fixed.hsdp else [1]:
-                            yield replace(cand, sequence_parallel=sp, dp_replicate=rep)
+                            yield replace(cand, sequence_parallel=sp, dp_replicate=rep,
+                                          tp_overlap=bool(fixed.tp_overlap) and sp)
 
 
 def _hsdp_replicas(tp: int, dp: int, gpus_per_node: int, fixed: Fixed, stats: SpaceStats) -> list[int]:
@@ -131,6 +145,8 @@ def _sequence_parallel(profile: ModelProfile, tp: int, fixed: Fixed, stats: Spac
     if tp == 1:
         return [False]
     choices = [True, False] if fixed.sequence_parallel is None else [fixed.sequence_parallel]
+    if fixed.tp_overlap:  # TP overlap chunks the sequence-parallel collectives
+        choices = [c for c in choices if c]
     if True in choices and profile.seq_len and profile.seq_len % tp:
         stats.reject(f"sequence parallelism needs tp={tp} to divide the sequence ({profile.seq_len})")
         choices.remove(True)

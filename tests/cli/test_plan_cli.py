@@ -1,6 +1,7 @@
 """`plan MODEL.py --gpus N` as a user runs it: the choice, the JSON, the exit codes."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -184,3 +185,73 @@ def test_fp8_is_planned_where_the_gpu_has_fp8_and_refused_elsewhere(capsys, tmp_
     assert main(["run", str(out)]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip()
     assert "FP8 training" in err and "not run by this runtime yet" in err and "\n" not in err
+
+
+def test_tp_overlap_is_planned_when_asked_and_refused_by_the_runtime(capsys, tmp_path):
+    """--tp-overlap on plans for a trainer that hides TP collectives behind the GEMMs: faster than
+    the same plan without, stated in the plan, refused by plan run in one line; with SP off, exit 2."""
+    args = [str(EXAMPLES / "llama_7b.py"), "--gpus", "8", "--global-batch", "64", "--tp", "8", "--micro-batch", "1"]
+    plain, over = (_plan_json(capsys, *args, "--tp-overlap", v) for v in ("off", "on"))
+    assert over["parallel"]["tp_overlap"] is True and plain["parallel"]["tp_overlap"] is False
+    assert over["predicted"]["breakdown_s"]["tp_comm"] < plain["predicted"]["breakdown_s"]["tp_comm"]
+    assert over["predicted"]["step_time_s"] < plain["predicted"]["step_time_s"]
+    assert any("overlapped with the GEMMs" in line for line in over["explanation"])
+    free = _plan_json(capsys, str(EXAMPLES / "llama_7b.py"), "--gpus", "8", "--global-batch", "64", "--tp", "8")
+    assert free["parallel"]["tp_overlap"] is False  # never offered unasked: the runtime cannot run it
+    assert main([*args, "--tp-overlap", "on", "--sequence-parallel", "off"]) == EXIT_BAD_INPUT
+    assert "needs --sequence-parallel on" in capsys.readouterr().err
+    out = tmp_path / "over.json"
+    assert main([*args, "--tp-overlap", "on", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(out)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert "overlaps TP collectives" in err and "\n" not in err
+
+
+def test_hsdp_shards_inside_nodes_when_asked(capsys):
+    """--hsdp on: ZeRO-3 over 16 GPUs in 2 nodes as 2 replicas of 8 shards, state sharded over 8,
+    said in the plan; with ZeRO-1, exit 2."""
+    args = [str(EXAMPLES / "llama_7b.py"), "--gpus", "16", "--global-batch", "64", "--dp", "16", "--zero", "3"]
+    flat, hsdp = (_plan_json(capsys, *args, "--hsdp", v) for v in ("off", "on"))
+    assert flat["parallel"]["dp_replicate"] == 1 and hsdp["parallel"]["dp_replicate"] == 2
+    assert hsdp["stages"][0]["memory_bytes"]["optimizer"] == pytest.approx(2 * flat["stages"][0]["memory_bytes"]["optimizer"], rel=1e-6)
+    assert any("as HSDP" in line for line in hsdp["explanation"])
+    assert main([*args[:-2], "--zero", "1", "--hsdp", "on"]) == EXIT_BAD_INPUT
+    assert "--hsdp on shards with FSDP" in capsys.readouterr().err
+
+
+NANOGPT = Path(__file__).parents[1] / "nanogpt_model.py"
+
+
+def test_tp_with_pp_on_a_traced_model_cuts_where_the_layers_run_in_sequence(capsys):
+    """A GPT written as nanoGPT is (token and position embeddings summed in forward) needs the
+    pipelining tracer for a cut before its first block, and the runtime applies TP only to stages
+    it splits without it: with --tp 2 --pp 2 the first stage ends at a block or later (the run
+    itself: tests/distributed/test_parity.py, pp_dp_tp_nanogpt); 7 stages need more such cuts
+    (6) than the model has (5): one line, exit 2."""
+    base = [str(NANOGPT), "--gpu", "cpu", "--gpus", "8", "--global-batch", "8"]
+    plan = _plan_json(capsys, *base, "--pp", "2", "--tp", "2", "--dp", "2")
+    first_block = plan["model"]["layer_names"].index("h.0")
+    assert plan["model"]["layer_names"].index(plan["stages"][0]["chunks"][0][-1]) >= first_block
+    assert main([str(NANOGPT), "--gpu", "cpu", "--gpus", "28", "--global-batch", "8", "--pp", "7", "--tp", "2",
+                 "--dp", "2", "--micro-batch", "1"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert "a plain sequence of its layers only after h.0" in err and "fix --tp 1 or fewer stages" in err and "\n" not in err
+
+
+def test_plan_run_refuses_tp_on_traced_stages_before_launch(capsys, tmp_path):
+    """A plan edited by hand so that TP meets a cut only the tracer can make: plan run says why in
+    one line, and launches nothing (no run folder)."""
+    out = tmp_path / "pp.json"
+    assert main([str(NANOGPT), "--gpu", "cpu", "--gpus", "8", "--global-batch", "8", "--pp", "2", "--tp", "2",
+                 "--dp", "2", "--micro-batch", "1", "--schedule", "1f1b", "-o", str(out)]) == 0
+    capsys.readouterr()
+    data = json.loads(out.read_text())
+    names = data["model"]["layer_names"]
+    data["stages"][0]["layers"] = data["stages"][0]["chunks"][0] = names[:1]  # cut after wte
+    data["stages"][1]["layers"] = data["stages"][1]["chunks"][0] = names[1:]
+    out.write_text(json.dumps(data))
+    assert main(["run", str(out)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert "tensor parallelism on pipeline stages split by the tracer" in err and "\n" not in err
+    assert not (tmp_path / "pp.run.d").exists()

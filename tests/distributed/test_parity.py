@@ -89,11 +89,17 @@ CONFIGS = {
     "pp_dp": (4, Fixed(dp=2, tp=1, pp=2, zero=0, micro_batch=2, recompute="alternate", schedule="1f1b")),
     "pp_dp_zero1": (4, Fixed(dp=2, tp=1, pp=2, zero=1, micro_batch=2, recompute="none", schedule="1f1b")),
     "pp_dp_tp": (8, Fixed(dp=2, tp=2, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b", sequence_parallel=True)),
+    # a GPT written as nanoGPT is (embeddings summed in forward, tied head: tests/nanogpt_model.py),
+    # whose first cut the planner puts where the layers run in sequence, so that TP applies
+    "pp_dp_tp_nanogpt": (8, Fixed(dp=2, tp=2, pp=2, zero=0, micro_batch=1, recompute="none", schedule="1f1b",
+                                  sequence_parallel=True)),
     # the same model taking its inputs as a dict (keyword arguments): stage 0 gets them positionally
     "pp_interleaved_dict": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none",
                                      schedule="interleaved", virtual_stages=2)),
 }
 DICT_CONFIGS = {"pp_interleaved_dict"}
+NANOGPT_CONFIGS = {"pp_dp_tp_nanogpt"}
+NANOGPT = Path(__file__).parents[1] / "nanogpt_model.py"
 
 # MODEL with its inputs as {"input_ids": ...}: same weights and data, so the same reference
 DICT_MODEL = MODEL + """
@@ -137,6 +143,8 @@ def plans(workdir) -> dict[str, Path]:
                               gpus_per_node=2 if fixed.hsdp else None)
         if name in DICT_CONFIGS:
             plan = make_plan(dict_handle, request, dict_profile)
+        elif name in NANOGPT_CONFIGS:
+            plan = make_plan(load_model_file(NANOGPT), request)
         else:
             plan = make_plan(handle, request, profile)
         out[name] = workdir / f"{name}.json"
@@ -171,9 +179,16 @@ def runs(plans, workdir) -> dict[str, tuple[object, Path]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def nanogpt_reference(plans) -> tuple[list[float], dict[str, torch.Tensor]]:
+    return single_process(plans["pp_dp_tp_nanogpt"], STEPS)
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_matches_single_process(name, runs, reference):
+def test_matches_single_process(name, runs, reference, request):
     report, params_path = runs[name]
+    if name in NANOGPT_CONFIGS:
+        reference = request.getfixturevalue("nanogpt_reference")
     assert_matches(name, report.measured.losses, params_path, reference)
     assert report.measured.step_time_s > 0 and len(report.measured.peak_memory_bytes) == CONFIGS[name][0]
 
@@ -233,7 +248,7 @@ def test_pipeline_and_layer_mismatch_refused(plans, workdir, capsys):
     pipe = workdir / "pipe.json"
     pipe.write_text(json.dumps(data))
     assert main(["run", str(pipe)]) == 2
-    assert "pipeline schedule 'zbv' is not supported" in capsys.readouterr().err
+    assert 'parallel.schedule: "zbv" is not one of gpipe, 1f1b, interleaved' in capsys.readouterr().err
 
     data = json.loads(plans["pp_1f1b"].read_text())
     data["stages"][0]["chunks"] = [data["stages"][0]["chunks"][0][:-1]]

@@ -294,3 +294,21 @@ def test_hsdp_shards_inside_a_node_and_all_reduces_the_shards_across():
     flat = stage_costs(profile, cluster, training, replace(cand, dp_replicate=1))
     assert flat.state_bytes_per_param() == pytest.approx((2 / 16, 2 / 16, 12 / 16))
     assert costs.mb_comm_param_s < flat.mb_comm_param_s
+
+
+def test_tp_overlap_hides_the_collectives_behind_the_linear_gemms(gpt_bf16):
+    """--tp-overlap (Megatron-LM's --tp-comm-overlap, torchtitan's async TP): per phase, a block's
+    TP collectives cost what outlasts its Linear GEMMs, and at least one chunk of tp."""
+    from planner.cost.stage_costs import atom_table
+
+    cluster, training = make_cluster("a100-80gb", 2), Training("bf16", "adamw", 8, 80 * 2**30)
+    plain = atom_table(gpt_bf16, cluster, training, tp=2, micro_batch=256, sequence_parallel=True)
+    over = atom_table(gpt_bf16, cluster, training, tp=2, micro_batch=256, sequence_parallel=True, tp_overlap=True)
+    i = next(k for k, a in enumerate(plain) if gpt_bf16.layers[a.first].name == "blocks.0")
+    block, a, b = gpt_bf16.layers[plain[i].first], plain[i], over[i]
+    per_phase = a.tp_comm_s / 2  # one all-reduce's worth forward, one backward
+    gemm_fwd = (a.fwd_s - per_phase) * block.fwd_linear_flops / block.fwd_flops
+    gemm_bwd = (a.bwd_s - per_phase) * block.bwd_linear_flops / block.bwd_flops
+    expect = max(per_phase / 2, per_phase - gemm_fwd) + max(per_phase / 2, per_phase - gemm_bwd)
+    assert b.tp_comm_s == pytest.approx(expect) and b.tp_comm_s < a.tp_comm_s
+    assert b.fwd_s + b.bwd_s - b.tp_comm_s == pytest.approx(a.fwd_s + a.bwd_s - a.tp_comm_s)  # same math
