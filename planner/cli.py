@@ -6,56 +6,14 @@ Exit codes: 0 ok, 2 bad input (one line on stderr), 3 nothing fits. ``--debug`` 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from planner.cli_args import _Parser, _positive_float, _positive_int  # noqa: F401 (re-exported)
 from planner.errors import EXIT_BAD_INPUT, BadInput, PlanError
 
 DTYPES = ("bf16", "fp16", "fp32")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    """A positive, finite number (seconds, GiB, Gb/s): nan, inf, 0 and negatives are refused."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive and finite, got {text!r}")
-    return value
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises BadInput (one line, exit 2) instead of printing usage and exiting.
-
-    Every float flag of these commands is a positive quantity (seconds, GiB, Gb/s), so a flag
-    declared with ``type=float`` gets `_positive_float`: nan, inf, 0 or a negative number is
-    refused with the flag's name ("plan: --memory-limit must be positive and finite, got 'nan'").
-    A flag that needs zero or negative numbers declares its own type."""
-
-    def add_argument(self, *args, **kwargs):  # type: ignore[override]
-        if kwargs.get("type") is float:
-            kwargs["type"] = _positive_float
-        return super().add_argument(*args, **kwargs)
-
-    def error(self, message: str):  # type: ignore[override]
-        # argparse words a type function's refusal "argument --flag: must be ..."; say "--flag must be ..."
-        flag, sep, rest = message.partition(": must be ")
-        if sep and flag.startswith("argument -") and " " not in flag[len("argument "):]:
-            message = f"{flag[len('argument '):]} must be {rest}"
-        raise BadInput(f"{self.prog}: {message}")
 
 
 def _profile_parser() -> argparse.ArgumentParser:
@@ -212,58 +170,12 @@ def cmd_plan(argv: Sequence[str]) -> int:
     return 0
 
 
-def _run_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="plan run", description="Execute a saved plan with torch.distributed and report measured against predicted.")
-    p.add_argument("plan", help="a plan JSON written by `plan MODEL.py ... -o plan.json`")
-    p.add_argument("--model", help="the model file (default: the plan's model.path)")
-    p.add_argument("--steps", type=_positive_int, default=10, help="training steps; the first is a warm-up (default 10)")
-    p.add_argument("--dry-run", action="store_true", help="print the launch command and the per-rank layout; start nothing")
-    p.add_argument("--json", action="store_true", help="print the run report as JSON instead of a table")
-    p.add_argument("--timeout-s", type=_positive_float, default=600.0, help="stop the whole run after this many seconds (default 600)")
-    p.add_argument("--force", action="store_true", help="overwrite an existing PLAN.run.json")
-    p.add_argument("--checkpoint-dir", metavar="DIR", help="save DCP checkpoints (model, optimizer, step) in DIR/step-NNNNNNNN")
-    p.add_argument("--checkpoint-every", metavar="K", type=_positive_int, help="save a checkpoint every K steps (needs --checkpoint-dir)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest verified checkpoint in --checkpoint-dir")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-    return p
-
-
 def cmd_run(argv: Sequence[str]) -> int:
-    args = _run_parser().parse_args(argv)
-    from runtime.launch import format_command, launch, run_dir_for, torchrun_command
-    from runtime.layout import describe, runtime_warnings
-    from runtime.preflight import check_checkpointing, prepare
-    from runtime.report import render_report, report_path
+    # `plan run` executes a plan: its code lives in the runtime (runtime/cli.py), which may import
+    # the planner; the planner imports the runtime only here, lazily, to dispatch the command.
+    from runtime.cli import cmd_run as run_plan
 
-    if args.checkpoint_every and not args.checkpoint_dir:
-        raise BadInput("plan run: --checkpoint-every needs --checkpoint-dir DIR")
-    prepared = prepare(args.plan, args.model)
-    out = report_path(args.plan)
-    run_dir = run_dir_for(args.plan)
-    ckpt = dict(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume)
-    for line in check_checkpointing(prepared, args.checkpoint_dir, args.resume, args.steps):
-        print(line, file=sys.stderr)
-    if args.dry_run:
-        cmd = torchrun_command([args.plan], prepared.world_size, run_dir, model=prepared.handle.path, steps=args.steps, **ckpt)
-        print(format_command(cmd))
-        for line in describe(prepared.plan, prepared.layers) + [f"warning: {w}" for w in runtime_warnings(prepared.plan, prepared.layers)]:
-            print(line)
-        return 0
-    from planner.files import check_output_path
-
-    check_output_path(out, force=args.force)  # the run report, next to the plan: before the launch
-    result = launch([args.plan], prepared.world_size, model=prepared.handle.path, steps=args.steps,
-                    timeout_s=args.timeout_s, run_dir=run_dir, **ckpt)
-    report = result.reports[0]
-    from planner import schema
-
-    schema.write_new_file(out, report.to_json(), force=True)
-    if args.json:
-        print(report.to_json())
-    else:
-        render_report(report)
-        print(f"run report written to {out}")
-    return 0
+    return run_plan(argv)
 
 
 def cmd_whatif(argv: Sequence[str]) -> int:

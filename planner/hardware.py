@@ -43,12 +43,8 @@ import yaml
 
 import profiles
 from planner.errors import BadInput
+from planner.gpu_spec import _DTYPE_ALIASES, DTYPES, GPUSpec  # noqa: F401 (re-exported)
 
-DTYPES = ("bf16", "fp16", "fp8", "tf32", "fp32")
-_DTYPE_ALIASES = {
-    "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
-    "float8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
-}
 DEFAULT_INTRA_LATENCY_US = 10.0
 DEFAULT_INTER_LATENCY_US = 20.0
 # A GPU file without `matmul_efficiency`: the middle of the measured NVIDIA parts (80-86% of the
@@ -81,53 +77,6 @@ def _to_si(key: str, value: float) -> float:
 
 _TEXTS = ("name", "display_name", "vendor")
 KNOWN_KEYS = (*_TEXTS, "peak_tflops", *_SCALARS, "sources", "uncertain")
-
-
-@dataclass(frozen=True)
-class GPUSpec:
-    """One accelerator: peaks, memory and links, all in SI units (FLOP/s, bytes, B/s, s)."""
-
-    name: str
-    """Catalogue key, the ``--gpu`` name: ``h100-sxm-80gb``."""
-    display_name: str
-    vendor: str
-    peak_flops: dict[str, float]
-    """Dense FLOP/s (not TFLOP/s) per dtype: bf16, fp16, fp8, tf32, fp32 (fp32 = no tensor cores)."""
-    memory_bytes: int
-    hbm_bandwidth_Bps: float
-    intra_node_bandwidth_Bps: float
-    """Per GPU, per direction, to the other GPUs of its node together."""
-    intra_node_latency_s: float
-    inter_node_bandwidth_Bps: float
-    """Per GPU, per direction: its share of the node's network."""
-    inter_node_latency_s: float
-    gpus_per_node: int
-    tdp_w: float | None
-    sources: dict[str, str]
-    """Field (``peak_flops.tf32`` for one dtype) -> where the number comes from."""
-    origin: str
-    """``packaged``, the path of a user file, or ``measured`` (the local CPU)."""
-    intra_node_peer_bandwidth_Bps: float | None = None
-    """Direct link between two GPUs where GPUs are meshed (MI300X xGMI); None behind a switch."""
-    uncertain: tuple[str, ...] = ()
-    """Fields whose value is an estimate (rule of thumb, assumption, not re-read)."""
-    matmul_efficiency: float = 1.0
-    """The largest share of the dense peak that 16-bit matmuls reach on this GPU, measured
-    (maximum achievable matmul FLOPS over the best shapes / peak: A100 SXM 86%, H100 SXM 80%,
-    MI300X 60%); 1.0 for the local CPU, whose peak is itself a measured matmul."""
-
-    def peak(self, dtype: str) -> float:
-        """Dense peak FLOP/s for `dtype` (``bf16``, ``torch.bfloat16``, ``float32`` ...)."""
-        key = str(dtype).lower().removeprefix("torch.")
-        key = _DTYPE_ALIASES.get(key, key)
-        if key not in self.peak_flops:
-            have = ", ".join(sorted(self.peak_flops))
-            raise BadInput(f"{self.name} ({self.display_name}) has no {key} peak; it has: {have}")
-        return self.peak_flops[key]
-
-    @property
-    def memory_gb(self) -> float:
-        return self.memory_bytes / 1e9
 
 
 @dataclass(frozen=True)

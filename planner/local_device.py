@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from planner.errors import PlanError
-from planner.hardware import GPUSpec
+from planner.gpu_spec import GPUSpec
 
 CACHE_VERSION = 1
 MATMUL_SIZES = (1024, 2048)

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from planner.plan import Plan
-from runtime.preflight import LayerSplit
+from runtime.types import LayerSplit
 
 log = logging.getLogger(__name__)
 

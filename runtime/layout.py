@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 
 from planner.plan import Plan
-from runtime.preflight import LayerSplit
+from runtime.types import LayerSplit
 from runtime.tp_structure import NO_BLOCK
 
 DP_STYLE = {

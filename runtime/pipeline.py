@@ -61,7 +61,7 @@ from planner.plan import Plan
 from runtime.data_parallel import apply_dp, full_parameters, uses_fsdp
 from runtime.meta_init import BuildInfo, materialize_sharded, params_sha256, use_meta
 from runtime.pipeline_traced import sum_tied_grads, traced_stages
-from runtime.preflight import LayerSplit
+from runtime.types import LayerSplit
 from runtime.recompute import apply_recompute_layers, recompute_of
 from runtime.tensor_parallel import apply_tp
 from runtime.train import (

@@ -20,7 +20,7 @@ from planner.errors import BadInput
 from planner.model_file import ModelHandle, call_model
 from planner.plan import Plan
 from runtime.data_parallel import apply_dp
-from runtime.preflight import LayerSplit
+from runtime.types import LayerSplit
 from runtime.recompute import apply_recompute_layers
 
 

@@ -11,7 +11,7 @@ and the planner always agree on what a "layer" is.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,38 +20,8 @@ from planner.errors import BadInput
 from planner.model_file import ModelHandle, load_model_file
 from planner.plan import Plan
 from planner.profile import profile_model
-from planner.profile.types import TPInfo
-from runtime.tp_structure import TPRole, tp_roles
-
-
-@dataclass(frozen=True)
-class LayerSplit:
-    """One layer of the model as the runtime shards it."""
-
-    name: str
-    """The layer's main module (``blocks.3``), as in plan.model.layer_names."""
-    tp: TPInfo | None
-    """Its tensor-parallel plan (column-/row-wise Linear names relative to the layer), or None."""
-    role: TPRole | None = None
-    """What else tensor parallelism does to it (vocabulary-parallel embedding or head, sequence
-    parallelism; runtime.tp_structure); None when unknown (its Linear pair only, as before)."""
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A plan that passed the checks, with what the launcher and the workers need."""
-
-    plan: Plan
-    plan_path: Path
-    handle: ModelHandle
-    layers: tuple[LayerSplit, ...]
-    device_type: str
-    """"cpu" (gloo) or "cuda" (nccl)."""
-
-    @property
-    def world_size(self) -> int:
-        p = self.plan.parallel
-        return p.dp * p.tp * p.pp
+from runtime.tp_structure import tp_roles
+from runtime.types import LayerSplit, Prepared  # noqa: F401 (re-exported)
 
 
 def _sha256(path: Path) -> str:

@@ -50,7 +50,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from runtime.layout import TPLayout, tp_layout
-from runtime.preflight import LayerSplit
+from runtime.types import LayerSplit
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ sum) runs on this rank's sequence shard.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -36,37 +36,10 @@ from torch import nn
 from planner.model_file import ModelHandle, call_model, logits_of
 from planner.profile.types import TPInfo
 from planner.profile.profiler import seq_len_of
+from runtime.types import NO_BLOCK, TPRole  # noqa: F401 (re-exported)
 
-NO_BLOCK = "the model has no block with a column/row-wise Linear pair"
-"""The sp_blocker of a model where only embeddings and the head split (nothing to warn about)."""
 TRACE_BATCH = 2
 """Batch size of the trace (a [batch, seq, hidden] tensor is recognised by its leading dims)."""
-
-
-@dataclass(frozen=True)
-class TPRole:
-    """How tensor parallelism treats one layer besides its TPInfo (names relative to the layer)."""
-
-    kind: str
-    """"embedding", "block", "norm", "head" or "other"."""
-    seq_len: int | None = None
-    """The model's sequence length (the second dim of its 2-D integer input), None without one."""
-    seq_dim: int | None = None
-    """embedding: the dim of its output that is the sequence (1 for [batch, seq, hidden], 0 for
-    position embeddings [seq, hidden]); None when it has none."""
-    norms: tuple[str, ...] = ()
-    """block: norm-like submodules on the hidden states, run sequence-parallel."""
-    gathers: tuple[str, ...] = ()
-    """block: submodules whose one input feeds all their column-wise Linears: gathered once."""
-    sp_blocker: str = ""
-    """Why sequence parallelism cannot run in this model ("" when it can): the same in every layer."""
-    tied: str = ""
-    """embedding/head: the parameter of another layer that shares its weight ("" when none)."""
-    loss_blocker: str = ""
-    """head: why its logits cannot stay vocabulary-sharded into the loss ("" when they can)."""
-    shard_dropout: tuple[str, ...] = ()
-    """Dropout modules (p > 0) of the model outside the gathered submodules: with sequence
-    parallelism they run on each rank's sequence shard (the same in every layer)."""
 
 
 def _tensors(args: Any, kwargs: dict) -> list[torch.Tensor]:
@@ -242,7 +215,7 @@ def tp_roles(handle: ModelHandle, layers: tuple[Any, ...]) -> tuple[TPRole, ...]
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from planner.profile import materialize as mat
+    import planner.profile.materialize as mat
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")

@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import (
 
 from planner.errors import BadInput
 from planner.model_file import ModelHandle
-from planner.profile import materialize as mat
+import planner.profile.materialize as mat
 from planner.profile.layers import Unit, find_units, group_units, has_params
 from planner.profile.repeats import MIN_BLOCKS, find_stacks, trace_with_repeats
 from planner.profile.split import meta_trace_split

@@ -251,7 +251,7 @@ def meta_trace_split(handle: Any, dtype: torch.dtype, inputs: Any, split_before:
     when it does, else the reason (one line)."""
     from torch.utils._pytree import tree_map
 
-    from planner.profile import materialize as mat
+    import planner.profile.materialize as mat
 
     if not split_before:
         return None

@@ -10,33 +10,12 @@ between layers and FLOPs), the largest factor found by doubling and geometric bi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Optional
+from dataclasses import replace
+from typing import Callable, Optional
 
 from planner import planning
 from planner.profile.types import ModelProfile
-
-if TYPE_CHECKING:
-    from planner.report.whatif import Point, SweepSpec
-
-
-@dataclass(frozen=True)
-class Headroom:
-    memory_free_bytes: int
-    micro_batch: int
-    max_micro_batch: int
-    max_micro_batch_capped: bool
-    """True: it still fit at the cap (MAX_MICRO_BATCH); the limit is higher."""
-    global_batch: int
-    max_global_batch: int
-    max_global_batch_capped: bool
-    model_scale: float
-    model_scale_capped: bool
-    max_params: int
-    seq_scale: Optional[float]
-    seq_scale_capped: bool
-    max_seq_len: Optional[int]
-
+from planner.report.sweep_types import Headroom, Point, SweepSpec  # noqa: F401 (re-exported)
 
 MAX_MICRO_BATCH = 1 << 15
 GLOBAL_BATCH_CAP = 16

@@ -30,7 +30,7 @@ from planner.plan import Plan  # noqa: E402
 from planner.profile.types import ModelProfile  # noqa: E402
 from planner.report.units import fmt_count, fmt_seconds, short  # noqa: E402
 from planner.report.whatif import Point, Sweep  # noqa: E402
-from planner.report.whatif_table import compact_plan, fmt_cost, fmt_days, fmt_memory, summary_lines  # noqa: E402
+from planner.report.whatif_text import compact_plan, fmt_cost, fmt_days, fmt_memory, summary_lines  # noqa: E402
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
 MEMORY_PARTS = (("weights", "#4c72b0"), ("grads", "#55a868"), ("optimizer", "#c44e52"),

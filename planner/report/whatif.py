@@ -40,54 +40,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 from planner import default_batch, planning
 from planner.cost import constants
 from planner.errors import BadInput, Infeasible
 from planner.hardware import GPUSpec, get_gpu
 from planner.model_file import ModelHandle
-from planner.plan import Plan
 from planner.planning import PlanRequest
 from planner.profile.types import ModelProfile
+from planner.report.sweep_types import Headroom, Point, SweepSpec  # noqa: F401 (re-exported)
 from planner.report.units import fmt_bytes, fmt_count
 
-if TYPE_CHECKING:
-    from planner.report.headroom import Headroom
-
 MAX_GPUS = 16384
-
-
-@dataclass(frozen=True)
-class SweepSpec:
-    """What the user asked: the grid, the training length, the prices."""
-
-    gpu_types: tuple[str, ...]
-    gpu_counts: tuple[int, ...]
-    global_batch: Optional[int] = None
-    tokens: Optional[float] = None
-    steps: Optional[int] = None
-    prices_per_gpu_hour: tuple[tuple[str, float], ...] = ()
-    deadline_days: Optional[float] = None
-    precision: str = "bf16"
-    optimizer: str = "adamw"
-    gpus_per_node: Optional[int] = None
-    memory_limit_gib: Optional[float] = None
-    inter_node_gbps: Optional[float] = None
-    scale_batch: bool = False
-    """Grow the global batch with the GPU count (the same samples per GPU as the smallest count)
-    instead of holding it fixed."""
-
-    def request(self, gpu: str, num_gpus: int, global_batch: Optional[int]) -> PlanRequest:
-        """The PlanRequest `plan MODEL.py --gpus num_gpus --gpu gpu --global-batch B ...` would make."""
-        return PlanRequest(
-            gpus=num_gpus, gpu=gpu, gpus_per_node=self.gpus_per_node, global_batch=global_batch,
-            precision=self.precision, optimizer=self.optimizer, memory_limit_gib=self.memory_limit_gib,
-            inter_node_gbps=self.inter_node_gbps,
-        )
-
-    def price(self, gpu: str) -> Optional[float]:
-        return dict(self.prices_per_gpu_hour).get(gpu)
 
 
 @dataclass(frozen=True)
@@ -120,44 +85,6 @@ class Batching:
             return Batching(spec.global_batch, f"global batch {spec.global_batch:,} (--global-batch)", min(counts), False, spec.scale_batch)
         d = default_batch.for_sweep(profile, counts, on_cpu)
         return Batching(d.global_batch, d.basis, min(counts), True, spec.scale_batch)
-
-
-@dataclass(frozen=True)
-class Point:
-    """One GPU type and count: the best plan `plan` finds there, or why nothing fits."""
-
-    gpu: str
-    display_name: str
-    num_gpus: int
-    fits: bool
-    plan: str
-    """The plan in one line, or why nothing fits."""
-    global_batch: Optional[int]
-    micro_batch: Optional[int]
-    step_time_s: Optional[float]
-    samples_per_s: Optional[float]
-    tokens_per_s: Optional[float]
-    mfu: Optional[float]
-    peak_memory_bytes: Optional[int]
-    """The fullest GPU of the plan; when nothing fits, the least any candidate needs."""
-    memory_limit_bytes: int
-    steps: Optional[int] = None
-    days_to_train: Optional[float] = None
-    gpu_hours: Optional[float] = None
-    cost_usd: Optional[float] = None
-    scaling_efficiency: Optional[float] = None
-    batch_note: str = ""
-    """Why this point's global batch is not the sweep's (empty when it is)."""
-    detail: Optional[Plan] = field(default=None, compare=False, repr=False)
-    """The full Plan (for the report's memory and pipeline charts); not in CSV/JSON rows."""
-
-    @property
-    def label(self) -> str:
-        return f"{self.num_gpus} x {self.gpu}"
-
-    def row(self) -> dict:
-        """The CSV/JSON fields, in order."""
-        return {k: v for k, v in vars(self).items() if k != "detail"}
 
 
 @dataclass(frozen=True)
@@ -335,7 +262,8 @@ def assumptions(spec: SweepSpec, batching: Batching, gpus: dict[str, GPUSpec], p
         out += [a for a in plan.assumptions[1:] if not a.startswith("global batch")]
     else:
         out.append(f"efficiencies: matmuls {constants.MATMUL_EFFICIENCY:.0%} of each GPU's best measured matmul rate, "
-                   f"memory-bound ops {constants.MEMORY_EFFICIENCY:.0%} of HBM bandwidth, links {constants.LINK_EFFICIENCY:.0%}")
+                   f"memory-bound ops {constants.MEMORY_EFFICIENCY:.0%} of HBM bandwidth, data-parallel traffic beside "
+                   f"compute {constants.OVERLAP_EFFICIENCY:.0%} hidden, links {constants.LINK_EFFICIENCY:.0%}")
     if batching.scale:
         held = (f"grows with the GPUs (--scale-batch): {batching.global_batch / batching.smallest_count:g} samples per GPU, "
                 f"{batching.global_batch:,} on {batching.smallest_count} GPUs")

@@ -10,15 +10,16 @@ import difflib
 import json
 import math
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from planner.errors import BadInput
-from planner.report.units import fmt_bytes, fmt_count, fmt_seconds, make_console, short
+from planner.report.units import fmt_count, fmt_seconds, make_console, short
 from planner.report.whatif import Point, Sweep, SweepSpec, run_sweep
+from planner.report.whatif_text import compact_plan, fmt_cost, fmt_days, fmt_memory, summary_lines  # noqa: F401 (re-exported)
 
 # -- parsing ------------------------------------------------------------------------------------
 def _items(flag: str, text: str, example: str) -> list[str]:
@@ -89,7 +90,7 @@ def parse_prices(text: str, types: Sequence[str], names: Sequence[str]) -> tuple
 
 
 def _parser() -> argparse.ArgumentParser:
-    from planner.cli import _Parser, _positive_int
+    from planner.cli_args import _Parser, _positive_int
     from planner.cost.setup import OPTIMIZERS, PRECISIONS
     from planner.planning import DEFAULT_GPU
 
@@ -155,44 +156,9 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
 
 
 # -- output -------------------------------------------------------------------------------------
-def fmt_days(days: Optional[float]) -> str:
-    """Days to train as minutes, hours or days."""
-    if days is None:
-        return "-"
-    if days * 24 < 1:
-        return f"{days * 1440:.1f} min"
-    return f"{days * 24:.1f} h" if days < 1 else f"{days:,.1f} d"
-
-
-def compact_plan(p: Point) -> str:
-    """The plan line shortened for a table cell (legend under the table)."""
-    if not p.fits or p.detail is None:
-        return p.plan
-    par = p.detail.parallel
-    text = f"dp={par.dp} tp={par.tp} pp={par.pp} mb {par.micro_batch}x{par.num_microbatches} ZeRO-{par.zero}"
-    if par.pp > 1:
-        text += " " + {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": f"interleaved x{par.virtual_stages}"}[par.schedule]
-    return text + ("" if par.recompute == "none" else f" recompute {par.recompute}")
-
-
-def fmt_cost(p: Point) -> str:
-    if p.cost_usd is not None:
-        return f"${p.cost_usd:,.0f}" if p.cost_usd >= 100 else f"${p.cost_usd:,.2f}"
-    if p.gpu_hours is None:
-        return "-"
-    return f"{p.gpu_hours:,.0f} GPU-h" if p.gpu_hours >= 100 else f"{p.gpu_hours:.3g} GPU-h"
-
-
 def _tags(sweep: Sweep, p: Point) -> str:
     tags = [("fastest", sweep.fastest), ("cheapest", sweep.cheapest), ("deadline", sweep.deadline_pick)]
     return " ".join(name for name, q in tags if q is p)
-
-
-def fmt_memory(p: Point) -> str:
-    """`77.6 / 80 GB`: the fullest GPU (or, when nothing fits, the least needed) against the limit."""
-    limit = p.memory_limit_bytes / 1e9
-    used = "-" if p.peak_memory_bytes is None else f"{p.peak_memory_bytes / 1e9:.1f}"
-    return f"{used}/{limit:.0f} GB"
 
 
 def fmt_money(p: Point) -> str:
@@ -235,36 +201,6 @@ def render_sweep(sweep: Sweep, console: Console | None = None) -> None:
         console.print(f"[dim]assumes: {a}[/dim]")
     n = len(sweep.points)
     console.print(f"[dim]profiled once in {sweep.profile_s:.1f} s; {n} configuration{'s' if n != 1 else ''} in {sweep.sweep_s:.1f} s[/dim]")
-
-
-def summary_lines(sweep: Sweep) -> list[str]:
-    """The derived answers in words (the terminal and the HTML report print the same lines)."""
-    out = []
-    for m in sweep.min_gpus:
-        where = "" if m.in_sweep else " (beyond the swept counts)"
-        out.append(f"fewest {m.gpu} that train it: " + (f"{m.num_gpus}{where}: {m.plan}" if m.num_gpus else m.plan))
-    if sweep.fastest:
-        p = sweep.fastest
-        out.append(f"fastest: {p.label}, {fmt_days(p.days_to_train) if p.days_to_train else short(p.samples_per_s) + ' samples/s'}, {fmt_cost(p)}")
-    if sweep.cheapest:
-        p = sweep.cheapest
-        out.append(f"cheapest ({sweep.cheapest_basis}): {p.label}, {fmt_days(p.days_to_train)}, {fmt_cost(p)}")
-    if sweep.spec.deadline_days is not None:
-        p = sweep.deadline_pick
-        pick = f"{p.label}, {fmt_days(p.days_to_train)}, {fmt_cost(p)}; " if p else ""
-        out.append(f"within {sweep.spec.deadline_days:g} days at the lowest cost: {pick}{sweep.deadline_note}")
-    h = sweep.headroom
-    if h is not None:
-        at_least = lambda capped: "at least " if capped else ""  # noqa: E731
-        out.append(f"memory headroom: {fmt_bytes(h.memory_free_bytes)} free on the fullest GPU")
-        out.append(f"largest micro-batch that fits: {at_least(h.max_micro_batch_capped)}{h.max_micro_batch} (the plan uses {h.micro_batch}); "
-                   f"largest global batch: {at_least(h.max_global_batch_capped)}{h.max_global_batch:,} (the plan's {h.global_batch:,}"
-                   + ("; more micro-batches per step cost no memory" if h.max_global_batch_capped else "") + ")")
-        out.append(f"model could be {at_least(h.model_scale_capped)}{h.model_scale:.2g}x larger ({short(h.max_params)} parameters) "
-                   f"at global batch {h.global_batch:,}, with layers of the same shape")
-        if h.seq_scale is not None:
-            out.append(f"sequence could be {at_least(h.seq_scale_capped)}{h.seq_scale:.2g}x longer ({h.max_seq_len:,} tokens) at global batch {h.global_batch:,}")
-    return out
 
 
 def to_jsonable(sweep: Sweep) -> dict:

@@ -165,6 +165,8 @@ def _schedules(tp, pp, dp, b, m, num_atoms, fixed: Fixed, stats: SpaceStats) -> 
         for schedule in ("1f1b", "gpipe", "interleaved"):
             if fixed.schedule is not None and schedule != fixed.schedule:
                 continue
+            if schedule == "gpipe" and m == 1 and fixed.schedule is None:
+                continue  # with one micro-batch GPipe is 1F1B: one candidate, not two tied ones
             if schedule != "interleaved":
                 stats.enumerated += 1
                 yield Candidate(tp, pp, dp, b, m, zero, schedule, 1)
