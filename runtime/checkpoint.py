@@ -19,8 +19,9 @@ step s comes from ``torch.manual_seed(DATA_SEED + s)``, so the step number is th
 position and RNG state. Pipeline ranks save the parameters their stages use, under their original
 names (distinct across stages), so one checkpoint holds the whole model.
 
-Only directories named ``step-NNNNNNNN`` holding a manifest of this format are ever deleted (the
-older ones, keeping the newest ``KEEP``); a checkpoint is written to ``.step-NNNNNNNN.partial-*``
+Only directories named ``step-NNNNNNNN`` holding a manifest of this format for this plan are ever
+deleted (the older ones, keeping the newest ``KEEP``), and a step another plan checkpointed in the
+same folder is never overwritten (the save is refused in one line); a checkpoint is written to ``.step-NNNNNNNN.partial-*``
 first and renamed once complete.
 """
 
@@ -182,10 +183,17 @@ def write_manifest(path: Path, step: int, plan_sha256: str, model_sha256: str) -
     os.replace(tmp, path / MANIFEST)
 
 
-def prune(root: Path, keep: int = KEEP) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints this tool wrote (a manifest of its format);
-    nothing else is touched. The deleted paths."""
-    ours = [(step, path) for step, path in candidates(root) if _read_manifest(path) is not None]
+def plan_of(path: Path) -> str | None:
+    """The plan hash of the checkpoint at `path` (None: not one of this tool's)."""
+    data = _read_manifest(path)
+    return None if data is None else str(data.get("plan_sha256"))
+
+
+def prune(root: Path, plan_sha256: str, keep: int = KEEP) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints this tool wrote for this plan (a manifest of its
+    format naming the plan); nothing else is touched, another plan's checkpoints in the same
+    folder included. The deleted paths."""
+    ours = [(step, path) for step, path in candidates(root) if plan_of(path) == plan_sha256]
     removed = []
     for _, path in ours[keep:]:
         shutil.rmtree(path)
@@ -260,8 +268,12 @@ class Checkpointer:
         names: list[Any] = [None]
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            if final.exists() and _read_manifest(final) is None:
+            owner = plan_of(final) if final.exists() else self.plan_sha256
+            if owner is None:
                 names[0] = f"!{final} exists and was not written by plan run: move it away"
+            elif owner != self.plan_sha256:
+                names[0] = (f"!{final} holds another plan's checkpoint, which this run will not overwrite: "
+                            "give each plan its own --checkpoint-dir")
             else:
                 names[0] = str(self.root / f".{final.name}.partial-{os.getpid()}-{time.time_ns()}")
         dist.broadcast_object_list(names, src=0)
@@ -275,7 +287,7 @@ class Checkpointer:
                 shutil.rmtree(final)
             os.replace(partial, final)
             write_manifest(final, step, self.plan_sha256, self.model_sha256)
-            prune(self.root)
+            prune(self.root, self.plan_sha256)
         dist.barrier()
         return final
 

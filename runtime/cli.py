@@ -43,7 +43,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     out = report_path(args.plan)
     run_dir = run_dir_for(args.plan)
     ckpt = dict(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume)
-    for line in check_checkpointing(prepared, args.checkpoint_dir, args.resume, args.steps):
+    for line in check_checkpointing(prepared, args.checkpoint_dir, args.resume, args.steps, args.checkpoint_every or 0):
         print(line, file=sys.stderr)
     if args.dry_run:
         cmd = torchrun_command([args.plan], prepared.world_size, run_dir, model=prepared.handle.path, steps=args.steps, **ckpt)

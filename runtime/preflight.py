@@ -131,9 +131,12 @@ def load_for_worker(plan_path: str | Path, model_path: str | Path | None) -> Pre
     return prepare(plan_path, model_path, on_launcher=False)
 
 
-def check_checkpointing(prepared: Prepared, checkpoint_dir: str | Path | None, resume: bool, steps: int) -> list[str]:
-    """Refuse, before anything starts, a resume that cannot be honoured; returns the lines to tell
-    the user (which checkpoint a resume starts from, which ones were skipped).
+def check_checkpointing(prepared: Prepared, checkpoint_dir: str | Path | None, resume: bool, steps: int,
+                        every: int = 0) -> list[str]:
+    """Refuse, before anything starts, a resume that cannot be honoured, or a save that would land on
+    another plan's checkpoint in the same folder (step-N of another plan, N a multiple of `every`
+    up to `steps`); returns the lines to tell the user (which checkpoint a resume starts from,
+    which ones were skipped).
 
     The checkpoint a resume would load is verified here too (the workers verify it again), so a
     tampered, foreign or too-recent checkpoint is a one-line error rather than a failed launch."""
@@ -141,11 +144,17 @@ def check_checkpointing(prepared: Prepared, checkpoint_dir: str | Path | None, r
         if resume:
             raise BadInput("plan run: --resume needs --checkpoint-dir DIR")
         return []
-    from runtime.checkpoint import find_latest, plan_sha256, sha256_file
+    from runtime.checkpoint import candidates, find_latest, plan_of, plan_sha256, sha256_file
 
+    ours = plan_sha256(prepared.plan_path)
+    for step, path in candidates(Path(checkpoint_dir)):
+        owner = plan_of(path)
+        if every > 0 and 0 < step <= steps and step % every == 0 and owner is not None and owner != ours:
+            raise BadInput(f"{path} holds another plan's checkpoint, which this run would overwrite at step {step}: "
+                           "give each plan its own --checkpoint-dir")
     if not resume:
         return []
-    found = find_latest(Path(checkpoint_dir), plan_sha256(prepared.plan_path), sha256_file(Path(prepared.handle.path)))
+    found = find_latest(Path(checkpoint_dir), ours, sha256_file(Path(prepared.handle.path)))
     if found is None:
         return [f"--resume: no checkpoint in {checkpoint_dir}; starting from step 0"]
     if found.step >= steps:

@@ -122,7 +122,7 @@ class StageCosts:
         but the last without gradient sync and without resharding, so a stage's parameters and
         gradients are whole for most of the step, and reduce-scattered once, after the last
         micro-batch (torch.distributed.pipelining.stage, backward_maybe_with_nosync)."""
-        return self.cand.pp > 1 and self.cand.zero >= 2 and self.cand.dp > 1
+        return pipelined_fsdp(self.cand)
 
     def state_bytes_per_param(self) -> tuple[float, float, float]:
         """(weights, gradients, optimizer state) bytes per parameter on a device after ZeRO
@@ -137,6 +137,11 @@ class StageCosts:
             self.grad_bytes / (dp if zero >= 2 else 1),
             self.optim_bytes / (dp if zero >= 1 else 1),
         )
+
+
+def pipelined_fsdp(cand: Candidate) -> bool:
+    """ZeRO-2/3 over dp > 1 inside a pipeline (StageCosts.pipelined_fsdp)."""
+    return cand.pp > 1 and cand.zero >= 2 and cand.dp > 1
 
 
 def _scale(profile: ModelProfile, micro_batch: int) -> float:
@@ -339,8 +344,8 @@ def stage_costs(
     rs_or_ar = comm.allreduce(dp, lk.dp) if zero <= 1 else rs
     grad_sync = rs_or_ar if zero <= 1 and dp > 1 else comm.NONE
     per_atom = per_param = 0.0
-    pipelined_fsdp = cand.pp > 1 and zero >= 2 and dp > 1
-    if pipelined_fsdp:
+    in_pipeline = pipelined_fsdp(cand)
+    if in_pipeline:
         # Once per step: the first forward gathers the stage's weights, the last backward
         # reduce-scatters its gradients (an all-reduce's volume), overlapped like DDP's sync.
         # ZeRO-3 also frees the weights after each forward, so each backward gathers them again.
@@ -365,7 +370,7 @@ def stage_costs(
         grad_bytes=g,
         optim_bytes=o,
         working_bytes=2 * max_act,
-        zero3_gather_bytes=sum(max_params) * w if cand.zero == 3 and not pipelined_fsdp else 0.0,
+        zero3_gather_bytes=sum(max_params) * w if cand.zero == 3 and not in_pipeline else 0.0,
         reserve_fixed_bytes=RESERVE_GPU_BYTES if on_gpu else RESERVE_CPU_BYTES,
         limit_bytes=training.memory_limit_bytes,
         p2p_s=2 * comm.p2p(lk.pp)(cut_bytes) if cand.pp > 1 else 0.0,
@@ -374,8 +379,8 @@ def stage_costs(
         mb_comm_param_s=per_param,
         grad_sync=grad_sync,
         tail_s=rs_or_ar(min(DDP_BUCKET_BYTES, grads_per_rank)) if cand.dp > 1 else 0.0,
-        after_step_param_s=ag.per_byte_s * w if cand.zero in (1, 2) and not pipelined_fsdp else 0.0,
-        after_step_atom_s=ag.fixed_s if cand.zero in (1, 2) and not pipelined_fsdp else 0.0,
+        after_step_param_s=ag.per_byte_s * w if cand.zero in (1, 2) and not in_pipeline else 0.0,
+        after_step_atom_s=ag.fixed_s if cand.zero in (1, 2) and not in_pipeline else 0.0,
         optimizer_s_per_param=memory_bound_s(training.optimizer_traffic_per_param(), cluster.gpu)
         / (shard if cand.zero >= 1 else 1),
         links=lk,

@@ -402,18 +402,19 @@ def test_tampered_checkpoint_refused(plans, workdir, capsys):
     assert not plans["ddp"].with_name("ddp.run.json").exists()  # nothing started
 
 
-def test_prune_deletes_only_old_checkpoints_of_ours(tmp_path):
+def test_prune_deletes_only_old_checkpoints_of_this_plan(tmp_path):
     from runtime.checkpoint import FORMAT, MANIFEST, prune
 
-    for step in (2, 4, 6):
+    for step, plan in ((2, "a"), (4, "a"), (6, "a"), (3, "b"), (5, "b")):
         d = tmp_path / f"step-{step:08d}"
         d.mkdir()
-        (d / MANIFEST).write_text(json.dumps({"format": FORMAT, "version": 1, "step": step}))
+        (d / MANIFEST).write_text(json.dumps({"format": FORMAT, "version": 1, "step": step, "plan_sha256": plan}))
     (tmp_path / "step-00000001").mkdir()  # no manifest: not provably ours
     (tmp_path / "notes.txt").write_text("mine")
-    removed = prune(tmp_path, keep=2)
-    assert removed == [tmp_path / "step-00000002"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "step-00000001", "step-00000004", "step-00000006"]
+    removed = prune(tmp_path, "a", keep=2)
+    assert removed == [tmp_path / "step-00000002"]  # plan b's older checkpoint stays
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "notes.txt", "step-00000001", "step-00000003", "step-00000004", "step-00000005", "step-00000006"]
 
 
 # --- the meta-device build (runtime/meta_init.py; PLAN_RUNTIME_META=1) ---------------------------
@@ -531,3 +532,22 @@ def test_materialize_stage_with_init_hook_walking_every_layer():
     assert abs(w.std().item() - 0.02) < 0.005
     x = torch.randn(2, cfg.seq_len, cfg.dim)
     assert torch.isfinite(a(x)).all()
+
+
+def test_a_run_never_overwrites_another_plans_checkpoint(plans, workdir, capsys):
+    """Two plans checkpointing into one folder: a save that would land on the other plan's step is
+    refused before launch, in one line, and the other plan's checkpoint is kept."""
+    from runtime.checkpoint import FORMAT, MANIFEST
+
+    root = workdir / "shared_ckpt"
+    other = root / "step-00000002"
+    other.mkdir(parents=True)
+    (other / MANIFEST).write_text(json.dumps({"format": FORMAT, "version": 1, "step": 2, "plan_sha256": "another plan"}))
+    args = ["run", str(plans["ddp"]), "--checkpoint-dir", str(root), "--checkpoint-every", "2", "--steps", "4", "--force"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds another plan's checkpoint" in err and "\n" not in err
+    assert (other / MANIFEST).exists()
+    every3 = ["run", str(plans["ddp"]), "--checkpoint-dir", str(root), "--checkpoint-every", "3", "--steps", "4", "--dry-run"]
+    assert main(every3) == 0  # its only save, step 3, lands on nothing of the other plan's
+    capsys.readouterr()
