@@ -27,6 +27,13 @@ def conv3x3(in_ch: int, out_ch: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(in_ch, out_ch, kernel_size=3, stride=stride, padding=1, bias=False)
 
 
+def shortcut(in_ch: int, out_ch: int, stride: int) -> nn.Module | None:
+    """The residual branch's projection where the block changes shape (None: identity)."""
+    if stride == 1 and in_ch == out_ch:
+        return None
+    return nn.Sequential(nn.Conv2d(in_ch, out_ch, kernel_size=1, stride=stride, bias=False), nn.BatchNorm2d(out_ch))
+
+
 class BasicBlock(nn.Module):
     expansion = 1  # output channels per unit of width
 
@@ -37,12 +44,7 @@ class BasicBlock(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.conv2 = conv3x3(out_ch, out_ch)
         self.bn2 = nn.BatchNorm2d(out_ch)
-        self.downsample = None
-        if stride != 1 or in_ch != out_ch:
-            self.downsample = nn.Sequential(
-                nn.Conv2d(in_ch, out_ch, kernel_size=1, stride=stride, bias=False),
-                nn.BatchNorm2d(out_ch),
-            )
+        self.downsample = shortcut(in_ch, out_ch, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = x if self.downsample is None else self.downsample(x)

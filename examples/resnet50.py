@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from resnet import ResNet, conv3x3, image_batch
+from resnet import ResNet, conv3x3, image_batch, shortcut
 
 IMAGE_SIZE = 224
 NUM_CLASSES = 1000
@@ -32,12 +32,7 @@ class Bottleneck(nn.Module):
         self.conv3 = nn.Conv2d(width, out_ch, kernel_size=1, bias=False)
         self.bn3 = nn.BatchNorm2d(out_ch)
         self.relu = nn.ReLU(inplace=True)
-        self.downsample = None
-        if stride != 1 or in_ch != out_ch:
-            self.downsample = nn.Sequential(
-                nn.Conv2d(in_ch, out_ch, kernel_size=1, stride=stride, bias=False),
-                nn.BatchNorm2d(out_ch),
-            )
+        self.downsample = shortcut(in_ch, out_ch, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = x if self.downsample is None else self.downsample(x)

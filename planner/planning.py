@@ -20,7 +20,7 @@ from planner.profile import ModelProfile, profile_model
 from planner.report.units import fmt_bytes
 from planner.search.explain import build_plan
 from planner.search.search import SearchResult, run_search
-from planner.search.space import Fixed, plain_cuts
+from planner.search.space import Fixed
 
 DEFAULT_GPU = "h100-sxm-80gb"
 
@@ -163,26 +163,27 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
 
 
 def _check_pipeline_cuts(profile: ModelProfile, request: PlanRequest) -> None:
-    """A fixed --pp needs pp - 1 valid cuts (pp x virtual stages - 1 with --virtual-stages): one line why not.
-    With --tp > 1 too, the stages must not need the pipelining tracer (the runtime cannot apply
-    tensor parallelism to traced stages yet)."""
+    """A fixed --pp needs pp - 1 cuts the runtime can split at (pp x virtual stages - 1 with
+    --virtual-stages; ModelProfile.pipeline_cuts: with --tp > 1, or without the tracer, only where
+    the layers run in sequence): one line why not."""
     f = request.fixed
     if f.pp is None or f.pp <= 1:
         return
     stages = f.pp * (f.virtual_stages or 1)
-    if f.tp is not None and f.tp > 1 and profile.pipeline_split == "traced" and plain_cuts(profile) < stages - 1:
-        raise BadInput(
-            f"--pp {f.pp} --tp {f.tp}: {profile.model_name}'s forward is a plain sequence of its layers only after "
-            f"{profile.layers[profile.plain_from()].name} ({plain_cuts(profile)} cut(s) there, {stages} stages need "
-            f"{stages - 1}); earlier cuts need the pipelining tracer, whose stages the runtime does not run with tensor "
-            "parallelism yet: fix --tp 1 or fewer stages"
-        )
-    cuts = len(profile.cut_points())
+    tp = f.tp or 1
+    cuts = len(profile.pipeline_cuts(tp))
     if cuts + 1 >= stages:
         return
     what = f"--pp {f.pp}" + (f" --virtual-stages {f.virtual_stages}" if f.virtual_stages else "")
+    if tp > 1 and profile.pipeline_split == "traced" and len(profile.cut_points()) + 1 >= stages:
+        raise BadInput(
+            f"{what} --tp {tp}: {profile.model_name}'s forward is a plain sequence of its layers only after "
+            f"{profile.layers[profile.plain_from()].name} ({cuts} cut(s) there, {stages} stages need "
+            f"{stages - 1}); earlier cuts need the pipelining tracer, whose stages the runtime does not run with tensor "
+            "parallelism yet: fix --tp 1 or fewer stages"
+        )
     if cuts == 0:
-        why = profile.pipeline_split_note or "no layer boundary hands over just one layer's output"
+        why = profile.pipeline_split_note or "no layer boundary from which its layers run in sequence"
         raise BadInput(f"{what}: {profile.model_name} cannot be split into pipeline stages: {why}")
     why = f"; {profile.pipeline_split_note}" if profile.pipeline_split_note else ""
     raise BadInput(f"{what}: {profile.model_name} has {cuts} valid pipeline cut(s), {stages} stages need {stages - 1}{why}")

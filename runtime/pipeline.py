@@ -20,7 +20,7 @@ stage exactly as to a whole model.
   with TP (``traced_reason``).
 - A weight tied across stages (a token embedding in stage 0, the LM head in the last) is one copy
   per stage module; after each step the copies' gradients are summed over the pipeline ranks that
-  hold them (``tied_copies``, ``sum_copies_grads``), so the copies stay equal, as one process's.
+  hold them (``tied_copies``, ``sum_tied_grads``), so the copies stay equal, as one process's.
 
 Traced split: a model whose forward is not such a sequence (Hugging Face blocks take a mask and
 position arguments; glue between layers) is split with ``torch.distributed.pipelining.pipeline()``
@@ -60,7 +60,7 @@ from planner.model_file import ModelHandle, call_model
 from planner.plan import Plan
 from runtime.data_parallel import apply_dp, full_parameters, uses_fsdp
 from runtime.meta_init import BuildInfo, materialize_sharded, params_sha256, use_meta
-from runtime.pipeline_traced import sum_tied_grads, traced_stages
+from runtime.pipeline_traced import pipeline_group, sum_tied_grads, traced_stages
 from runtime.types import LayerSplit
 from runtime.recompute import apply_recompute_layers, recompute_of
 from runtime.tensor_parallel import apply_tp
@@ -214,7 +214,7 @@ def build_stage_module(
 
 def tied_copies(
     full: nn.Module, stages: list[tuple[int, tuple[str, ...]]], all_names: list[str], modules: list[nn.Module],
-    my_stages: list[int], mesh: DeviceMesh, pp_index: int,
+    my_stages: list[int], mesh: DeviceMesh,
 ) -> list[tuple[list[nn.Parameter], dist.ProcessGroup | None]]:
     """A weight tied across stages (a token embedding and the LM head) is one copy per stage
     module: for each, this rank's copies and a group of the pipeline ranks holding one (None: all
@@ -229,41 +229,17 @@ def tied_copies(
         layer = next((l for l in all_names if n.startswith(l + ".")), None)
         return layer in stages[s][1] if layer is not None else s == 0
 
-    ranks = mesh.mesh  # (pp, dp, tp) -> global rank
-    dp_index, tp_index = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
     out: list[tuple[list[nn.Parameter], dist.ProcessGroup | None]] = []
     for names in sorted(ns for ns in aliases.values() if len(ns) > 1):
         holders = {s: next(n for n in names if held(s, n)) for s in range(len(stages)) if any(held(s, n) for n in names)}
         if len(holders) < 2:
             continue  # one module holds every use: autograd already sums them
         pp_ranks = sorted({stages[s][0] for s in holders})
-        mine: dict[int, dist.ProcessGroup | None] = {}
-        if len(pp_ranks) > 1:
-            for d in range(ranks.shape[1]):
-                for t in range(ranks.shape[2]):
-                    group = dist.new_group([int(ranks[r, d, t]) for r in pp_ranks])
-                    if (d, t) == (dp_index, tp_index):
-                        mine[0] = group
+        group = pipeline_group(mesh, pp_ranks) if len(pp_ranks) > 1 else None
         local = [modules[my_stages.index(s)].get_parameter(n) for s, n in holders.items() if s in my_stages]
         if local:
-            out.append((local, mine.get(0)))
+            out.append((local, group))
     return out
-
-
-def sum_copies_grads(copies: list[tuple[list[nn.Parameter], dist.ProcessGroup | None]]) -> None:
-    """Sum the gradients of each tied weight's copies (tied_copies) and give every copy the sum."""
-    from torch.distributed.tensor import DTensor
-
-    for params, group in copies:
-        grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        total = torch.stack(local).sum(0)
-        if group is not None:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-        for q, g in zip(params, grads):
-            if q.grad is None:
-                q.grad = g
-            (q.grad.to_local() if isinstance(q.grad, DTensor) else q.grad).copy_(total)
 
 
 def _add_build(build: BuildInfo, made: BuildInfo) -> None:
@@ -320,7 +296,6 @@ def run_pipeline(
     recompute = recompute_of(plan.stages[pp_index])
     modules, wrapped_stages, params, owned = [], [], {}, {}
     loss_fn: Callable[[Any, Any], torch.Tensor] = handle.loss
-    tied: list[tuple[str, dist.ProcessGroup]] = []
     copies: list[tuple[list[nn.Parameter], dist.ProcessGroup | None]] = []
     input_names: list[str] | None = None
     if not_sequential is not None:
@@ -334,6 +309,7 @@ def run_pipeline(
             handle, plan, full, stages, mine, to_device(sample, device), device, mesh, recompute, not_sequential, layers,
         )
         modules, wrapped_stages, params, owned, tied, loss_fn, input_names = traced
+        copies = [([owned[name]], group) for name, group in tied]
         if rank == 0:
             log.info("pipeline: split by the pipelining tracer (the forward is not a plain sequence: %s)", not_sequential)
         build.materialized_parameters = sum(q.numel() for q in owned.values())
@@ -365,7 +341,7 @@ def run_pipeline(
         modules.append(module)
         wrapped_stages.append(PipelineStage(wrapped, s, len(stages), device, group=pp_group))
     if not_sequential is None:
-        copies = tied_copies(full, stages, all_names, modules, [s for s, _ in mine], mesh, pp_index)
+        copies = tied_copies(full, stages, all_names, modules, [s for s, _ in mine], mesh)
     del full
     if p.schedule == "interleaved":
         schedule = ScheduleInterleaved1F1B(wrapped_stages, n_microbatches=p.num_microbatches, loss_fn=loss_fn)
@@ -410,8 +386,7 @@ def run_pipeline(
                 args = (inputs,)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             schedule.step(*args, target=targets if has_last else None, losses=micro if has_last else None, **kwargs)
-        sum_tied_grads(tied, owned)
-        sum_copies_grads(copies)
+        sum_tied_grads(copies)
         optimizer.step()
         total = torch.zeros((), device=device)
         if has_last:

@@ -109,19 +109,14 @@ def traced_stages(
     for s, named in stage_params.items():
         for n in named:
             holders.setdefault(canonical.get(n, n), set()).add(s)
-    pp_index = mesh["pp"].get_local_rank()
-    dp_index, tp_index = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
-    ranks = mesh.mesh  # (pp, dp, tp) -> global rank
     tied: list[tuple[str, dist.ProcessGroup]] = []
     for name in sorted(n for n, ss in holders.items() if len(ss) > 1):
         pp_ranks = sorted({s % p.pp for s in holders[name]})
         if len(pp_ranks) < 2:
             continue
-        for d in range(p.dp):  # every rank creates every group, in the same order
-            for t in range(p.tp):
-                group = dist.new_group([int(ranks[r, d, t]) for r in pp_ranks])
-                if (d, t) == (dp_index, tp_index) and pp_index in pp_ranks:
-                    tied.append((name, group))
+        group = pipeline_group(mesh, pp_ranks)
+        if mesh["pp"].get_local_rank() in pp_ranks:
+            tied.append((name, group))
     modules, wrapped_stages, params, owned = [], [], {}, {}
     local: dict[str, nn.Parameter] = {}
     for s, names in mine:
@@ -164,13 +159,33 @@ def traced_stages(
     return modules, wrapped_stages, params, owned, tied, loss_fn, input_names
 
 
-def sum_tied_grads(tied: list[tuple[str, dist.ProcessGroup]], owned: dict[str, nn.Parameter]) -> None:
-    """Sum the gradients of a tied weight's copies over the pipeline ranks holding them."""
+def pipeline_group(mesh: DeviceMesh, pp_ranks: list[int]) -> dist.ProcessGroup:
+    """The group of these pipeline ranks at this rank's (dp, tp) coordinates. Every rank creates
+    every (dp, tp) group, in the same order, as new_group requires."""
+    ranks = mesh.mesh  # (pp, dp, tp) -> global rank
+    here = (mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank())
+    mine = None
+    for d in range(ranks.shape[1]):
+        for t in range(ranks.shape[2]):
+            group = dist.new_group([int(ranks[r, d, t]) for r in pp_ranks])
+            if (d, t) == here:
+                mine = group
+    return mine
+
+
+def sum_tied_grads(copies: list[tuple[list[nn.Parameter], dist.ProcessGroup | None]]) -> None:
+    """Sum the gradients of each tied weight's copies (this rank's, then over the group of pipeline
+    ranks holding one; None: all on this rank) and give every copy the sum."""
     from torch.distributed.tensor import DTensor
 
-    for name, group in tied:
-        q = owned[name]
-        if q.grad is None:
-            q.grad = torch.zeros_like(q)
-        g = q.grad.to_local() if isinstance(q.grad, DTensor) else q.grad
-        dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
+    for params, group in copies:
+        grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        total = torch.stack(local).sum(0)
+        if group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        for q, g in zip(params, grads):
+            if q.grad is None:
+                q.grad = g
+            (q.grad.to_local() if isinstance(q.grad, DTensor) else q.grad).copy_(total)
+

@@ -219,8 +219,13 @@ def measured_step(e: dict, shape: Shape, global_batch: int, gpus: int) -> float:
     return korthikanti_model_flops(shape, global_batch) / (tflops * 1e12 * gpus)
 
 
-def _zero(p: dict, notes: list[str]) -> int:
+def _zero(p: dict) -> tuple[int, bool]:
+    """(ZeRO stage, HSDP) of a row's data parallelism."""
     text = str(value(p.get("zero"))).lower()
+    return _zero_stage(p, text), "hsdp" in text or "hybrid" in text
+
+
+def _zero_stage(p: dict, text: str) -> int:
     if value(p.get("fsdp")) or "zero-3" in text or "full_shard" in text or "full shard" in text:
         return 3
     if "zero-2" in text or "shard_grad_op" in text:
@@ -305,7 +310,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
     tp_overlap = tp > 1 and bool(value(p.get("async_tp")) or "tp-comm-overlap" in str(value(p.get("overlap"))))
     if value(p.get("torch_compile")):
         notes.append("compile")
-    zero = _zero(p, notes)
+    zero, hsdp = _zero(p)
     if zero == 3 and pp > 1 and source == "torchtitan":
         # torchtitan's FSDP2 does not reshard after forward under a pipeline (to avoid a gather
         # per micro-batch): ZeRO-2 in the plan's terms (runtime/README.md, data parallel)
@@ -322,12 +327,11 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
             micro = max(1, min(micro or 1, gb // dp))
     recompute = _recompute(p, shape, notes, assumed)
     schedule, v = _schedule(p, pp, assumed)
-    zero_text = str(value(p.get("zero"))).lower()
     fixed = Fixed(
         tp=tp, pp=pp, dp=dp, micro_batch=micro, zero=zero if dp > 1 else 0,
         schedule=schedule, virtual_stages=v, recompute=recompute,
         sequence_parallel=bool(sp) if sp is not None and tp > 1 else None,
-        hsdp=("hsdp" in zero_text or "hybrid" in zero_text) if zero >= 2 and dp > 1 else None,
+        hsdp=hsdp if zero >= 2 and dp > 1 else None,
         tp_overlap=tp_overlap or None,
     )
     peak_gib = value((e.get("measured") or {}).get("peak_memory_gib"))

@@ -82,9 +82,9 @@ class StageCosts:
     p2p_s: float
     """Pipeline sends per stage per micro-batch: the activation forward, its gradient backward."""
     min_first_atoms: int
-    """Atoms the first pipeline stage must hold at least: with tp > 1 on a model split by the
-    pipelining tracer, the first cut must leave a plain sequence of layers after it (the runtime
-    applies TP only to stages it splits without the tracer: ModelProfile.plain_from)."""
+    """Atoms the first pipeline stage must hold at least: unless the pipelining tracer splits the
+    model, the runtime runs every stage after the first as a plain sequence of layers, so the
+    first cut must come where the layers run in sequence (ModelProfile.plain_from, tracer_splits)."""
     mb_comm_atom_s: float
     mb_comm_param_s: float
     """Data-parallel traffic every micro-batch: ZeRO-3 all-gathers each atom's parameters for
@@ -359,7 +359,7 @@ def stage_costs(
         per_atom, per_param = rs.fixed_s, rs.per_byte_s * g
     model_flops = sum(l.fwd_flops + l.bwd_flops for l in layers) * training.global_batch / profile.batch_size
     first_atoms = 1
-    if cand.tp > 1 and cand.pp > 1 and profile.pipeline_split == "traced":
+    if cand.pp > 1 and not profile.tracer_splits(cand.tp):
         start = profile.plain_from()
         first_atoms = next((k + 1 for k, a in enumerate(atoms) if a.last >= start), len(atoms))
     return StageCosts(

@@ -32,7 +32,7 @@ from planner.profile.split import meta_trace_split
 from planner.profile.timing import time_units
 from planner.profile.trace import BEFORE_ANY, TraceResult, run_trace, storage_key
 from planner.profile.tp_plan import find_tp_plan, tp_param_count
-from planner.profile.types import Edge, LayerProfile, ModelProfile, ProfileTotals, TPInfo
+from planner.profile.types import Edge, LayerProfile, ModelProfile, ProfileTotals, TPInfo, plain_from
 
 FAKE_ERRORS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 
@@ -167,7 +167,11 @@ def profile_model(
     stacked = {u.name for u in units if u.in_container}
     in_stack = [any(m in stacked for m in layer.modules) for layer in layers]
     open_cuts = [i for i in range(len(layers) - 1) if not layers[i].cut_after_ok and (in_stack[i] or in_stack[i + 1])]
-    if check_split and open_cuts:
+    # A valid cut followed by glue between later layers (a head slicing the norm's output) needs
+    # the tracer too: the runtime splits without it only where the layers run in sequence.
+    start = plain_from(layers)
+    glued = any(layer.cut_after_ok and layer.index < start for layer in layers[:-1])
+    if check_split and (open_cuts or glued):
         layers, split, split_note = _traced_cuts(handle, tdtype, inputs, layers)
     totals = ProfileTotals(
         num_params=sum(lp.num_params for lp in layers),

@@ -7,7 +7,7 @@ figures (the `per_sample` helpers do). Times are seconds on the device that meas
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import networkx as nx
 
@@ -201,16 +201,34 @@ class ModelProfile(schema.Versioned):
         """Indices i such that a pipeline stage may end after layer i."""
         return [layer.index for layer in self.layers[:-1] if layer.cut_after_ok]
 
+    def tracer_splits(self, tp: int) -> bool:
+        """Whether the runtime splits this model with the pipelining tracer, at any valid cut: only
+        a "traced" profile (the profiler ran the tracer wherever a cut is not followed by a plain
+        sequence of layers, and it succeeded) without tensor parallelism (the runtime applies TP
+        only to stages it splits itself). Otherwise stages run as a plain sequence of layers from
+        the first cut on."""
+        return self.pipeline_split == "traced" and tp == 1
+
+    def pipeline_cuts(self, tp: int) -> list[int]:
+        """The cuts the runtime can split this model at with tensor-parallel degree `tp`: every
+        valid cut under the tracer, else those from which the layers run in sequence."""
+        cuts = self.cut_points()
+        return cuts if self.tracer_splits(tp) else [i for i in cuts if i >= self.plain_from()]
+
     def plain_from(self) -> int:
         """The first layer index i from which every cut (after i, i + 1, ...) is a plain hand-over:
         a pipeline whose first stage ends at or after layer i runs its stages as a plain sequence
         of layers, without the tracer (the runtime's tensor parallelism needs that)."""
-        start = len(self.layers) - 1
-        for layer in reversed(self.layers[:-1]):
-            plain = layer.cut_plain if layer.cut_plain is not None else (
-                layer.cut_after_ok and self.pipeline_split != "traced")
-            if not plain:
-                break
-            start = layer.index
-        return start
+        return plain_from(self.layers, self.pipeline_split)
+
+
+def plain_from(layers: Sequence[LayerProfile], pipeline_split: str = "sequential") -> int:
+    """ModelProfile.plain_from over `layers` (a profile's, or the profiler's before it is made)."""
+    start = len(layers) - 1
+    for layer in reversed(layers[:-1]):
+        plain = layer.cut_plain if layer.cut_plain is not None else (layer.cut_after_ok and pipeline_split != "traced")
+        if not plain:
+            break
+        start = layer.index
+    return start
 

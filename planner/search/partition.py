@@ -17,7 +17,7 @@ Variables
     X_i >= 0                  exposed gradient sync of rank i;  U >= sync_i
 Constraints
     [Place]      sum_g u_sg = 1;  s + 1 <= E_s <= A - (S - 1 - s);  E_0 >= the first stage's
-                 least atoms (StageCosts.min_first_atoms: TP on a traced model)
+                 least atoms (StageCosts.min_first_atoms: where the layers run in sequence)
     [Order]      E_s >= E_{s-1} + 1                           every stage non-empty
     [Chunks]     interleaved schedules only: E_s fixed to the balanced split of the atoms
     [Recompute]  sum_k r_kgi <= sum_{s on i} c_gs   (or r_kgi = that for a fixed choice k)

@@ -45,13 +45,6 @@ class Fixed:
     """Only ever on when asked for: the runtime does not overlap TP collectives (plan run refuses)."""
 
 
-TRACED_TP = "tensor parallelism needs pipeline cuts that leave a plain sequence of layers (the tracer's are not run with TP yet)"
-
-
-def plain_cuts(profile: ModelProfile) -> int:
-    """Cuts from which on the model is a plain sequence of layers (ModelProfile.plain_from)."""
-    start = profile.plain_from()
-    return sum(1 for i in profile.cut_points() if i >= start)
 
 # Model chunks per rank tried for interleaved 1F1B: the published Megatron-LM runs use 2-3
 # (published_runs.yaml: 3-5 layers per virtual stage); more multiplies the pipeline sends.
@@ -102,11 +95,9 @@ def candidates(
         for pp in divisors(num_gpus // tp):
             if fixed.pp is not None and pp != fixed.pp:
                 continue
-            if tp > 1 and pp > 1 and profile.pipeline_split == "traced" and plain_cuts(profile) < pp - 1:
-                stats.reject(TRACED_TP)
-                continue
-            if pp > num_atoms:
-                stats.reject(f"pp={pp} needs more pipeline cuts than the model's {num_atoms - 1}")
+            if pp > 1 and len(profile.pipeline_cuts(tp)) < pp - 1:
+                stats.reject(f"pp={pp} needs more pipeline cuts than the model's {len(profile.pipeline_cuts(tp))}"
+                             + (f" with tp={tp}" if tp > 1 and profile.pipeline_split == "traced" else ""))
                 continue
             dp = num_gpus // (tp * pp)
             if fixed.dp is not None and dp != fixed.dp:

@@ -255,3 +255,54 @@ def test_plan_run_refuses_tp_on_traced_stages_before_launch(capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert "tensor parallelism on pipeline stages split by the tracer" in err and "\n" not in err
     assert not (tmp_path / "pp.run.d").exists()
+
+
+GLUE_AFTER_NORM = '''
+import torch
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.fc(x)
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, idx):
+        if idx.min() < 0:   # a check on the data: the pipelining tracer cannot follow it
+            raise ValueError("negative token id")
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)[:, 1:])   # glue between the last two layers, as HF heads slice
+
+def build_model():
+    return M()
+
+def sample_batch(n):
+    ids = torch.randint(0, 32, (n, 9))
+    return ids[:, :-1], ids[:, 2:]
+'''
+
+
+def test_a_cut_followed_by_glue_is_not_offered(capsys, tmp_path):
+    """The cut after the last block hands over one layer's output, but the layers after it do not
+    run in sequence (the forward slices between norm and head, as Hugging Face heads do) and the
+    pipelining tracer cannot follow the forward (it checks its data), so the runtime cannot start
+    a stage there: --pp 2 gets one line and exit 2 before any launch, the free search no pipeline.
+    (A forward the tracer follows is split by it: tests/distributed/test_pipeline_tracer.py.)"""
+    model = tmp_path / "glue.py"
+    model.write_text(GLUE_AFTER_NORM)
+    assert main([str(model), "--gpu", "cpu", "--gpus", "2", "--pp", "2"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert "cannot be split into pipeline stages" in err and "\n" not in err
+    assert _plan_json(capsys, str(model), "--gpu", "cpu", "--gpus", "2")["parallel"]["pp"] == 1

@@ -101,7 +101,8 @@ def synthetic_profile(
             _layer(
                 len(layers), "ln_f", "LayerNorm", num_params=2 * h, fwd_flops=0, bwd_flops=0,
                 activation_bytes=2 * s * h + 8 * s, activation_matmul_bytes=0, output_bytes=2 * s * h,
-                cut_after_ok=False, fwd_other_io_bytes=4 * s * h, bwd_other_io_bytes=8 * s * h, fwd_ops=1, bwd_ops=2,
+                cut_after_ok=False, cut_plain=True,  # the layers run in sequence; the planner may not cut here
+                fwd_other_io_bytes=4 * s * h, bwd_other_io_bytes=8 * s * h, fwd_ops=1, bwd_ops=2,
             )
         )
     layers.append(
@@ -206,6 +207,8 @@ def exhaustive(costs: StageCosts) -> Exhaustive:
     A, S = len(costs.atoms), costs.cand.num_stages
     steps, peaks, choices, bounds = [], [], [], []
     for b in splits(A, S):
+        if S > 1 and b[1] < costs.min_first_atoms:  # the runtime cannot start the second stage there
+            continue
         for ch in itertools.product(KINDS, repeat=A):
             ev = evaluate(costs, b, list(ch))
             steps.append(ev.step_time_s)
