@@ -1,37 +1,49 @@
-"""Checkpoints with ``torch.distributed.checkpoint`` (DCP), and the manifest that makes them safe to load.
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP), and the signed manifest that makes them
+safe to load.
 
-Layout: ``DIR/step-00000004/`` holds one DCP checkpoint (every rank's ``*.distcp`` shards and the
-coordinator's ``.metadata``) plus ``manifest.json``, written last by rank 0 (temp file +
-``os.replace``) after every rank finished writing::
+Layout: ``DIR/step-00000004-<plan>/`` (``<plan>``: the first 12 hex digits of the plan file's
+sha256, so several plans share a folder without touching each other's steps) holds one DCP
+checkpoint (every rank's ``__<rank>_<n>.distcp`` shards and the coordinator's ``.metadata``) and
+``manifest.json``::
 
-    {"format": "planner.Checkpoint", "version": 1, "step": 4, "plan_sha256": ..., "model_sha256": ...,
-     "files": {"__0_0.distcp": "<sha256>", ".metadata": "<sha256>", ...}}
+    {"format": "planner.Checkpoint", "version": 2, "step": 4, "plan_sha256": ..., "model_sha256": ...,
+     "written": ..., "files": {"__0_0.distcp": "<sha256>", ".metadata": "<sha256>", ...},
+     "hmac": "<HMAC-SHA256 of the rest, with this account's key>"}
 
-DCP's ``load`` unpickles ``.metadata``, so a checkpoint is loaded only after ``verify``: it has a
-manifest of this format, made for the same plan file and model file, and the files in its directory
-are exactly the manifest's, each with the recorded sha256 (no symbolic links). Anything else is
-refused with a one-line ``CheckpointRefused`` naming the reason.
+A save: DCP writes into ``DIR/.step-00000004-<plan>.partial-*``; every rank hashes the files it
+wrote; rank 0 hashes the rest, signs the manifest, writes it into the partial folder (temp file,
+fsync, rename) and renames the folder to its final name. A crash at any point leaves at most a
+partial folder (never read, removed by this plan's next save or resume) and every earlier
+checkpoint as it was.
+
+DCP's ``load`` unpickles ``.metadata``, so a checkpoint is loaded only after ``verify``: the
+manifest is signed with this account's key (``signing_key``: kept outside the checkpoint folder,
+created on first use, readable by its owner only), made for the same plan and model file, and the
+files in the folder are exactly the manifest's (no symbolic links), each with the recorded sha256
+(in a run, every rank hashes a share). Anything else is refused with a one-line
+``CheckpointRefused`` naming the reason.
 
 The state: the model and optimizer state from ``get_state_dict`` (DDP, FSDP2 and DTensor TP shards
 each saved as what they are), under ``model`` and ``optim`` (the optimizer's flattened to one key
-per parameter name); the step is the manifest's. The data of
-step s comes from ``torch.manual_seed(DATA_SEED + s)``, so the step number is the whole data
-position and RNG state. Pipeline ranks save the parameters their stages use, under their original
-names (distinct across stages), so one checkpoint holds the whole model.
+per parameter name); the step is the manifest's. The data of step s comes from
+``torch.manual_seed(DATA_SEED + s)``, so the step number is the whole data position and RNG state.
+Pipeline ranks save the parameters their stages use, under their original names (distinct across
+stages), so one checkpoint holds the whole model.
 
-Only directories named ``step-NNNNNNNN`` holding a manifest of this format for this plan are ever
-deleted (the older ones, keeping the newest ``KEEP``), and a step another plan checkpointed in the
-same folder is never overwritten (the save is refused in one line); a checkpoint is written to ``.step-NNNNNNNN.partial-*``
-first and renamed once complete.
+Only this plan's signed ``step-*`` folders are ever deleted (the older ones, keeping the newest
+``KEEP``), and this plan's partial folders.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
+import hmac
 import json
 import os
 import re
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,10 +56,17 @@ from torch import nn
 from planner.errors import BadInput
 
 FORMAT = "planner.Checkpoint"
-VERSION = 1
+VERSION = 2
 MANIFEST = "manifest.json"
 KEEP = 2
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
+TAG_HEX = 12
+_STEP_DIR = re.compile(r"^step-(\d{8})-([0-9a-f]{%d})$" % TAG_HEX)
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's FileSystemWriter: __<rank>_<n>.distcp
+KEY_ENV = "PLAN_CHECKPOINT_KEY"
+"""The signing key's path, when not the default (``signing_key``)."""
+FAULT_ENV = "PLAN_RUNTIME_FAULT"
+"""Fault injection for the tests: ``save:<step>:<rank>`` kills that rank in the middle of that save
+(its shards written, the checkpoint not complete)."""
 
 
 class CheckpointRefused(BadInput):
@@ -62,8 +81,74 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:08d}"
+def sha256_files(paths: dict[str, Path]) -> dict[str, str]:
+    """sha256 of each file, several at a time (hashlib releases the GIL on large reads)."""
+    if len(paths) <= 1:
+        return {rel: sha256_file(p) for rel, p in paths.items()}
+    with concurrent.futures.ThreadPoolExecutor(min(len(paths), os.cpu_count() or 1)) as pool:
+        return dict(zip(paths, pool.map(sha256_file, paths.values())))
+
+
+# --- signing ----------------------------------------------------------------------------------
+
+
+def key_path() -> Path:
+    """``$PLAN_CHECKPOINT_KEY``, else ``$XDG_CONFIG_HOME/parallel-planner/checkpoint.key`` (default
+    ``~/.config``): one key per account, outside every checkpoint folder. On several nodes it must be
+    the same file (a shared home) or a copy."""
+    env = os.environ.get(KEY_ENV)
+    if env:
+        return Path(env).expanduser()
+    config = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(config) / "parallel-planner" / "checkpoint.key"
+
+
+def signing_key(create: bool) -> bytes:
+    """This account's key (32 random bytes), made on first use with `create` (mode 0600); refused
+    if another user could read or replace it."""
+    path = key_path()
+    if create and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another process made it first
+            pass
+        else:
+            with os.fdopen(fd, "wb") as f:
+                f.write(os.urandom(32))
+                f.flush()
+                os.fsync(f.fileno())
+    try:
+        st = path.stat()
+        key = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointRefused(f"refused: no signing key at {path}, so no checkpoint here was signed on this account "
+                                f"(set {KEY_ENV} to the key the checkpoints were written with)") from None
+    except OSError as exc:
+        raise CheckpointRefused(f"refused: cannot read the signing key {path}: {exc.strerror}") from None
+    if st.st_mode & 0o077:
+        raise CheckpointRefused(f"refused: the signing key {path} is open to other users (mode {st.st_mode & 0o777:o}): chmod 600 {path}")
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise CheckpointRefused(f"refused: the signing key {path} belongs to another user")
+    if len(key) < 16:
+        raise CheckpointRefused(f"refused: the signing key {path} is too short ({len(key)} bytes)")
+    return key
+
+
+def _signature(data: dict[str, Any], key: bytes) -> str:
+    body = {k: v for k, v in data.items() if k != "hmac"}
+    return hmac.new(key, json.dumps(body, sort_keys=True, separators=(",", ":")).encode(), hashlib.sha256).hexdigest()
+
+
+# --- folders ----------------------------------------------------------------------------------
+
+
+def plan_tag(plan_sha256: str) -> str:
+    return plan_sha256[:TAG_HEX]
+
+
+def step_dir(root: Path, step: int, plan_sha256: str) -> Path:
+    return root / f"step-{step:08d}-{plan_tag(plan_sha256)}"
 
 
 def _files(path: Path) -> dict[str, Path]:
@@ -83,7 +168,7 @@ def _files(path: Path) -> dict[str, Path]:
 
 
 def _read_manifest(path: Path) -> dict[str, Any] | None:
-    """The manifest if `path` holds one of this format (parsed only), else None."""
+    """The manifest if `path` holds one of this format (parsed only, not verified), else None."""
     m = path / MANIFEST
     if m.is_symlink() or not m.is_file():
         return None
@@ -96,19 +181,28 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
     return data
 
 
-def verify(path: Path, plan_sha256: str, model_sha256: str) -> int:
-    """The checkpoint's step, once every check passed; CheckpointRefused (one line) otherwise."""
+def check_manifest(path: Path, plan_sha256: str, model_sha256: str) -> tuple[int, dict[str, str]]:
+    """Everything but the files' hashes: (step, the manifest's files), or CheckpointRefused."""
     path = Path(path)
     if path.is_symlink() or not path.is_dir():
         raise CheckpointRefused(f"{path}: refused: not a checkpoint directory")
-    m = path / MANIFEST
-    if not m.is_file():
+    if not (path / MANIFEST).is_file():
         raise CheckpointRefused(f"{path}: refused: no {MANIFEST} (incomplete, or not written by plan run)")
     data = _read_manifest(path)
     if data is None:
         raise CheckpointRefused(f"{path}: refused: {MANIFEST} is not a {FORMAT} manifest")
     if data.get("version") != VERSION:
         raise CheckpointRefused(f"{path}: refused: manifest version {data.get('version')!r}, this runtime reads {VERSION}")
+    signature = data.get("hmac")
+    if not isinstance(signature, str):
+        raise CheckpointRefused(f"{path}: refused: {MANIFEST} is not signed, so it was not written by plan run")
+    try:
+        key = signing_key(create=False)
+    except CheckpointRefused as exc:
+        raise CheckpointRefused(f"{path}: {exc}") from None
+    if not hmac.compare_digest(signature, _signature(data, key)):
+        raise CheckpointRefused(f"{path}: refused: {MANIFEST}'s signature does not match this account's key "
+                                f"{key_path()} (signed elsewhere, or changed since)")
     if data.get("plan_sha256") != plan_sha256:
         raise CheckpointRefused(f"{path}: refused: it was made for a different plan (plan sha256 differs)")
     if data.get("model_sha256") != model_sha256:
@@ -124,9 +218,24 @@ def verify(path: Path, plan_sha256: str, model_sha256: str) -> int:
         raise CheckpointRefused(f"{path}: refused: {missing[0]} is missing (listed in the manifest)")
     if extra:
         raise CheckpointRefused(f"{path}: refused: {extra[0]} is not listed in the manifest")
-    for rel in sorted(recorded):
-        if sha256_file(present[rel]) != recorded[rel]:
-            raise CheckpointRefused(f"{path}: refused: {rel} does not match its sha256 in the manifest (changed or corrupt)")
+    return step, recorded
+
+
+def check_hashes(path: Path, recorded: dict[str, str], names: list[str]) -> str | None:
+    """The first of `names` whose sha256 differs from the manifest's, as a refusal line; None if all match."""
+    got = sha256_files({rel: Path(path) / rel for rel in names})
+    for rel in sorted(names):
+        if got[rel] != recorded[rel]:
+            return f"{path}: refused: {rel} does not match its sha256 in the manifest (changed or corrupt)"
+    return None
+
+
+def verify(path: Path, plan_sha256: str, model_sha256: str) -> int:
+    """The checkpoint's step, once every check passed; CheckpointRefused (one line) otherwise."""
+    step, recorded = check_manifest(path, plan_sha256, model_sha256)
+    bad = check_hashes(path, recorded, list(recorded))
+    if bad:
+        raise CheckpointRefused(bad)
     return step
 
 
@@ -138,27 +247,39 @@ class Found:
     """One line per newer checkpoint that was refused, with the reason."""
 
 
-def candidates(root: Path) -> list[tuple[int, Path]]:
-    """``step-NNNNNNNN`` directories in `root`, newest first."""
+def candidates(root: Path) -> list[tuple[int, str, Path]]:
+    """``step-NNNNNNNN-<plan>`` directories in `root`: (step, plan tag, path), newest first."""
     if not root.is_dir():
         return []
     out = []
     for child in root.iterdir():
         m = _STEP_DIR.match(child.name)
         if m and child.is_dir() and not child.is_symlink():
-            out.append((int(m.group(1)), child))
+            out.append((int(m.group(1)), m.group(2), child))
     return sorted(out, reverse=True)
 
 
+def ours(root: Path, plan_sha256: str) -> list[tuple[int, Path]]:
+    """This plan's checkpoint folders in `root` (by name), newest first; CheckpointRefused when
+    `root` holds other plans' checkpoints only (a resume of an edited plan must not silently start
+    over)."""
+    found = candidates(Path(root))
+    mine = [(step, path) for step, tag, path in found if tag == plan_tag(plan_sha256)]
+    if found and not mine:
+        raise CheckpointRefused(f"no usable checkpoint in {root}: {found[0][2].name} and any others were made for a "
+                                "different plan (plan sha256 differs)")
+    return mine
+
+
 def find_latest(root: Path, plan_sha256: str, model_sha256: str) -> Found | None:
-    """The newest checkpoint in `root` that verifies; None when `root` has none at all.
+    """The newest checkpoint of this plan in `root` that verifies; None when `root` has none at all.
 
     CheckpointRefused when there are checkpoints and every one is refused (all reasons, one line)."""
-    found = candidates(Path(root))
-    if not found:
+    mine = ours(Path(root), plan_sha256)
+    if not mine:
         return None
     skipped: list[str] = []
-    for _, path in found:
+    for _, path in mine:
         try:
             step = verify(path, plan_sha256, model_sha256)
         except CheckpointRefused as exc:
@@ -168,13 +289,18 @@ def find_latest(root: Path, plan_sha256: str, model_sha256: str) -> Found | None
     raise CheckpointRefused(f"no usable checkpoint in {root}: " + "; ".join(skipped))
 
 
-def write_manifest(path: Path, step: int, plan_sha256: str, model_sha256: str) -> None:
-    """Hash every file of the complete checkpoint `path` and write its manifest last, atomically."""
-    files = {rel: sha256_file(full) for rel, full in sorted(_files(path).items())}
-    data = {
+def write_manifest(path: Path, step: int, plan_sha256: str, model_sha256: str, hashed: dict[str, str] | None = None) -> None:
+    """Sign and write the manifest of the complete checkpoint `path`, atomically (temp file, fsync,
+    rename). `hashed`: sha256 already taken of some files (by the ranks that wrote them); the rest
+    are hashed here."""
+    present = _files(path)
+    hashed = {rel: h for rel, h in (hashed or {}).items() if rel in present}
+    files = {**hashed, **sha256_files({rel: p for rel, p in present.items() if rel not in hashed})}
+    data: dict[str, Any] = {
         "format": FORMAT, "version": VERSION, "step": step, "plan_sha256": plan_sha256,
-        "model_sha256": model_sha256, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files,
+        "model_sha256": model_sha256, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": dict(sorted(files.items())),
     }
+    data["hmac"] = _signature(data, signing_key(create=True))
     tmp = path / f".{MANIFEST}.tmp"
     with open(tmp, "w") as f:
         f.write(json.dumps(data, indent=2))
@@ -183,22 +309,61 @@ def write_manifest(path: Path, step: int, plan_sha256: str, model_sha256: str) -
     os.replace(tmp, path / MANIFEST)
 
 
-def plan_of(path: Path) -> str | None:
-    """The plan hash of the checkpoint at `path` (None: not one of this tool's)."""
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def is_ours(path: Path, plan_sha256: str) -> bool:
+    """`path` holds a manifest signed with this account's key for this plan."""
     data = _read_manifest(path)
-    return None if data is None else str(data.get("plan_sha256"))
+    if data is None or data.get("plan_sha256") != plan_sha256 or not isinstance(data.get("hmac"), str):
+        return False
+    try:
+        return hmac.compare_digest(data["hmac"], _signature(data, signing_key(create=False)))
+    except CheckpointRefused:
+        return False
 
 
 def prune(root: Path, plan_sha256: str, keep: int = KEEP) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints this tool wrote for this plan (a manifest of its
-    format naming the plan); nothing else is touched, another plan's checkpoints in the same
-    folder included. The deleted paths."""
-    ours = [(step, path) for step, path in candidates(root) if plan_of(path) == plan_sha256]
-    removed = []
-    for _, path in ours[keep:]:
+    """Delete all but the newest `keep` checkpoints this tool signed for this plan, and this plan's
+    leftover partial folders; nothing else is touched (another plan's checkpoints included). The
+    deleted paths."""
+    removed = [p for p in clean_partials(root, plan_sha256)]
+    mine = [path for step, tag, path in candidates(root) if tag == plan_tag(plan_sha256) and is_ours(path, plan_sha256)]
+    for path in mine[keep:]:
         shutil.rmtree(path)
         removed.append(path)
     return removed
+
+
+def clean_partials(root: Path, plan_sha256: str, keep: Path | None = None) -> list[Path]:
+    """Remove this plan's partial folders (``.step-*-<plan>.partial-*``, ``.step-*-<plan>.old-*``:
+    what a crashed save left), but `keep`."""
+    if not root.is_dir():
+        return []
+    pattern = re.compile(r"^\.step-\d{8}-%s\.(partial|old)-" % re.escape(plan_tag(plan_sha256)))
+    removed = []
+    for child in root.iterdir():
+        if pattern.match(child.name) and child != keep and child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+    return removed
+
+
+def _fault(step: int, rank: int) -> None:
+    """FAULT_ENV: kill this rank now when it names this save and rank."""
+    want = os.environ.get(FAULT_ENV, "")
+    if want == f"save:{step}:{rank}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # --- the distributed side (every rank calls these) -------------------------------------------
@@ -262,18 +427,16 @@ class Checkpointer:
             self.save(step)
 
     def save(self, step: int) -> Path:
+        """Every rank: write this step's checkpoint (see the module's docstring for the order)."""
         import torch.distributed.checkpoint as dcp
 
-        final = step_dir(self.root, step)
+        final = step_dir(self.root, step, self.plan_sha256)
         names: list[Any] = [None]
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            owner = plan_of(final) if final.exists() else self.plan_sha256
-            if owner is None:
-                names[0] = f"!{final} exists and was not written by plan run: move it away"
-            elif owner != self.plan_sha256:
-                names[0] = (f"!{final} holds another plan's checkpoint, which this run will not overwrite: "
-                            "give each plan its own --checkpoint-dir")
+            clean_partials(self.root, self.plan_sha256)
+            if final.exists() and not is_ours(final, self.plan_sha256):
+                names[0] = f"!{final} exists and was not written by plan run for this plan: move it away"
             else:
                 names[0] = str(self.root / f".{final.name}.partial-{os.getpid()}-{time.time_ns()}")
         dist.broadcast_object_list(names, src=0)
@@ -281,32 +444,71 @@ class Checkpointer:
             raise CheckpointRefused(names[0][1:])
         partial = Path(names[0])
         dcp.save(self._state(), checkpoint_id=str(partial))
+        _fault(step, self.rank)
         dist.barrier()  # every rank's shards and the metadata are written
+        # each rank hashes the shards it wrote; rank 0 the rest (the metadata) with the manifest
+        mine = {rel: p for rel, p in _files(partial).items()
+                if (m := _RANK_FILE.match(rel)) is not None and int(m.group(1)) == self.rank}
+        hashed: list[Any] = [None] * dist.get_world_size() if self.rank == 0 else []
+        dist.gather_object(sha256_files(mine), hashed if self.rank == 0 else None, dst=0)
         if self.rank == 0:
-            if final.exists():  # an earlier checkpoint of ours at this step (e.g. resumed before it)
-                shutil.rmtree(final)
+            write_manifest(partial, step, self.plan_sha256, self.model_sha256,
+                           {k: v for part in hashed for k, v in part.items()})
+            old = None
+            if final.exists():  # our own earlier checkpoint at this step (a resumed run reaching it again)
+                old = self.root / f".{final.name}.old-{os.getpid()}-{time.time_ns()}"
+                os.replace(final, old)
             os.replace(partial, final)
-            write_manifest(final, step, self.plan_sha256, self.model_sha256)
+            _fsync_dir(self.root)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
             prune(self.root, self.plan_sha256)
         dist.barrier()
         return final
 
     def load_latest(self) -> Found | None:
-        """Rank 0 finds the newest verified checkpoint; every rank loads it. None: none in DIR."""
+        """The newest checkpoint that verifies, loaded on every rank (None: none in DIR). Rank 0
+        checks each one's manifest and signature, every rank hashes a share of its files."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        world = dist.get_world_size()
+        skipped: list[str] = []
+        found: Found | None = None
         box: list[Any] = [None]
         if self.rank == 0:
             try:
-                box[0] = find_latest(self.root, self.plan_sha256, self.model_sha256)
+                box[0] = ours(self.root, self.plan_sha256)
+                clean_partials(self.root, self.plan_sha256)
             except CheckpointRefused as exc:
                 box[0] = str(exc)
         dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], str):
             raise CheckpointRefused(box[0])
-        found: Found | None = box[0]
+        for _, path in box[0]:
+            checked: list[Any] = [None]
+            if self.rank == 0:
+                try:
+                    checked[0] = check_manifest(path, self.plan_sha256, self.model_sha256)
+                except CheckpointRefused as exc:
+                    checked[0] = str(exc)
+            dist.broadcast_object_list(checked, src=0)
+            if isinstance(checked[0], str):
+                skipped.append(checked[0])
+                continue
+            step, recorded = checked[0]
+            share = sorted(recorded)[self.rank :: world]
+            bad: list[Any] = [None] * world
+            dist.all_gather_object(bad, check_hashes(path, recorded, share))
+            refusal = next((b for b in bad if b), None)
+            if refusal:
+                skipped.append(refusal)
+                continue
+            found = Found(path, step, tuple(skipped))
+            break
         if found is None:
+            if skipped:
+                raise CheckpointRefused(f"no usable checkpoint in {self.root}: " + "; ".join(skipped))
             return None
         plain = self._plain_state()
         state = _as_dtensors(plain, self.model)

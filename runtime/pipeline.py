@@ -34,7 +34,7 @@ meta-device build are refused with one line. When the tracer fails, one line nam
 Schedules: GPipe, 1F1B, interleaved 1F1B, each with ``num_microbatches`` micro-batches of this dp
 rank's rows; the loss is the model file's loss on each micro-batch and the schedule scales the
 gradients by 1/num_microbatches (``scale_grads``). Data parallelism within a stage is applied by
-``runtime.data_parallel.apply_dp`` as without pipelining: ZeRO-0/1 is DDP (ZeRO-1 adds
+``runtime.parallelize.parallelize`` as without pipelining: ZeRO-0/1 is DDP (ZeRO-1 adds
 ``ZeroRedundancyOptimizer``), which PipelineStage runs under ``no_sync`` except for the last
 backward, where its buckets are all-reduced as the gradients become ready (built with
 ``find_unused_parameters=True``, which keeps DDP from rebuilding its buckets: the rebuild fails
@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -58,14 +57,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from planner.errors import BadInput
 from planner.model_file import ModelHandle, call_model
 from planner.plan import Plan
-from runtime.data_parallel import apply_dp, full_parameters, uses_fsdp
-from runtime.meta_init import BuildInfo, materialize_sharded, params_sha256, use_meta
+from runtime.data_parallel import full_parameters
+from runtime.meta_init import BuildInfo, materialize_sharded, use_meta
 from runtime.pipeline_traced import pipeline_group, sum_tied_grads, traced_stages
 from runtime.types import LayerSplit
-from runtime.recompute import apply_recompute_layers, recompute_of
-from runtime.tensor_parallel import apply_tp
+from runtime.parallelize import parallelize
+from runtime.recompute import recompute_of
 from runtime.train import (
-    MODEL_SEED, RankResult, global_batch, make_optimizer_for, peak_memory_bytes, slice_rows, to_device,
+    MODEL_SEED, RankResult, global_batch, make_optimizer_for, run_steps, slice_rows, to_device, with_step1_hash,
 )
 
 log = logging.getLogger(__name__)
@@ -318,18 +317,16 @@ def run_pipeline(
     for s, names in (mine if not_sequential is None else []):
         module = build_stage_module(full, all_names, names, first=(s == 0), input_names=input_names)
         mine_layers = tuple(by_name[n] for n in names)
-        if p.tp > 1:
-            apply_tp(module, mine_layers, mesh["tp"], p.sequence_parallel)
-        apply_recompute_layers(module, {n: recompute[n] for n in names if n in recompute})
-        if on_meta and not uses_fsdp(plan):  # DDP wraps real tensors
-            _add_build(build, materialize_sharded(module, full, device, all_names))
         # ZeRO-0/1: DDP (PipelineStage runs its micro-batches under no_sync and reduces on the last
         # backward), parameters outside this stage's layers (unused) left out; ZeRO 2/3: FSDP2.
         unused = [n for n, _ in module.named_parameters() if s != 0 and not any(n.startswith(l + ".") for l in names)]
-        wrapped = apply_dp(module, plan, mine_layers, mesh["dp"], device, ignore=unused, pipeline=True)
-        if on_meta and uses_fsdp(plan):  # FSDP2 sharded the meta stage: only the shards are allocated
-            _add_build(build, materialize_sharded(module, full, device, all_names))
-        elif not on_meta:
+        wrapped = parallelize(
+            module, plan, mine_layers, mesh, device, {n: recompute[n] for n in names if n in recompute},
+            pipeline=True, ignore=unused,
+            materialize=(lambda module=module: _add_build(build, materialize_sharded(module, full, device, all_names)))
+            if on_meta else None,
+        )
+        if not on_meta:
             build.materialized_parameters += sum(q.numel() for q in module.parameters())
         params.update(dict(module.named_parameters()))
         # The parameters this stage uses: all of stage 0's (the stubs have none), only its layers'
@@ -360,18 +357,14 @@ def run_pipeline(
         start_step, after_step = checkpoint(StateView(owned), optimizer)
     local = p.micro_batch * p.num_microbatches
     dp_group = mesh["dp"].get_group() if p.dp > 1 else None
-    losses: list[float] = []
-    times: list[float] = []
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    for step in range(start_step, steps):
+
+    def load(step: int) -> tuple[Any, Any]:
         inputs, targets = global_batch(handle, plan, step)
-        inputs = to_device(slice_rows(inputs, dp_index * local, (dp_index + 1) * local), device)
-        targets = to_device(slice_rows(targets, dp_index * local, (dp_index + 1) * local), device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
+        return (to_device(slice_rows(inputs, dp_index * local, (dp_index + 1) * local), device),
+                to_device(slice_rows(targets, dp_index * local, (dp_index + 1) * local), device))
+
+    def forward_backward(data: tuple[Any, Any]) -> torch.Tensor:
+        inputs, targets = data
         micro: list[torch.Tensor] = []
         args: tuple = ()
         kwargs: dict[str, Any] = {}
@@ -387,23 +380,14 @@ def run_pipeline(
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             schedule.step(*args, target=targets if has_last else None, losses=micro if has_last else None, **kwargs)
         sum_tied_grads(copies)
-        optimizer.step()
-        total = torch.zeros((), device=device)
-        if has_last:
-            total += torch.stack([m.detach().float() for m in micro]).mean()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
-        if dp_group is not None:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_group)
-            total /= p.dp
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-        losses.append(float(total))
-        if on_meta and step + 1 == 1:  # data-parallel replicas must agree (a collective on every rank)
-            build.params_sha256_step1 = params_sha256(full_parameters(owned))
-        if after_step is not None:
-            after_step(step + 1)
-    result = RankResult(rank, tuple(losses), tuple(times), peak_memory_bytes(device))
+        if has_last:  # the last stage's mean micro-batch loss; the other stages add nothing
+            return torch.stack([m.detach().float() for m in micro]).mean()
+        return torch.zeros((), device=device)
+
+    # the loss: from the last stage to every pipeline rank, then averaged over dp
+    groups = ((pp_group, 1), *(((dp_group, p.dp),) if dp_group is not None else ()))
+    result = run_steps(steps, start_step, device, rank, optimizer, load, forward_backward, groups,
+                       with_step1_hash(after_step, build, owned, start_step))
     gathered = None
     if save_params:
         mine_full = full_parameters(params)

@@ -19,9 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from planner.errors import BadInput
 from planner.model_file import ModelHandle, call_model
 from planner.plan import Plan
-from runtime.data_parallel import apply_dp
 from runtime.types import LayerSplit
-from runtime.recompute import apply_recompute_layers
+from runtime.parallelize import parallelize
 
 
 def _used_parameter_names(stage: nn.Module) -> set[str]:
@@ -135,12 +134,12 @@ def traced_stages(
                 module.get_submodule(n)
             except AttributeError as exc:
                 raise BadInput(f"{handle.name}: cannot recompute {n}: the traced pipeline stage has no such module") from exc
-        apply_recompute_layers(module, {n: recompute[n] for n in todo})
         if isinstance(module, torch.fx.GraphModule):
             _modify_graph_op_device(module, device)  # devices the trace burned into the graph
         unused = [n for n, _ in module.named_parameters() if n not in used[s]]
         stage_layers_ = tuple(l for l in layers if l.name in names)
-        wrapped = apply_dp(module, plan, stage_layers_, mesh["dp"], device, ignore=unused, pipeline=True)
+        wrapped = parallelize(module, plan, stage_layers_, mesh, device, {n: recompute[n] for n in todo},
+                              pipeline=True, ignore=unused)
         if wrapped is not module:  # DDP: the traced PipelineStage reads the stage's graph from it
             wrapped.graph = module.graph
         # After apply_dp: FSDP2 replaces the parameters by sharded ones.

@@ -131,32 +131,44 @@ def load_for_worker(plan_path: str | Path, model_path: str | Path | None) -> Pre
     return prepare(plan_path, model_path, on_launcher=False)
 
 
-def check_checkpointing(prepared: Prepared, checkpoint_dir: str | Path | None, resume: bool, steps: int,
-                        every: int = 0) -> list[str]:
-    """Refuse, before anything starts, a resume that cannot be honoured, or a save that would land on
-    another plan's checkpoint in the same folder (step-N of another plan, N a multiple of `every`
-    up to `steps`); returns the lines to tell the user (which checkpoint a resume starts from,
-    which ones were skipped).
+def check_checkpointing(prepared: Prepared, checkpoint_dir: str | Path | None, resume: bool, steps: int) -> list[str]:
+    """Refuse, before anything starts, a resume that cannot be honoured; returns the lines to tell
+    the user (which checkpoint a resume starts from, which ones were skipped).
 
     The checkpoint a resume would load is verified here too (the workers verify it again), so a
-    tampered, foreign or too-recent checkpoint is a one-line error rather than a failed launch."""
+    tampered, unsigned, foreign or too-recent checkpoint is a one-line error rather than a failed
+    launch."""
     if checkpoint_dir is None:
         if resume:
             raise BadInput("plan run: --resume needs --checkpoint-dir DIR")
         return []
-    from runtime.checkpoint import candidates, find_latest, plan_of, plan_sha256, sha256_file
-
-    ours = plan_sha256(prepared.plan_path)
-    for step, path in candidates(Path(checkpoint_dir)):
-        owner = plan_of(path)
-        if every > 0 and 0 < step <= steps and step % every == 0 and owner is not None and owner != ours:
-            raise BadInput(f"{path} holds another plan's checkpoint, which this run would overwrite at step {step}: "
-                           "give each plan its own --checkpoint-dir")
     if not resume:
         return []
-    found = find_latest(Path(checkpoint_dir), ours, sha256_file(Path(prepared.handle.path)))
+    from runtime.checkpoint import find_latest, plan_sha256, sha256_file
+
+    found = find_latest(Path(checkpoint_dir), plan_sha256(prepared.plan_path), sha256_file(Path(prepared.handle.path)))
     if found is None:
         return [f"--resume: no checkpoint in {checkpoint_dir}; starting from step 0"]
     if found.step >= steps:
         raise BadInput(f"{found.path} is at step {found.step}: --steps {steps} leaves nothing to run")
     return [*(f"skipped {line}" for line in found.skipped), f"resuming from {found.path} (step {found.step})"]
+
+
+# A slow shared filesystem (NFS over 1 GbE moves ~110 MB/s): a rank writes, then hashes, its share
+# of a checkpoint at no less than this while the others wait for it in a collective.
+CHECKPOINT_MIN_BPS = 50e6
+# Steps a rank may lag behind another (the first step's warm-up, a slow rank) before a collective
+# waiting for it counts as hung.
+STEPS_OF_SLACK = 10
+
+
+def work_timeout_s(plan: Plan, checkpointing: bool, floor_s: float) -> float:
+    """The process-group timeout from the work: at least `floor_s`, STEPS_OF_SLACK predicted steps,
+    and with checkpoints the time to write and hash the largest rank's state (its weights and
+    optimizer state) at CHECKPOINT_MIN_BPS, so no collective times out while a large checkpoint is
+    written or verified."""
+    timeout = max(floor_s, STEPS_OF_SLACK * plan.predicted.step_time_s)
+    if checkpointing:
+        state = max(s.memory_bytes.weights + s.memory_bytes.optimizer for s in plan.stages)
+        timeout = max(timeout, floor_s + 2 * state / CHECKPOINT_MIN_BPS)
+    return timeout

@@ -36,7 +36,6 @@ from typing import Any, Callable
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from planner.plan import Plan
 from planner.profile.flops import is_linear_matmul, kept_by_selective  # also registers the CPU flash-attention formula
 
 log = logging.getLogger(__name__)
@@ -100,11 +99,6 @@ def recompute_of(stage: Any) -> dict[str, str]:
         for name in names:
             out.setdefault(name, kind)  # a layer named twice gets the leaner policy
     return out
-
-
-def apply_recompute(model: nn.Module, plan: Plan) -> list[str]:
-    """Recompute the plan's layers in backward; returns their names."""
-    return apply_recompute_layers(model, recompute_of(plan.stages[0]))
 
 
 def apply_recompute_layers(model: nn.Module, kinds: dict[str, str]) -> list[str]:

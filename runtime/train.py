@@ -122,6 +122,49 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
 
 
+def run_steps(
+    steps: int,
+    start_step: int,
+    device: torch.device,
+    rank: int,
+    optimizer: torch.optim.Optimizer,
+    load: Callable[[int], Any],
+    forward_backward: Callable[[Any], torch.Tensor],
+    loss_groups: tuple[tuple[dist.ProcessGroup | None, int], ...],
+    after_step: Callable[[int], None] | None = None,
+) -> RankResult:
+    """The training step every run uses, plain or pipelined: for steps `start_step`..`steps - 1`,
+    this rank's data `load(step)` (not timed), then zero the gradients, `forward_backward(data)`
+    (this rank's micro-batches, forward and backward; its share of the step's loss), the optimizer
+    step, then the loss summed over each of
+    `loss_groups` and divided by its count (the pipeline ranks, whose last stage alone holds the
+    loss; the data-parallel ranks, averaged). Per step: that loss and the wall time; the peak memory.
+    `after_step(n)` runs after the n-th step (n counted from 1: a checkpoint hook)."""
+    losses: list[float] = []
+    times: list[float] = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for step in range(start_step, steps):
+        data = load(step)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        total = forward_backward(data).detach().float().reshape(())
+        optimizer.step()
+        for group, count in loss_groups:
+            if group is not None:
+                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+                total /= count
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+        losses.append(float(total))
+        if after_step is not None:
+            after_step(step + 1)
+    return RankResult(rank, tuple(losses), tuple(times), peak_memory_bytes(device))
+
+
 def train(
     handle: ModelHandle,
     plan: Plan,
@@ -138,40 +181,46 @@ def train(
     start_step: int = 0,
     after_step: Callable[[int], None] | None = None,
 ) -> RankResult:
-    """Run optimizer steps `start_step`..`steps - 1`; per-step loss (mean over dp), wall time and
-    peak memory. `after_step(n)` runs after the n-th step (n counted from 1: a checkpoint hook)."""
+    """A run without a pipeline: each step, this dp rank's micro-batches through `wrapped`, the
+    gradients synchronised on the last (``run_steps``)."""
     if optimizer is None:
         optimizer = make_optimizer(plan, model)
     num_mb = plan.parallel.num_microbatches
-    losses: list[float] = []
-    times: list[float] = []
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    for step in range(start_step, steps):
-        batches = microbatches(handle, plan, step, dp_index)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
+
+    def load(step: int) -> list[tuple[Any, Any]]:
+        return [(to_device(i, device), to_device(t, device)) for i, t in microbatches(handle, plan, step, dp_index)]
+
+    def forward_backward(batches: list[tuple[Any, Any]]) -> torch.Tensor:
         total = torch.zeros((), device=device)
         for m, (inputs, targets) in enumerate(batches):
-            inputs, targets = to_device(inputs, device), to_device(targets, device)
             with set_grad_sync(wrapped, m == num_mb - 1):
                 with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                     loss = handle.loss(call_model(wrapped, inputs), targets) / num_mb
                 loss.backward()
             total += loss.detach()
-        optimizer.step()
-        if dp_group is not None:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_group)
-            total /= dist.get_world_size(dp_group)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-        losses.append(float(total))
+        return total
+
+    groups = ((dp_group, dist.get_world_size(dp_group)),) if dp_group is not None else ()
+    return run_steps(steps, start_step, device, rank, optimizer, load, forward_backward, groups, after_step)
+
+
+def with_step1_hash(
+    after_step: Callable[[int], None] | None, build: Any, params: dict[str, nn.Parameter], start_step: int,
+) -> Callable[[int], None] | None:
+    """On the meta path (`build`: runtime.meta_init.BuildInfo), also hash every parameter gathered
+    whole after step 1 (a collective on every rank): data-parallel replicas must agree."""
+    if build.path != "meta" or start_step > 0:
+        return after_step
+    from runtime.data_parallel import full_parameters
+    from runtime.meta_init import params_sha256
+
+    def hook(n: int) -> None:
+        if n == 1:
+            build.params_sha256_step1 = params_sha256(full_parameters(params))
         if after_step is not None:
-            after_step(step + 1)
-    return RankResult(rank, tuple(losses), tuple(times), peak_memory_bytes(device))
+            after_step(n)
+
+    return hook
 
 
 def median_step_time(times: tuple[float, ...]) -> float:

@@ -35,13 +35,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from planner.errors import BadInput
 from runtime.checkpoint import Checkpointer, plan_sha256, sha256_file
 from runtime.layout import coords, runtime_warnings
-from runtime.meta_init import WARNING as META_WARNING, BuildInfo, materialize_sharded, params_sha256, use_meta
-from runtime.data_parallel import apply_dp, autocast_dtype, full_parameters, uses_fsdp
-from runtime.recompute import apply_recompute
-from runtime.tensor_parallel import apply_tp
+from runtime.meta_init import WARNING as META_WARNING, BuildInfo, materialize_sharded, use_meta
+from runtime.data_parallel import autocast_dtype, full_parameters
+from runtime.parallelize import parallelize
+from runtime.recompute import recompute_of
 from runtime.preflight import Prepared, load_for_worker
 from runtime.report import build_report
-from runtime.train import MODEL_SEED, RankResult, make_optimizer, median_step_time, train
+from runtime.train import MODEL_SEED, RankResult, make_optimizer, median_step_time, train, with_step1_hash
 
 log = logging.getLogger("runtime.worker")
 DEFAULT_PG_TIMEOUT_S = 60
@@ -100,45 +100,27 @@ def run_plan(index: int, prepared: Prepared, args: argparse.Namespace, rank: int
         torch.manual_seed(MODEL_SEED)  # identical initial weights on every rank
         model = prepared.handle.build_model().to(device=device, dtype=torch.float32)
         build = BuildInfo(materialized_parameters=sum(q.numel() for q in model.parameters()))
-    if p.tp > 1:
-        apply_tp(model, prepared.layers, mesh["tp"], p.sequence_parallel)
-    apply_recompute(model, plan)
     layer_names = [layer.name for layer in prepared.layers]
-    if on_meta and not uses_fsdp(plan):  # DDP needs real tensors to wrap
+
+    def materialize() -> None:
+        nonlocal build
         build = materialize_sharded(model, pristine, device, layer_names)
-    wrapped = apply_dp(model, plan, prepared.layers, mesh["dp"], device)
-    if on_meta and uses_fsdp(plan):
-        build = materialize_sharded(model, pristine, device, layer_names)
+
+    wrapped = parallelize(model, plan, prepared.layers, mesh, device, recompute_of(plan.stages[0]),
+                          materialize=materialize if on_meta else None)
     dp_group = mesh["dp"].get_group() if p.dp > 1 else None
     params = dict(model.named_parameters())  # the trained parameters, by their original names
 
     optimizer = make_optimizer(plan, model, dp_group)
     ctx = _CheckpointContext(index, prepared, args, rank)
     start_step, after_step = ctx.setup(model, optimizer) if ctx.enabled else (0, None)
-    after_step = _with_step1_hash(after_step, build, params, start_step)
+    after_step = with_step1_hash(after_step, build, params, start_step)
     result = train(
         prepared.handle, plan, wrapped, model, c.dp_index, dp_group, args.steps, device, rank,
         autocast_dtype(plan), optimizer=optimizer, start_step=start_step, after_step=after_step,
     )
     gathered = full_parameters(params) if args.save_params else None
     _finish(out, prepared, args, rank, world_size, result, gathered, started, ctx, build)
-
-
-def _with_step1_hash(
-    after_step: Callable[[int], None] | None, build: BuildInfo, params: dict, start_step: int,
-) -> Callable[[int], None] | None:
-    """On the meta path, also hash every parameter gathered whole after step 1 (a collective on
-    every rank): data-parallel replicas must agree."""
-    if build.path != "meta" or start_step > 0:
-        return after_step
-
-    def hook(n: int) -> None:
-        if n == 1:
-            build.params_sha256_step1 = params_sha256(full_parameters(params))
-        if after_step is not None:
-            after_step(n)
-
-    return hook
 
 
 class _CheckpointContext:

@@ -23,3 +23,19 @@ def model_file(tmp_path):
         return path
 
     return write
+
+
+@pytest.fixture(scope="session", autouse=True)
+def checkpoint_key(tmp_path_factory):
+    """The checkpoint signing key of this test session (runtime.checkpoint.key_path): a fresh one,
+    not the account's, inherited by every launched rank."""
+    from runtime.checkpoint import KEY_ENV
+
+    path = tmp_path_factory.mktemp("key") / "checkpoint.key"
+    old = os.environ.get(KEY_ENV)
+    os.environ[KEY_ENV] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop(KEY_ENV, None)
+    else:
+        os.environ[KEY_ENV] = old

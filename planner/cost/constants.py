@@ -60,3 +60,12 @@ RESERVE_CPU_BYTES = int(0.35 * 2**30)
 # Allocator fragmentation on top of what tensors need (PyTorch's caching allocator typically
 # leaves 5-10% of reserved memory unused in training loops).
 FRAGMENTATION = 0.05
+
+# The default loss under tensor parallelism runs on the head's vocabulary shards (torch's
+# loss_parallel, as torchtitan and this runtime do: planner.model_file.sharded_cross_entropy).
+# Its log-softmax and their backward are separate ops (max, shift, exp, sum, subtract), so at the
+# loss's peak they hold this many more fp32 copies of the logits shard than the fused
+# cross-entropy the profile measured on whole logits: measured with torch's MemTracker on torch
+# 2.13 (peak 5.5 x the fp32 logits shard, against 3.5 x whole logits for F.cross_entropy);
+# tests/unit/test_loss_memory.py measures it again against the installed torch.
+LOSS_PARALLEL_EXTRA = 2.0

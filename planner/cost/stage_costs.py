@@ -27,7 +27,13 @@ from dataclasses import dataclass, fields, replace
 
 from planner.cost import comm
 from planner.cost.compute import Work, memory_bound_s, roofline_s
-from planner.cost.constants import ACCUMULATE_BYTES, DDP_BUCKET_BYTES, RESERVE_CPU_BYTES, RESERVE_GPU_BYTES
+from planner.cost.constants import (
+    ACCUMULATE_BYTES,
+    DDP_BUCKET_BYTES,
+    LOSS_PARALLEL_EXTRA,
+    RESERVE_CPU_BYTES,
+    RESERVE_GPU_BYTES,
+)
 from planner.cost.pipeline import inflight_per_device
 from planner.cost.setup import RECOMPUTE, Candidate, Training
 from planner.cost.topology import Links, links
@@ -74,7 +80,8 @@ class StageCosts:
     grad_bytes: int
     optim_bytes: int
     working_bytes: float
-    """Backward working set: one atom's activations and their gradients (held on every device)."""
+    """Backward working set: one atom's activations and their gradients, or the default loss's
+    on vocabulary shards (`loss_working_bytes`), whichever is larger (held on every device)."""
     zero3_gather_bytes: float
     """ZeRO-3: gathered parameters of the two largest atoms (current + prefetched)."""
     reserve_fixed_bytes: int
@@ -150,6 +157,17 @@ def _scale(profile: ModelProfile, micro_batch: int) -> float:
 
 def _shard(layer: LayerProfile, tp: int) -> int:
     return tp if layer.tp is not None and tp > 1 and layer.tp.legal(tp) else 1
+
+
+def loss_working_bytes(profile: ModelProfile, tp: int, micro_batch: int) -> float:
+    """The default loss's working set in backward when TP splits the head over the vocabulary:
+    torch's loss_parallel (max, shift, exp, sum, subtract as separate ops) holds
+    LOSS_PARALLEL_EXTRA more fp32 copies of the logits shard (which the head's activations are:
+    its saved log-probabilities) than the two of a fused cross-entropy. 0 without a split head."""
+    head = profile.layers[-1]
+    if _shard(head, tp) == 1 or head.tp is None or head.tp.rowwise or head.kind != "Linear":
+        return 0.0
+    return (2 + LOSS_PARALLEL_EXTRA) * head.activation_bytes * _scale(profile, micro_batch) / tp
 
 
 def _layer_costs(
@@ -369,7 +387,7 @@ def stage_costs(
         weight_bytes=w,
         grad_bytes=g,
         optim_bytes=o,
-        working_bytes=2 * max_act,
+        working_bytes=max(2 * max_act, loss_working_bytes(profile, cand.tp, cand.micro_batch)),
         zero3_gather_bytes=sum(max_params) * w if cand.zero == 3 and not in_pipeline else 0.0,
         reserve_fixed_bytes=RESERVE_GPU_BYTES if on_gpu else RESERVE_CPU_BYTES,
         limit_bytes=training.memory_limit_bytes,

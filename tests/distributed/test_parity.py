@@ -319,8 +319,10 @@ def test_cli_run_writes_report(plans, capsys):
 
 def _ckpt_of(workdir: Path, name: str, step: int) -> Path:
     """The 2-rank launch's checkpoint of configuration `name` after `step` steps."""
+    from runtime.checkpoint import plan_sha256, step_dir
+
     index = [n for n, (w, _) in CONFIGS.items() if w == 2].index(name)
-    return workdir / CKPT_DIR / f"plan{index}" / f"step-{step:08d}"
+    return step_dir(workdir / CKPT_DIR / f"plan{index}", step, plan_sha256(workdir / f"{name}.json"))
 
 
 @pytest.fixture(scope="module")
@@ -330,7 +332,8 @@ def resumed(plans, workdir, runs) -> dict[str, tuple[object, Path, Path]]:
 
     root = workdir / "resume"
     for i, name in enumerate(RESUMED):
-        shutil.copytree(_ckpt_of(workdir, name, 2), root / f"plan{i}" / "step-00000002")
+        source = _ckpt_of(workdir, name, 2)
+        shutil.copytree(source, root / f"plan{i}" / source.name)
     result = launch([plans[n] for n in RESUMED], 2, steps=STEPS, save_params=True, timeout_s=300,
                     run_dir=workdir / "w2resume", checkpoint_dir=root, checkpoint_every=CKPT_EVERY, resume=True)
     out = {n: (result.reports[i], result.run_dir / f"plan{i}" / "params.pt", root / f"plan{i}")
@@ -359,11 +362,13 @@ def test_checkpoints_written_with_manifest(runs, workdir):
 
 
 @pytest.mark.parametrize("name", RESUMED + RESUMED_W4)
-def test_resume_matches_uninterrupted(name, resumed, reference):
+def test_resume_matches_uninterrupted(name, resumed, reference, workdir):
+    from runtime.checkpoint import plan_sha256, step_dir
+
     report, params_path, root = resumed[name]
     assert_matches(f"{name} resumed", report.measured.losses, params_path, reference, first_step=2)
     assert any("resumed from" in w and "step-00000002" in w for w in report.warnings)
-    assert (root / "step-00000004" / "manifest.json").exists()  # the resumed run checkpoints too
+    assert (step_dir(root, 4, plan_sha256(workdir / f"{name}.json")) / "manifest.json").exists()  # it checkpoints too
 
 
 def test_tampered_checkpoint_refused(plans, workdir, capsys):
@@ -372,7 +377,7 @@ def test_tampered_checkpoint_refused(plans, workdir, capsys):
     from runtime.checkpoint import find_latest, plan_sha256, sha256_file
 
     root = workdir / "tampered"
-    good, bad = root / "step-00000002", root / "step-00000004"
+    good, bad = (root / _ckpt_of(workdir, "ddp", step).name for step in (2, 4))
     shutil.copytree(_ckpt_of(workdir, "ddp", 2), good)
     shutil.copytree(_ckpt_of(workdir, "ddp", 4), bad)
     shard = sorted(bad.glob("*.distcp"))[0]
@@ -396,25 +401,105 @@ def test_tampered_checkpoint_refused(plans, workdir, capsys):
     assert main(["run", str(plans["ddp"]), "--checkpoint-dir", str(root), "--resume", "--force"]) == 2
     assert "no manifest.json (incomplete, or not written by plan run)" in capsys.readouterr().err
     shutil.rmtree(root)
-    shutil.copytree(_ckpt_of(workdir, "fsdp", 2), good)
+    shutil.copytree(_ckpt_of(workdir, "fsdp", 2), root / _ckpt_of(workdir, "fsdp", 2).name)
     assert main(["run", str(plans["ddp"]), "--checkpoint-dir", str(root), "--resume", "--force"]) == 2
     assert "made for a different plan" in capsys.readouterr().err
     assert not plans["ddp"].with_name("ddp.run.json").exists()  # nothing started
 
 
-def test_prune_deletes_only_old_checkpoints_of_this_plan(tmp_path):
-    from runtime.checkpoint import FORMAT, MANIFEST, prune
+def test_checkpoints_not_signed_by_this_account_refused(plans, workdir, capsys, monkeypatch, tmp_path):
+    """DCP's metadata is a pickle: a folder whose manifest this account's key did not sign (made
+    elsewhere, unsigned, or edited after signing) is refused before anything is loaded."""
+    import shutil
 
-    for step, plan in ((2, "a"), (4, "a"), (6, "a"), (3, "b"), (5, "b")):
-        d = tmp_path / f"step-{step:08d}"
+    from runtime.checkpoint import KEY_ENV, MANIFEST, find_latest, plan_sha256, sha256_file, verify
+
+    plan_hash, model_hash = plan_sha256(plans["ddp"]), sha256_file(workdir / "model.py")
+    source = _ckpt_of(workdir, "ddp", 2)
+    path = tmp_path / "ckpt" / source.name
+    shutil.copytree(source, path)
+    manifest = json.loads((path / MANIFEST).read_text())
+    run = ["run", str(plans["ddp"]), "--checkpoint-dir", str(path.parent), "--resume", "--force"]
+    for change, reason in (
+        (lambda m: m.pop("hmac"), "is not signed, so it was not written by plan run"),
+        (lambda m: m.update(step=4), "signature does not match this account's key"),
+        (lambda m: m["files"].update({".metadata": sha256_file(path / "__0_0.distcp")}), "signature does not match"),
+    ):
+        edited = json.loads(json.dumps(manifest))
+        change(edited)
+        (path / MANIFEST).write_text(json.dumps(edited))
+        with pytest.raises(Exception, match=reason):
+            verify(path, plan_hash, model_hash)
+        assert main(run) == 2
+        err = capsys.readouterr().err.strip()
+        assert reason in err and "\n" not in err, err
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    assert find_latest(path.parent, plan_hash, model_hash).step == 2
+    # another account's key (or none here): refused too, naming the key
+    other = tmp_path / "other.key"
+    other.write_bytes(b"k" * 32)
+    other.chmod(0o600)
+    monkeypatch.setenv(KEY_ENV, str(other))
+    assert main(run) == 2
+    assert f"does not match this account's key {other}" in capsys.readouterr().err
+    other.chmod(0o644)
+    assert main(run) == 2
+    assert f"the signing key {other} is open to other users" in capsys.readouterr().err
+    monkeypatch.setenv(KEY_ENV, str(tmp_path / "missing.key"))
+    assert main(run) == 2
+    assert "no signing key at" in capsys.readouterr().err
+    assert not plans["ddp"].with_name("ddp.run.json").exists()  # nothing started
+
+
+def test_prune_deletes_only_old_checkpoints_of_this_plan(tmp_path):
+    from runtime.checkpoint import prune, step_dir, write_manifest
+
+    a, b = "a" * 64, "b" * 64
+    for step, plan in ((2, a), (4, a), (6, a), (3, b), (5, b)):
+        d = step_dir(tmp_path, step, plan)
         d.mkdir()
-        (d / MANIFEST).write_text(json.dumps({"format": FORMAT, "version": 1, "step": step, "plan_sha256": plan}))
-    (tmp_path / "step-00000001").mkdir()  # no manifest: not provably ours
+        (d / "__0_0.distcp").write_bytes(b"x")
+        write_manifest(d, step, plan, "model")
+    unsigned = step_dir(tmp_path, 1, a)
+    unsigned.mkdir()  # no manifest: not provably ours
+    leftover = tmp_path / f".{step_dir(tmp_path, 8, a).name}.partial-1-2"
+    leftover.mkdir()  # a crashed save of plan a
+    foreign = tmp_path / f".{step_dir(tmp_path, 8, b).name}.partial-1-2"
+    foreign.mkdir()  # plan b's save, maybe running now
     (tmp_path / "notes.txt").write_text("mine")
-    removed = prune(tmp_path, "a", keep=2)
-    assert removed == [tmp_path / "step-00000002"]  # plan b's older checkpoint stays
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "notes.txt", "step-00000001", "step-00000003", "step-00000004", "step-00000005", "step-00000006"]
+    removed = prune(tmp_path, a, keep=2)
+    assert sorted(removed) == sorted([leftover, step_dir(tmp_path, 2, a)])  # plan b's older checkpoint stays
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [foreign.name, "notes.txt", unsigned.name] + [step_dir(tmp_path, s, p).name for s, p in ((3, b), (4, a), (5, b), (6, a))])
+
+
+def test_a_rank_killed_mid_save_then_resumed_matches_uninterrupted(plans, workdir, reference):
+    """Two plans checkpoint into one folder; rank 1 of one of them is killed in the middle of its
+    step-4 save (its shards written, the checkpoint not complete). The run fails, the step-2
+    checkpoint stays loadable, the other plan's checkpoint is untouched; a resume continues from
+    step 2, cleans the partial folder, and ends where an uninterrupted run ends."""
+    import shutil
+
+    from runtime.checkpoint import FAULT_ENV, plan_sha256, sha256_file, step_dir, verify
+
+    root = workdir / "crash"
+    other = _ckpt_of(workdir, "fsdp", 4)
+    shutil.copytree(other, root / other.name)
+    plan, plan_hash, model_hash = plans["ddp"], plan_sha256(plans["ddp"]), sha256_file(workdir / "model.py")
+    with pytest.raises(RunFailed):
+        launch([plan], 2, steps=4, timeout_s=300, run_dir=workdir / "wcrash", checkpoint_dir=root,
+               checkpoint_every=CKPT_EVERY, env={FAULT_ENV: "save:4:1"})
+    assert not step_dir(root, 4, plan_hash).exists()
+    assert verify(step_dir(root, 2, plan_hash), plan_hash, model_hash) == 2
+    assert list(root.glob(".step-00000004-*.partial-*"))  # what the crash left
+    result = launch([plan], 2, steps=STEPS, save_params=True, timeout_s=300, run_dir=workdir / "wcrash2",
+                    checkpoint_dir=root, checkpoint_every=CKPT_EVERY, resume=True)
+    report = result.reports[0]
+    assert_matches("ddp resumed after a crash", report.measured.losses, result.run_dir / "plan0" / "params.pt",
+                   reference, first_step=2)
+    assert not list(root.glob(".step-*"))  # the partial folder is gone
+    assert verify(step_dir(root, 4, plan_hash), plan_hash, model_hash) == 4
+    assert verify(root / other.name, plan_sha256(plans["fsdp"]), model_hash) == 4  # the other plan's, as it was
 
 
 # --- the meta-device build (runtime/meta_init.py; PLAN_RUNTIME_META=1) ---------------------------
@@ -534,20 +619,3 @@ def test_materialize_stage_with_init_hook_walking_every_layer():
     assert torch.isfinite(a(x)).all()
 
 
-def test_a_run_never_overwrites_another_plans_checkpoint(plans, workdir, capsys):
-    """Two plans checkpointing into one folder: a save that would land on the other plan's step is
-    refused before launch, in one line, and the other plan's checkpoint is kept."""
-    from runtime.checkpoint import FORMAT, MANIFEST
-
-    root = workdir / "shared_ckpt"
-    other = root / "step-00000002"
-    other.mkdir(parents=True)
-    (other / MANIFEST).write_text(json.dumps({"format": FORMAT, "version": 1, "step": 2, "plan_sha256": "another plan"}))
-    args = ["run", str(plans["ddp"]), "--checkpoint-dir", str(root), "--checkpoint-every", "2", "--steps", "4", "--force"]
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip()
-    assert "holds another plan's checkpoint" in err and "\n" not in err
-    assert (other / MANIFEST).exists()
-    every3 = ["run", str(plans["ddp"]), "--checkpoint-dir", str(root), "--checkpoint-every", "3", "--steps", "4", "--dry-run"]
-    assert main(every3) == 0  # its only save, step 3, lands on nothing of the other plan's
-    capsys.readouterr()

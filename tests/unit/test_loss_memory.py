@@ -1,0 +1,77 @@
+"""The default loss's memory, measured on the installed torch, against what the cost model holds
+for it: the fused cross-entropy on whole logits, and torch's loss_parallel on vocabulary shards
+(the head split by tensor parallelism), which holds LOSS_PARALLEL_EXTRA more fp32 copies."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from planner.cost.constants import LOSS_PARALLEL_EXTRA
+from planner.cost.setup import Candidate, Training
+from planner.cost.stage_costs import NONE, loss_working_bytes, stage_costs
+from planner.hardware import make_cluster
+from tests.unit.test_cost_formulas import gpt_bf16  # noqa: F401  (fixture)
+
+# One process, a one-rank gloo group (a DTensor on a one-rank mesh runs loss_parallel's own ops,
+# so its memory per shard is what every rank of a larger group holds). MemTracker counts the
+# bytes of live tensors, on any device.
+SCRIPT = """
+import json, os, socket
+import torch, torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor, Shard
+from planner.model_file import default_loss
+
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (1,))
+B, T, V, H = 2, 1024, 8000, 32
+targets = torch.randint(0, V, (B, T))
+out = {}
+for kind in ("whole", "sharded"):
+    x = torch.randn(B, T, H, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(V, H, dtype=torch.bfloat16, requires_grad=True)
+    if kind == "sharded":
+        w = distribute_tensor(w.detach(), mesh, [Shard(0)]).requires_grad_()
+        x = DTensor.from_local(x, mesh, [Replicate()])
+    tracker = MemTracker()
+    tracker.track_external(x, w)
+    with tracker:
+        logits = torch.nn.functional.linear(x, w)
+        default_loss(logits, targets).backward()
+    peaks = tracker.get_tracker_snapshot("peak")
+    out[kind] = max(d.get("Total", 0) for d in peaks.values()) / (B * T * V * 4)
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def test_the_loss_holds_what_the_cost_model_counts():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    peak = json.loads(proc.stdout.strip().splitlines()[-1])  # in fp32 logits (shards)
+    # the model's 16-bit logits (alive until backward ends), the saved fp32 log-probabilities (the
+    # head's activations in the profile), and the working set: two copies, or loss_parallel's more
+    assert peak["whole"] == pytest.approx(0.5 + 1 + 2, rel=0.05)
+    assert peak["sharded"] == pytest.approx(0.5 + 1 + 2 + LOSS_PARALLEL_EXTRA, rel=0.05)
+
+
+def test_a_vocabulary_parallel_head_adds_the_losss_working_set(gpt_bf16):  # noqa: F811
+    """examples/gpt.py: its untied head's activations are the fp32 log-probabilities, larger than
+    a block's; under tp 2 the working set is loss_parallel's, with tp 1 two copies of the largest."""
+    head = gpt_bf16.layers[-1]
+    cluster, training = make_cluster("a100-80gb", 2), Training("bf16", "adamw", 8, 80 * 2**30)
+    assert loss_working_bytes(gpt_bf16, 1, 4) == 0.0
+    assert loss_working_bytes(gpt_bf16, 2, 4) == pytest.approx((2 + LOSS_PARALLEL_EXTRA) * head.activation_bytes * 4 / 2)
+    for tp in (1, 2):
+        costs = stage_costs(gpt_bf16, cluster, training, Candidate(tp, 1, 2 // tp, 4, 1, 0, "1f1b"))
+        largest = max(a.act_bytes[NONE] for a in costs.atoms)
+        assert costs.atoms[-1].act_bytes[NONE] == largest  # the head's
+        expect = 2 * largest if tp == 1 else (2 + LOSS_PARALLEL_EXTRA) * largest
+        assert costs.working_bytes == pytest.approx(expect)
