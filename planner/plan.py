@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from planner import schema
+from planner.profile.types import ModelProfile, TPInfo, TPRole
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,24 @@ class ClusterInfo:
 
 
 @dataclass(frozen=True)
+class PlanLayer:
+    """One layer as the runtime shards it: what the profiler found (the runtime re-derives nothing)."""
+
+    name: str
+    """The layer's main module (``blocks.3``)."""
+    tp: Optional[TPInfo] = None
+    """Its tensor-parallel plan (column-/row-wise Linear names relative to the layer), or None."""
+    role: Optional[TPRole] = None
+    """What else tensor parallelism does to it (vocabulary-parallel embedding or head, sequence
+    parallelism: planner.profile.tp_roles); None when unknown (its Linear pairs only)."""
+
+
+def plan_layers(profile: ModelProfile) -> tuple[PlanLayer, ...]:
+    """A profile's layers as a plan carries them."""
+    return tuple(PlanLayer(layer.name, layer.tp, layer.tp_role) for layer in profile.layers)
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     name: str
     path: str
@@ -108,6 +127,8 @@ class ModelInfo:
     num_params: int
     seq_len: Optional[int]
     layer_names: tuple[str, ...]
+    layers: tuple[PlanLayer, ...]
+    """Every layer, in order (the names of layer_names), with its TP split and role."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +162,9 @@ class Alternative:
 @dataclass(frozen=True)
 class Plan(schema.Versioned):
     SCHEMA = "planner.Plan"
-    VERSION = 1
+    VERSION = 2
+    OLDEST = 2
+    """Version 1 plans lack model.layers (the runtime profiled the model again): re-plan."""
 
     parallel: Parallel
     stages: tuple[Stage, ...]
@@ -159,4 +182,4 @@ class Plan(schema.Versioned):
     assumptions: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     schema: str = field(default="planner.Plan")
-    version: int = field(default=1)
+    version: int = field(default=2)

@@ -173,6 +173,8 @@ def check_plan(plan: Any) -> None:
             f"micro_batch {p.micro_batch} x num_microbatches {p.num_microbatches} x dp {p.dp} = "
             f"{p.micro_batch * p.num_microbatches * p.dp}, not training.global_batch {training.global_batch}",
         )
+    if tuple(layer.name for layer in plan.model.layers) != tuple(plan.model.layer_names):
+        raise _Malformed("model.layers", "their names differ from model.layer_names")
     if len(plan.stages) != p.pp:
         raise _Malformed("stages", f"{len(plan.stages)} stage{'s' * (len(plan.stages) != 1)}, not parallel.pp {p.pp}")
     for i, stage in enumerate(plan.stages):
@@ -193,6 +195,12 @@ def from_jsonable(cls: type[T], data: dict, *, source: str = "input") -> T:
         raise BadInput(
             f"{source}: {schema} version {data.get('version')!r} is newer than this tool reads "
             f"({version}); upgrade the planner"
+        )
+    oldest = getattr(cls, "OLDEST", 1)
+    if data["version"] < oldest:
+        raise BadInput(
+            f"{source}: {schema} version {data['version']} was written by an older planner; this tool "
+            f"reads versions {oldest} to {version}: make it again"
         )
     try:
         obj = _build(cls, data)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from planner.plan import Plan
 from runtime.types import LayerSplit
-from runtime.tp_structure import NO_BLOCK
+from runtime.types import NO_BLOCK
 
 DP_STYLE = {
     0: "ZeRO-0: DDP over the dp axis (gradients all-reduced)",

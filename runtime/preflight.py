@@ -3,15 +3,14 @@
 Every refusal is one line (`BadInput`, exit code 2): a pipeline plan whose stages or schedule
 the runtime cannot run, a model
 file changed since the plan was made, layers that differ from the plan's, a world size the devices
-cannot host. The layers and their tensor-parallel split come from the profiler's own layer
-discovery, run on fake tensors (no memory, well under a second for small models), so the runtime
-and the planner always agree on what a "layer" is.
+cannot host. The layers, their tensor-parallel split and roles come from the plan (the profiler
+found them): the runtime checks the model file's hash and that every layer names a module of the
+model, and profiles nothing, so the runtime and the planner always agree on what a "layer" is.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,8 +18,6 @@ import torch
 from planner.errors import BadInput
 from planner.model_file import ModelHandle, load_model_file
 from planner.plan import Plan
-from planner.profile import profile_model
-from runtime.tp_structure import tp_roles
 from runtime.types import LayerSplit, Prepared  # noqa: F401 (re-exported)
 
 
@@ -28,17 +25,15 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def discover_layers(handle: ModelHandle, precision: str, roles: bool = True) -> tuple[LayerSplit, ...]:
-    """The profiler's layers (names and TP split), from a trace on fake tensors; `roles`: with their
-    TPRole (one more forward on fake tensors)."""
-    profile = profile_model(handle, batch_size=1, dtype=precision, force_meta=True, measure=False, check_split=False)
-    layers = tuple(LayerSplit(layer.name, layer.tp) for layer in profile.layers)
-    if not roles or not any(layer.tp is not None for layer in layers):
-        return layers
-    found = tp_roles(handle, layers)
-    if isinstance(found, str):
-        return layers
-    return tuple(replace(layer, role=role) for layer, role in zip(layers, found))
+def check_layers(handle: ModelHandle, plan: Plan) -> tuple[LayerSplit, ...]:
+    """The plan's layers (with the TP split and roles the profiler found), once each names a module
+    of the model built on the meta device; BadInput otherwise (the model file imports code that
+    changed, or the plan was edited). Nothing is profiled again."""
+    modules = dict(handle.build_model("meta").named_modules())
+    missing = [layer.name for layer in plan.model.layers if layer.name not in modules]
+    if missing:
+        raise BadInput(f"{Path(handle.path).name}: its layers differ from the plan's (missing {', '.join(missing[:3])}): re-plan")
+    return plan.model.layers
 
 
 def check_devices(plan: Plan, plan_path: Path, world_size: int) -> str:
@@ -98,17 +93,7 @@ def prepare(plan_path: str | Path, model_path: str | Path | None = None, *, on_l
     if _sha256(path) != plan.model.source_sha256:
         raise BadInput(f"{path.name} changed since the plan was made: re-plan")
     handle = load_model_file(path)
-    layers = discover_layers(handle, plan.training.precision, roles=p.tp > 1)
-    names = tuple(layer.name for layer in layers)
-    if names != tuple(plan.model.layer_names):
-        missing = [n for n in plan.model.layer_names if n not in names]
-        extra = [n for n in names if n not in plan.model.layer_names]
-        diff = (f"missing {', '.join(missing[:3])}" if missing else "") + (
-            f"{'; ' if missing else ''}new {', '.join(extra[:3])}" if extra else ""
-        )
-        raise BadInput(
-            f"{path.name}: its layers differ from the plan's ({diff or 'another order'}): re-plan"
-        )
+    layers = check_layers(handle, plan)
     if p.pp > 1:
         from runtime.pipeline import check_pipeline, traced_reason
 

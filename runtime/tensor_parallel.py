@@ -1,7 +1,7 @@
 """Tensor parallelism as the planner's cost model assumes it: Megatron-style Linear pairs with
 sequence parallelism, vocabulary-parallel embeddings and head, and a loss on vocabulary-sharded
 logits, built from DTensor's ``parallelize_module`` styles the way torchtitan's ``apply_tp`` does
-for Llama, but from the profile's TPInfo and each layer's TPRole (runtime.tp_structure) rather than
+for Llama, but from the profile's TPInfo and each layer's TPRole (planner.profile.tp_roles, carried by the plan) rather than
 from hard-coded names. ``runtime.layout.tp_layout`` decides (and gives the warnings); here it runs:
 
 - blocks: ``ColwiseParallel`` on the column-wise Linears, ``RowwiseParallel`` on the row-wise ones.
@@ -202,7 +202,7 @@ def apply_tp(
             elif sp:
                 _parallelize_layer(module, tp_mesh, _gather_input())
     if sp:  # dropout on the sequence shards draws a mask of its own on every tp rank
-        dropout = next((l.role.shard_dropout for l in layers if l.role is not None), ())
+        dropout = [name for l in layers if l.role is not None for name in l.role.shard_dropout]
         names = dict(model.named_modules())
         for name in dropout:
             if name in names:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from planner.profile.split import meta_trace_split
 from planner.profile.timing import time_units
 from planner.profile.trace import BEFORE_ANY, TraceResult, run_trace, storage_key
 from planner.profile.tp_plan import find_tp_plan, tp_param_count
+from planner.profile.tp_roles import tp_roles
 from planner.profile.types import Edge, LayerProfile, ModelProfile, ProfileTotals, TPInfo, plain_from
 
 FAKE_ERRORS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
@@ -76,6 +77,7 @@ def _trace_fake(handle: ModelHandle, dtype: torch.dtype, inputs: Any, targets: A
             trace = trace_with_repeats(handle, model, units, stacks, f_inputs, f_targets) if stacks else None
         if trace is None:
             if stacks:  # the runs may have changed the model's Python state: start afresh
+                stacks = []
                 fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
                 model = mat.build_fake(handle, dtype, fake_mode)
                 units = find_units(model)
@@ -84,7 +86,32 @@ def _trace_fake(handle: ModelHandle, dtype: torch.dtype, inputs: Any, targets: A
                 trace = run_trace(handle, model, units, f_inputs, f_targets)
     finally:
         fake_log.setLevel(level)
-    return model, units, trace
+    members = tuple(tuple(units[i].name for i in s.members) for s in stacks)
+    return model, units, trace, _FakeModel(model, fake_mode, members)
+
+
+@dataclass(frozen=True)
+class _FakeModel:
+    """The model as the fake trace left it: its fake mode, and the stacks whose interior blocks
+    it did not run (repeats.py; their tensors are still meta)."""
+
+    model: torch.nn.Module
+    mode: FakeTensorMode
+    stacks: tuple[tuple[str, ...], ...]
+
+
+def _with_roles(handle: ModelHandle, fake: _FakeModel | None, dtype: torch.dtype, layers: list[LayerProfile],
+                seq_len: int | None, warnings: list[str]) -> list[LayerProfile]:
+    """`layers` with their TPRole (tp_roles.py) when any has a TPInfo; a warning when none could be found."""
+    if not any(layer.tp is not None for layer in layers):
+        return layers
+    found = "the forward on fake tensors failed" if fake is None else tp_roles(
+        handle, fake.model, fake.mode, dtype, tuple(layers), seq_len, fake.stacks)
+    if isinstance(found, str):
+        warnings.append(f"what tensor parallelism may split beyond the Linear pairs is unknown ({found}): "
+                        "no sequence parallelism, and the logits are gathered before the loss")
+        return layers
+    return [replace(layer, tp_role=role) for layer, role in zip(layers, found)]
 
 
 def _is_fake_failure(exc: BaseException) -> bool:
@@ -120,8 +147,9 @@ def profile_model(
     warnings: list[str] = []
 
     fake_error: BaseException | None = None
+    fake: _FakeModel | None = None
     try:
-        model, units, trace = _trace_fake(handle, tdtype, inputs, targets, reuse_min_blocks)
+        model, units, trace, fake = _trace_fake(handle, tdtype, inputs, targets, reuse_min_blocks)
         activation_bytes = sum(trace.saved_bytes.values())
         num_params = sum(p.numel() for p in model.parameters())
     except BadInput as exc:
@@ -173,6 +201,7 @@ def profile_model(
     glued = any(layer.cut_after_ok and layer.index < start for layer in layers[:-1])
     if check_split and (open_cuts or glued):
         layers, split, split_note = _traced_cuts(handle, tdtype, inputs, layers)
+    layers = _with_roles(handle, fake, tdtype, layers, seq_len_of(inputs), warnings)
     totals = ProfileTotals(
         num_params=sum(lp.num_params for lp in layers),
         param_bytes=sum(lp.param_bytes for lp in layers),

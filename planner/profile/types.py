@@ -88,6 +88,9 @@ class LayerProfile:
     """FLOPs of the Linear matmuls the alternate policy recomputes (every second one)."""
     fwd_alternate_io_bytes: int = 0
     """Bytes those matmuls read and write."""
+    tp_role: Optional["TPRole"] = None
+    """What tensor parallelism does to this layer besides its TPInfo (tp_roles.py); None when the
+    model has no TPInfo, or its roles could not be found."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,38 @@ class TPInfo:
 
     def legal(self, tp: int) -> bool:
         return all(d % tp == 0 for d in self.divisors)
+
+
+NO_BLOCK = "the model has no block with a column/row-wise Linear pair"
+"""The sp_blocker of a model where only embeddings and the head split (nothing to run sequence-parallel)."""
+
+
+@dataclass(frozen=True)
+class TPRole:
+    """How tensor parallelism treats one layer besides its TPInfo (names relative to the layer,
+    but shard_dropout's, which are the model's): found by tp_roles.py on fake tensors."""
+
+    kind: str
+    """"embedding", "block", "norm", "head" or "other"."""
+    seq_len: Optional[int] = None
+    """The model's sequence length (the second dim of its 2-D integer input), None without one."""
+    seq_dim: Optional[int] = None
+    """embedding: the dim of its output that is the sequence (1 for [batch, seq, hidden], 0 for
+    position embeddings [seq, hidden]); None when it has none."""
+    norms: tuple[str, ...] = ()
+    """block: norm-like submodules on the hidden states, run sequence-parallel."""
+    gathers: tuple[str, ...] = ()
+    """block: submodules whose one input feeds all their column-wise Linears: gathered once."""
+    sp_blocker: str = ""
+    """Why sequence parallelism cannot run in this model ("" when it can): the same in every layer,
+    so every pipeline stage, which sees only its own layers, decides the same."""
+    tied: str = ""
+    """embedding/head: the parameter of another layer that shares its weight ("" when none)."""
+    loss_blocker: str = ""
+    """head: why its logits cannot stay vocabulary-sharded into the loss ("" when they can)."""
+    shard_dropout: tuple[str, ...] = ()
+    """Dropout modules (p > 0) that with sequence parallelism run on each rank's sequence shard:
+    this layer's, and those called after it before the next layer (glue), by their names in the model."""
 
 
 @dataclass(frozen=True)
@@ -214,6 +249,15 @@ class ModelProfile(schema.Versioned):
         valid cut under the tracer, else those from which the layers run in sequence."""
         cuts = self.cut_points()
         return cuts if self.tracer_splits(tp) else [i for i in cuts if i >= self.plain_from()]
+
+    @property
+    def sp_blocker(self) -> Optional[str]:
+        """Why sequence parallelism cannot run on this model ("" when it can; NO_BLOCK when there
+        is nothing to split); None when the profile has no TP roles (none found, or an old file)."""
+        roles = [layer.tp_role for layer in self.layers if layer.tp is not None]
+        if not roles or any(r is None for r in roles):
+            return None
+        return roles[0].sp_blocker  # type: ignore[union-attr]
 
     def plain_from(self) -> int:
         """The first layer index i from which every cut (after i, i + 1, ...) is a plain hand-over:

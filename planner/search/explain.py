@@ -17,6 +17,7 @@ from planner.plan import (
     SolverInfo,
     Stage,
     TrainingInfo,
+    plan_layers,
 )
 from planner.profile.types import ModelProfile
 from planner.report.units import fmt_bytes, fmt_seconds
@@ -163,7 +164,7 @@ def _alternative(s: Scored, best: Scored | None) -> Alternative:
     )
 
 
-def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int) -> list[str]:
+def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int, profile: ModelProfile) -> list[str]:
     lines = []
     c = best.cand
     dp_plan = result.data_parallel
@@ -199,8 +200,10 @@ def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int
         )
     if c.tp > 1:
         where = "inside a node (NVLink)" if not best.costs.links.tp_spans_nodes else "ACROSS nodes (slow: keep TP inside a node if you can)"
+        blocker = profile.sp_blocker
         sp = ("with sequence parallelism (norms, residuals and dropout split along the sequence too)" if c.sequence_parallel
-              else "without sequence parallelism (norms, residuals and dropout whole on every TP rank)")
+              else "without sequence parallelism (norms, residuals and dropout whole on every TP rank"
+              + (f": this model cannot run it, {blocker}" if blocker else "") + ")")
         overlap = " (overlapped with the GEMMs: what outlasts them)" if c.tp_overlap else ""
         lines.append(f"Tensor parallelism over {c.tp} GPUs {where} splits each block's matmuls, {sp}; "
                      f"its collectives cost {fmt_seconds(breakdown(best)['tp_comm'])} per step{overlap}.")
@@ -273,6 +276,7 @@ def build_plan(
         model=ModelInfo(
             name=profile.model_name, path=model_path, source_sha256=profile.source_sha256,
             num_params=profile.num_params, seq_len=profile.seq_len, layer_names=tuple(l.name for l in profile.layers),
+            layers=plan_layers(profile),
         ),
         training=TrainingInfo(precision=precision, optimizer=optimizer, global_batch=global_batch),
         solver=SolverInfo(
@@ -281,7 +285,7 @@ def build_plan(
             skipped=dict(sorted(result.stats.rejected.items())),
         ),
         binding=binding_of(best, limit),
-        explanation=tuple(explanation(result, best, cluster, limit)),
+        explanation=tuple(explanation(result, best, cluster, limit, profile)),
         alternatives=tuple(_alternative(s, best) for s in result.ranked[1:]),
         data_parallel=dp_alt,
         assumptions=tuple(assumptions),

@@ -24,7 +24,8 @@ from typing import Iterator
 from planner.cost.constants import FRAGMENTATION
 from planner.cost.setup import Candidate
 from planner.cost.stage_costs import FULL, KIND_OF, KINDS, NONE, StageCosts
-from planner.profile.types import ModelProfile
+from planner.errors import BadInput
+from planner.profile.types import NO_BLOCK, ModelProfile
 
 
 @dataclass(frozen=True)
@@ -132,8 +133,18 @@ def _hsdp_replicas(tp: int, dp: int, gpus_per_node: int, fixed: Fixed, stats: Sp
 
 
 def _sequence_parallel(profile: ModelProfile, tp: int, fixed: Fixed, stats: SpaceStats) -> list[bool]:
-    """Both choices with TP (unless fixed); SP splits the sequence, so tp must divide it."""
+    """Both choices with TP (unless fixed); SP splits the sequence, so tp must divide it, and the
+    model must let it (the profile's TP roles: `ModelProfile.sp_blocker`; unknown in a profile
+    without them, which the runtime then runs without SP)."""
     if tp == 1:
+        return [False]
+    blocker = profile.sp_blocker
+    if blocker is None:
+        blocker = "the profile does not say what tensor parallelism may split beyond the Linear pairs"
+    if blocker:
+        if blocker != NO_BLOCK and (fixed.sequence_parallel or fixed.tp_overlap):  # NO_BLOCK: nothing to split
+            flag = "--sequence-parallel on" if fixed.sequence_parallel else "--tp-overlap on (it needs sequence parallelism)"
+            raise BadInput(f"{flag}: sequence parallelism cannot run on this model: {blocker}")
         return [False]
     choices = [True, False] if fixed.sequence_parallel is None else [fixed.sequence_parallel]
     if fixed.tp_overlap:  # TP overlap chunks the sequence-parallel collectives

@@ -91,7 +91,8 @@ def plan_file(tmp_path, capsys):
         (b"\xff\xfe\x00{", "not UTF-8 text (byte 0xff at offset 0)"),
         (b"plan: yes\n", ":1: not valid JSON"),
         (b"", ":1: not valid JSON"),
-        (b'{"schema": "planner.Plan", "version": 1}', "parallel is missing"),
+        (b'{"schema": "planner.Plan", "version": 2}', "parallel is missing"),
+        (b'{"schema": "planner.Plan", "version": 1}', "version 1 was written by an older planner"),
     ],
 )
 def test_run_refuses_a_broken_plan_file(capsys, tmp_path, content, message):

@@ -21,7 +21,7 @@ def test_small_model_gets_data_parallelism(capsys):
     plan = _plan_json(capsys, GPT, "--gpus", "8")
     par = plan["parallel"]
     assert (par["dp"], par["tp"], par["pp"], par["zero"]) == (8, 1, 1, 0)
-    assert plan["schema"] == "planner.Plan" and plan["version"] == 1
+    assert plan["schema"] == "planner.Plan" and plan["version"] == 2
     for key in ("dp", "tp", "pp", "micro_batch", "num_microbatches", "zero", "schedule", "recompute"):
         assert key in par
     for key in ("step_time_s", "samples_per_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "peak_memory_bytes"):
@@ -166,6 +166,61 @@ def test_sequence_parallelism_is_a_choice(capsys):
     assert free["parallel"]["sequence_parallel"] in (True, False)
     assert main([*args, "--sequence-parallel", "maybe"]) == EXIT_BAD_INPUT
     capsys.readouterr()
+
+
+SP_BLOCKED = """
+import torch
+from gpt import GPT, Block, GPTConfig, gpt_batch
+
+CFG = GPTConfig(vocab=512, seq_len=256, n_layer=4, n_head=4, n_embd=256)
+
+
+class GatedBlock(Block):
+    def forward(self, x, gate):
+        return super().forward(x) * gate
+
+
+class Gated(GPT):
+    # every block also takes a per-position gate: sequence parallelism would need it split too
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        for block in self.blocks:
+            block.__class__ = GatedBlock
+
+    def forward(self, idx):
+        T = idx.shape[1]
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
+        gate = torch.sigmoid(x.mean(-1, keepdim=True))
+        for block in self.blocks:
+            x = block(x, gate)
+        return self.lm_head(self.ln_f(x))
+
+
+def build_model():
+    return Gated(CFG)
+
+
+def sample_batch(batch_size):
+    return gpt_batch(CFG, batch_size)
+"""
+
+
+def test_sequence_parallelism_only_where_the_model_runs_it(capsys, model_file):
+    """What the runtime can split comes from the profile (its TP roles, which the plan carries):
+    where a model cannot run sequence parallelism the search never chooses it and says why, and
+    --sequence-parallel on is one line, exit 2."""
+    path = str(model_file(SP_BLOCKED))
+    args = [path, "--gpus", "2", "--tp", "2", "--global-batch", "8"]
+    plan = _plan_json(capsys, *args)
+    assert plan["parallel"]["sequence_parallel"] is False
+    assert any("without sequence parallelism" in line and "this model cannot run it" in line for line in plan["explanation"])
+    roles = [layer["role"] for layer in plan["model"]["layers"]]
+    assert all(r["sp_blocker"] == roles[0]["sp_blocker"] != "" for r in roles)
+    assert main([*args, "--sequence-parallel", "on"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --sequence-parallel on: sequence parallelism cannot run on this model") and "\n" not in err, err
+    gpt = _plan_json(capsys, GPT, "--gpus", "2", "--tp", "2", "--global-batch", "8", "--sequence-parallel", "on")
+    assert gpt["parallel"]["sequence_parallel"] is True  # examples/gpt.py runs it
 
 
 def test_fp8_is_planned_where_the_gpu_has_fp8_and_refused_elsewhere(capsys, tmp_path):

@@ -262,7 +262,15 @@ def test_pipeline_and_layer_mismatch_refused(plans, workdir, capsys):
     renamed = workdir / "renamed.json"
     renamed.write_text(json.dumps(data))
     assert main(["run", str(renamed)]) == 2
-    assert "layers differ from the plan's" in capsys.readouterr().err
+    assert "model.layers: their names differ from model.layer_names" in capsys.readouterr().err
+    data["model"]["layers"][2]["name"] = "blocks.renamed"
+    renamed.write_text(json.dumps(data))
+    assert main(["run", str(renamed)]) == 2
+    assert "layers differ from the plan's (missing blocks.renamed): re-plan" in capsys.readouterr().err
+    data["version"] = 1  # a plan from before the plan carried the layers' TP split and roles
+    renamed.write_text(json.dumps(data))
+    assert main(["run", str(renamed)]) == 2
+    assert "version 1 was written by an older planner" in capsys.readouterr().err
 
 
 def test_tp_runs_vocabulary_and_sequence_parallel(runs, plans, capsys):

@@ -22,7 +22,6 @@ from planner.model_file import load_model_file
 from planner.planning import PlanRequest, make_plan
 from planner.profile import profile_model
 from runtime.data_parallel import apply_dp, autocast_dtype
-from runtime.preflight import discover_layers
 
 path = sys.argv[1]
 handle = load_model_file(path)
@@ -30,7 +29,7 @@ plan = make_plan(handle, PlanRequest(gpus=1, gpu="cpu", precision="bf16", global
 profile = profile_model(handle, batch_size=4, dtype="bf16", force_meta=True, measure=False)
 torch.manual_seed(0)
 model = handle.build_model().float()
-wrapped = apply_dp(model, plan, discover_layers(handle, "bf16", roles=False), init_device_mesh("cpu", (1,)), torch.device("cpu"))
+wrapped = apply_dp(model, plan, plan.model.layers, init_device_mesh("cpu", (1,)), torch.device("cpu"))
 params = set()
 for p in model.parameters():
     params.add(p.to_local().untyped_storage().data_ptr() if hasattr(p, "to_local") else p.untyped_storage().data_ptr())

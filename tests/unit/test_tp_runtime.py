@@ -1,4 +1,5 @@
-"""What tensor parallelism runs, decided before launch (runtime.tp_structure, runtime.layout): the
+"""What tensor parallelism runs, decided before launch (the profiler's planner.profile.tp_roles, which
+the plan carries, and runtime.layout): the
 GPT gets vocabulary-parallel embeddings and head, sequence parallelism and a loss on sharded logits
 (no run warning); models that cannot get one of them get it replaced, with a warning saying why.
 The distributed parity tests (tests/distributed/test_parity.py: tp, dp_tp, fsdp_tp, pp_dp_tp) check
@@ -7,8 +8,9 @@ that this trains exactly as one process does."""
 from __future__ import annotations
 
 from planner.model_file import load_model_file
+from planner.plan import plan_layers
+from planner.profile import profile_model
 from runtime.layout import SP_GATHER_WARNING, shard_lines, tp_layout
-from runtime.preflight import discover_layers
 
 GPT = """
 import torch
@@ -27,7 +29,7 @@ def sample_batch(batch_size):
 
 
 def _layers(model_file, source: str):
-    return discover_layers(load_model_file(model_file(source)), "fp32")
+    return plan_layers(profile_model(load_model_file(model_file(source)), dtype="fp32", measure=False))
 
 
 def test_gpt_runs_as_planned(model_file):
@@ -139,6 +141,6 @@ def test_dropout_on_sequence_shards_found(model_file):
     layers = _layers(model_file, GPT.replace("n_embd=32)", "n_embd=32, dropout=0.1, attn='math')"))
     layout = tp_layout(layers, 2)
     assert layout.sequence_parallel and layout.warnings == (SP_GATHER_WARNING,)
-    assert layers[0].role.shard_dropout == (
+    assert tuple(n for l in layers for n in l.role.shard_dropout) == (
         "drop", "blocks.0.attn.resid_dropout", "blocks.0.mlp.dropout", "blocks.1.attn.resid_dropout", "blocks.1.mlp.dropout",
     )

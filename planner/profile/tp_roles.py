@@ -1,11 +1,12 @@
-"""What tensor parallelism may do to each layer beyond its Linear pairs: found once, on fake tensors.
+"""What tensor parallelism may do to each layer beyond its Linear pairs: found once, by the profiler,
+on fake tensors, and carried by the profile and the plan to the runtime (which re-derives nothing).
 
 The profiler's `TPInfo` names a block's column-/row-wise Linears and marks embeddings and the LM head
-vocabulary-parallel. Sequence parallelism (Korthikanti et al. 2022, the cost model's assumption) and
-a loss on vocabulary-sharded logits also need to know how tensors flow, which a forward on fake
-tensors shows: this module runs the model once under FakeTensorMode, as the profiler does (batch 2,
-hooks on every module)
-and gives each layer a `TPRole`:
+vocabulary-parallel. Sequence parallelism (Korthikanti et al. 2022) and a loss on
+vocabulary-sharded logits also need to know how tensors flow, which a forward on fake tensors shows:
+this module runs the profiler's fake model forward once more (batch 2, hooks on every module; a
+long stack of identical blocks cut down to its first, second and last, the others taking the
+second's role, as repeats.py does for the trace) and gives each layer a `TPRole`:
 
 - ``embedding`` (an ``nn.Embedding`` with a vocabulary-parallel TPInfo): the dim of its output that
   is the sequence (the last dim of its index input, whose length is the sequence length);
@@ -27,16 +28,16 @@ sum) runs on this rank's sequence shard.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from planner.model_file import ModelHandle, call_model, logits_of
-from planner.profile.types import TPInfo
-from planner.profile.profiler import seq_len_of
-from runtime.types import NO_BLOCK, TPRole  # noqa: F401 (re-exported)
+from planner.profile.types import NO_BLOCK, TPInfo, TPRole
 
 TRACE_BATCH = 2
 """Batch size of the trace (a [batch, seq, hidden] tensor is recognised by its leading dims)."""
@@ -65,10 +66,16 @@ class _Calls:
 
     def __init__(self, model: nn.Module):
         self.calls: dict[str, list[tuple[tuple, dict, Any]]] = {}
+        self.entered: list[str] = []
+        """Every module call's name, in the order the calls began."""
         self.handles = []
         for name, mod in model.named_modules():
+            def pre(m, args, name=name):
+                self.entered.append(name)
+
             def hook(m, args, kwargs, out, name=name):
                 self.calls.setdefault(name, []).append((args, kwargs, out))
+            self.handles.append(mod.register_forward_pre_hook(pre))
             self.handles.append(mod.register_forward_hook(hook, with_kwargs=True))
 
     def remove(self) -> None:
@@ -208,25 +215,28 @@ class _Analysis:
         return TPRole("head", self.S, sp_blocker=blocker, tied=tied, loss_blocker=loss)
 
 
-def tp_roles(handle: ModelHandle, layers: tuple[Any, ...]) -> tuple[TPRole, ...] | str:
+def tp_roles(
+    handle: ModelHandle, model: nn.Module, fake_mode: Any, dtype: torch.dtype, layers: tuple[Any, ...],
+    seq_len: int | None, stacks: tuple[tuple[str, ...], ...] = (),
+) -> tuple[TPRole, ...] | str:
     """Each layer's TPRole (in `layers`' order: objects with `name` and `tp`), or why none could be
-    found (the forward on fake tensors failed)."""
+    found (the forward on fake tensors failed). `model`: the profiler's, built under `fake_mode`;
+    `stacks`: the member names of each stack of identical blocks (repeats.py) whose interior is
+    not run here (the second member's role serves them all); `seq_len`: the profile's."""
     import logging
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     import planner.profile.materialize as mat
 
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     level = fake_log.level
     fake_log.setLevel(logging.CRITICAL)
     calls = None
+    skipped = {name: members[1] for members in stacks for name in members[2:-1]}
     try:
         inputs, targets = handle.sample_batch(TRACE_BATCH)
-        model = mat.build_fake(handle, torch.float32, fake_mode)
+        inputs = mat.cast_floats(inputs, dtype)
         calls = _Calls(model)
-        with fake_mode, torch.no_grad():
+        with _without(model, skipped), fake_mode, torch.no_grad():
             output = call_model(model, mat.fake_batch(inputs, fake_mode))
     except Exception as exc:  # noqa: BLE001
         return f"the trace on fake tensors failed ({type(exc).__name__}: {exc})"
@@ -234,9 +244,11 @@ def tp_roles(handle: ModelHandle, layers: tuple[Any, ...]) -> tuple[TPRole, ...]
         fake_log.setLevel(level)
         if calls is not None:
             calls.remove()
-    a = _Analysis(model, calls, seq_len_of(inputs))
-    roles: list[TPRole] = []
+    a = _Analysis(model, calls, seq_len)
+    roles: dict[str, TPRole] = {}
     for i, layer in enumerate(layers):
+        if layer.name in skipped:
+            continue
         module = model.get_submodule(layer.name)
         tp = layer.tp
         if tp is not None and not tp.required and isinstance(module, nn.Embedding):
@@ -252,21 +264,68 @@ def tp_roles(handle: ModelHandle, layers: tuple[Any, ...]) -> tuple[TPRole, ...]
             role = TPRole("other", a.S, sp_blocker=(
                 f"layer {layer.name} ({type(module).__name__}) is neither an embedding, a block with a "
                 "column/row-wise Linear pair, a norm nor the head"))
-        roles.append(role)
-    first = next((r.sp_blocker for r in roles if r.sp_blocker), "")
-    if not any(r.kind == "block" for r in roles):
+        roles[layer.name] = role
+    first = next((r.sp_blocker for r in roles.values() if r.sp_blocker), "")
+    if not any(r.kind == "block" for r in roles.values()):
         first = NO_BLOCK  # only embeddings and the head split: nothing to run sequence-parallel
-    # Dropout on the sequence shards: outside the gathered submodules, or on a row-wise output.
-    gathered = [_join(l.name, g) for l, r in zip(layers, roles) if r.kind == "block" for g in r.gathers]
+    dropout = _shard_dropout(model, calls, layers, roles, skipped)
+    for name, rep in skipped.items():  # an interior block: the representative's role, renamed
+        r = roles[rep]
+        roles[name] = replace(r, shard_dropout=tuple(name + n[len(rep):] for n in dropout.get(rep, ())))
+        dropout[name] = list(roles[name].shard_dropout)
+    return tuple(
+        replace(roles[l.name], sp_blocker=first, shard_dropout=tuple(dropout.get(l.name, ()))) for l in layers
+    )
+
+
+@contextmanager
+def _without(model: nn.Module, skipped: dict[str, str]) -> Iterator[None]:
+    """The model with the `skipped` stack members taken out of their containers while it runs
+    (as repeats.py cuts a stack down: the container's module dict holds the others)."""
+    whole: dict[str, tuple[nn.Module, Any]] = {}
+    for name in skipped:
+        parent = _parent(name)
+        container = model.get_submodule(parent)
+        whole.setdefault(parent, (container, container._modules))
+    try:
+        for parent, (container, modules) in whole.items():
+            vars(container)["_modules"] = OrderedDict(
+                (k, m) for k, m in modules.items() if _join(parent, k) not in skipped
+            )
+        yield
+    finally:
+        for container, modules in whole.values():
+            vars(container)["_modules"] = modules
+
+
+def _shard_dropout(
+    model: nn.Module, calls: _Calls, layers: tuple[Any, ...], roles: dict[str, TPRole], skipped: dict[str, str],
+) -> dict[str, list[str]]:
+    """Layer name -> the dropout modules that run on the sequence shards under sequence
+    parallelism, each given to the layer that holds it or, outside every layer, to the layer called
+    last before it (glue). Those are: outside the gathered submodules, or on a row-wise output."""
+    run = [l for l in layers if l.name not in skipped]
+    gathered = [_join(l.name, g) for l in run if roles[l.name].kind == "block" for g in roles[l.name].gathers]
     rowwise_out = {
-        id(out) for l, r in zip(layers, roles) if r.kind == "block" and l.tp is not None
+        id(out) for l in run if roles[l.name].kind == "block" and l.tp is not None
         for row in l.tp.rowwise for _, _, out in calls.get(_join(l.name, row))
     }
-    dropout = tuple(
-        n for n, m in model.named_modules()
-        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and (
-            not any(n.startswith(g + ".") for g in gathered)
-            or any(args and id(args[0]) in rowwise_out for args, _, _ in calls.get(n))
-        )
-    )
-    return tuple(replace(r, sp_blocker=first, shard_dropout=dropout) for r in roles)
+    modules = dict(model.named_modules())
+    names = {l.name for l in run}
+    out: dict[str, list[str]] = {}
+    last = run[0].name if run else ""
+    for name in calls.entered:
+        if name in names:
+            last = name
+            continue
+        m = modules.get(name)
+        if not isinstance(m, nn.modules.dropout._DropoutNd) or m.p <= 0:
+            continue
+        if any(name.startswith(g + ".") for g in gathered) and not any(
+            args and id(args[0]) in rowwise_out for args, _, _ in calls.get(name)
+        ):
+            continue
+        owner = next((l for l in names if name.startswith(l + ".")), last)
+        if name not in out.setdefault(owner, []):
+            out[owner].append(name)
+    return out
