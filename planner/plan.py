@@ -112,11 +112,17 @@ class PlanLayer:
     role: Optional[TPRole] = None
     """What else tensor parallelism does to it (vocabulary-parallel embedding or head, sequence
     parallelism: planner.profile.tp_roles); None when unknown (its Linear pairs only)."""
+    plain_cut: bool = False
+    """A pipeline cut after this layer, and after every later one, hands over this layer's output
+    alone (ModelProfile.plain_from): stages from there on run their layers one after another,
+    without the pipelining tracer."""
 
 
 def plan_layers(profile: ModelProfile) -> tuple[PlanLayer, ...]:
     """A profile's layers as a plan carries them."""
-    return tuple(PlanLayer(layer.name, layer.tp, layer.tp_role) for layer in profile.layers)
+    start = profile.plain_from()
+    return tuple(PlanLayer(layer.name, layer.tp, layer.tp_role, layer.index >= start and layer.index < len(profile.layers) - 1)
+                 for layer in profile.layers)
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,11 @@ class ModelInfo:
     layer_names: tuple[str, ...]
     layers: tuple[PlanLayer, ...]
     """Every layer, in order (the names of layer_names), with its TP split and role."""
+    pipeline_split: str = "sequential"
+    """The profile's: "traced" when the pipelining tracer can split the model at every valid cut
+    (the runtime uses it for a first cut before the layers' plain_cut), else "sequential" or "none"."""
+    pipeline_split_note: Optional[str] = None
+    """Why the tracer could not split the model."""
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,10 @@ stage exactly as to a whole model.
 - Stage 0 runs the model's own forward (embeddings and whatever glue precedes the first split) and
   stops where the first layer of the next stage is called, returning that layer's input.
 - Every later stage runs its layers in order, each on the previous one's output. This needs the
-  model's forward to be a plain sequence of its layers from the first split point on (checked once
-  on the meta device: each layer's input is the previous layer's output and the model's output is
-  the last layer's); a model that is not is split by the tracer instead (below). The planner puts
+  model's forward to be a plain sequence of its layers from the first split point on (each layer's
+  input is the previous layer's output and the model's output is
+  the last layer's: the profiler's finding, carried by the plan as ``model.pipeline_split``); a
+  model that is not is split by the tracer instead (below). The planner puts
   the first cut of a plan with tensor parallelism where the layers run in sequence
   (ModelProfile.plain_from), and plan run refuses before launch a plan that would need the tracer
   with TP (``traced_reason``).
@@ -55,7 +56,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from planner.errors import BadInput
-from planner.model_file import ModelHandle, call_model
+from planner.model_file import ModelHandle
 from planner.plan import Plan
 from runtime.data_parallel import full_parameters
 from runtime.meta_init import BuildInfo, materialize_sharded, use_meta
@@ -122,60 +123,23 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent._modules[leaf] = new
 
 
-def traced_reason(handle: ModelHandle, plan: Plan, layers: tuple[LayerSplit, ...]) -> str | None:
-    """Why this plan's stages are split by the pipelining tracer, or None when the forward from the
-    plan's first split on is a plain sequence of its layers (runtime/pipeline.py's docstring,
-    "Traced split"). run_pipeline decides with it, and plan run's preflight refuses before launch
-    what the traced path cannot run (tensor parallelism)."""
-    first_split = stage_layers(plan)[1][1][0]
-    sample = slice_rows(global_batch(handle, plan, 0)[0], 0, plan.parallel.micro_batch)
-    return sequential_reason(handle, [l.name for l in layers], first_split, sample)
-
-
-def sequential_reason(handle: ModelHandle, names: list[str], first_split: str, sample: Any) -> str | None:
-    """None when the model's forward, from `first_split` on, is a plain sequence of its layers
-    (each layer called once on the previous one's output alone, the model returning the last
-    one's), checked on the meta device; otherwise why not."""
-    with torch.device("meta"):
-        meta = handle.build_model()
-    seen: dict[str, tuple[Any, Any]] = {}
-    keep: list[Any] = []
-    handles = []
-    for name in names:
-        def hook(mod, args, kwargs, out, name=name):
-            keep.append((args, out))
-            seen.setdefault(name, (args, kwargs, out, 0))
-            a, k, o, n = seen[name]
-            seen[name] = (a, k, o, n + 1)
-        handles.append(meta.get_submodule(name).register_forward_hook(hook, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            output = call_model(meta, to_device(sample, torch.device("meta")))
-    except Exception as exc:  # noqa: BLE001 - e.g. value-dependent mask code, which meta tensors refuse
-        lines = str(exc).strip().splitlines()
-        return f"its forward fails on meta tensors: {type(exc).__name__}: {lines[0] if lines else ''}"
-    finally:
-        for h in handles:
-            h.remove()
-    start = names.index(first_split)
-    why = ""
-    prev_out = None
-    for i, name in enumerate(names[start:], start):
-        if name not in seen:
-            why = f"layer {name} is not called in forward"
-            break
-        args, kwargs, out, calls = seen[name]
-        if calls != 1 or kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
-            why = f"layer {name} is called {calls} time(s) or not with one tensor"
-            break
-        if i > start and args[0] is not prev_out:
-            why = f"layer {name} does not take {names[i - 1]}'s output"
-            break
-        prev_out = out
-    else:
-        if output is not prev_out:
-            why = f"its output is not {names[-1]}'s output"
-    return why or None
+def traced_reason(plan: Plan) -> str | None:
+    """Why this plan's stages need the pipelining tracer, or None when the forward from the plan's
+    first cut on is a plain sequence of its layers (the profiler's finding, which the plan carries:
+    each layer's ``plain_cut``). BadInput when they need it and the tracer failed on this model.
+    run_pipeline decides with it, and plan run's preflight refuses before launch what the traced
+    path cannot run (tensor parallelism)."""
+    first = stage_layers(plan)[0][1][-1]
+    layer = next(l for l in plan.model.layers if l.name == first)
+    if layer.plain_cut:
+        return None
+    why = f"the forward after {first} is not a plain sequence of layers (glue between them, or a layer taking more than the previous one's output)"
+    if plan.model.pipeline_split != "traced":
+        raise BadInput(
+            f"the plan's first pipeline cut, after {first}, needs the pipelining tracer ({why}), which cannot split "
+            f"this model ({plan.model.pipeline_split_note or 'not tried'}): re-plan"
+        )
+    return why
 
 
 def build_stage_module(
@@ -279,7 +243,7 @@ def run_pipeline(
     all_names = [l.name for l in layers]
     by_name = {l.name: l for l in layers}
     sample = slice_rows(global_batch(handle, plan, 0)[0], 0, p.micro_batch)
-    not_sequential = traced_reason(handle, plan, layers)
+    not_sequential = traced_reason(plan)
 
     meta_full = handle.build_model("meta")
     on_meta = use_meta(meta_full, device)

@@ -98,8 +98,8 @@ def prepare(plan_path: str | Path, model_path: str | Path | None = None, *, on_l
         from runtime.pipeline import check_pipeline, traced_reason
 
         check_pipeline(plan, layers)
-        why = traced_reason(handle, plan, layers) if p.tp > 1 and on_launcher else None
-        if why is not None:
+        why = traced_reason(plan)  # BadInput when the cut needs the tracer and it fails on this model
+        if why is not None and p.tp > 1:
             raise BadInput(
                 f"{plan_path}: tensor parallelism on pipeline stages split by the tracer is not supported yet "
                 f"(the split is traced because {why}): re-plan with --tp 1 or --pp 1"

@@ -277,6 +277,7 @@ def build_plan(
             name=profile.model_name, path=model_path, source_sha256=profile.source_sha256,
             num_params=profile.num_params, seq_len=profile.seq_len, layer_names=tuple(l.name for l in profile.layers),
             layers=plan_layers(profile),
+            pipeline_split=profile.pipeline_split, pipeline_split_note=profile.pipeline_split_note,
         ),
         training=TrainingInfo(precision=precision, optimizer=optimizer, global_batch=global_batch),
         solver=SolverInfo(
