@@ -1,5 +1,7 @@
 """The runtime on this CPU: its overhead against a hand-written DDP loop, and measured against
-predicted step time and memory for a handful of plans (gloo, one process per planned device).
+predicted step time and memory for a handful of plans (gloo, one process per planned device),
+with the rank correlation (Kendall tau) of predicted and measured step times. Run
+`plan calibrate --gpu cpu` first to plan with this machine's measured figures.
 
     python bench/bench_runtime.py [--steps 6] [--model examples/gpt.py]
 
@@ -58,6 +60,18 @@ def baseline(model: Path, world: int, micro_batch: int, steps: int, tmp: Path) -
     return json.loads(out.read_text())["step_time_s"]
 
 
+def kendall_tau(pairs: list[tuple[float, float]]) -> float:
+    """Kendall's tau-a between the two orders: (concordant - discordant) pairs over all pairs."""
+    score, total = 0, 0
+    for i in range(len(pairs)):
+        for j in range(i + 1, len(pairs)):
+            a = pairs[i][0] - pairs[j][0]
+            b = pairs[i][1] - pairs[j][1]
+            score += (a * b > 0) - (a * b < 0)
+            total += 1
+    return score / total if total else 1.0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
@@ -71,10 +85,12 @@ def main() -> None:
         print(f"{handle.name}, global batch {args.global_batch}, {args.steps} steps per run, fp32, AdamW, gloo")
         print(f"{'plan':32s} {'predicted':>10s} {'measured':>10s} {'ratio':>6s} {'pred. mem':>10s} {'meas. mem':>10s} {'ratio':>6s}")
         ddp2_path = None
+        pairs = []
         for label, world, fixed in PLANS:
             path = plan_file(handle, world, fixed, args.global_batch, tmp, label)
             report = launch([path], world, steps=args.steps, run_dir=tmp / path.stem).reports[0]
             pred, meas = report.predicted, report.measured
+            pairs.append((pred.step_time_s, meas.step_time_s))
             mem = max(meas.peak_memory_bytes)
             print(
                 f"{label:32s} {pred.step_time_s:9.3f}s {meas.step_time_s:9.3f}s {meas.step_time_s / pred.step_time_s:6.2f} "
@@ -85,6 +101,10 @@ def main() -> None:
                 print(f"    warning: {warning}")
             if label == "DDP dp=2":
                 ddp2_path = path
+        ratios = sorted(m / p for p, m in pairs)
+        print(f"measured / predicted step time: median {statistics.median(ratios):.2f}, range {ratios[0]:.2f}-{ratios[-1]:.2f}, "
+              f"within 15%: {sum(abs(r - 1) <= 0.15 for r in ratios)} of {len(ratios)}; "
+              f"Kendall tau (order of predicted against measured) {kendall_tau(pairs):.2f}")
         # The overhead: the runtime's DDP and a hand-written DDP loop back to back, three times over
         # (the load on a shared machine drifts over minutes): the median of the pairs' ratios.
         ratios = []

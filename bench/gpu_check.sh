@@ -7,9 +7,10 @@
 #
 # The device machine of this workplace has torch (CUDA) but not pulp/highspy: put their wheels for
 # its Python in .whl/ first (bench/gpu_wheels.sh, run here) and carry .whl; they are installed into
-# /tmp/site. Two plans run: the planner's own choice (the default global batch, 256 sequences;
-# micro-batch 32 x 8, near the memory limit, so its memory prediction is tested there) and a global
-# batch of 8.
+# /tmp/site. Three plans run: the planner's own choice (the default global batch, 256 sequences;
+# micro-batch 32 x 8, near the memory limit, so its memory prediction is tested there), a global
+# batch of 8, and the planner's choice again on the H200 as `plan calibrate` measured it (before
+# and after calibration, side by side).
 set -uo pipefail
 STEPS=${1:-8}
 OUT=${OUT:-/tmp/gpu_check}
@@ -23,11 +24,16 @@ PLAN="python3 -m planner.cli"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 status=0
-for name in default gb8; do
+echo "== plan calibrate (the H200 as this node runs it: matmul ceiling, NCCL all-reduce)"
+$PLAN calibrate --gpu h200 -o "$OUT/h200_calibrated.yaml" --force 2>&1 | tee "$OUT/calibrate.txt" || status=1
+for name in default gb8 calibrated; do
     extra=()
+    gpu=h200
     [ "$name" = gb8 ] && extra=(--global-batch 8)
+    [ "$name" = calibrated ] && gpu="$OUT/h200_calibrated.yaml"
+    [ "$name" = calibrated ] && [ ! -f "$gpu" ] && continue
     echo "== plan ($name)"
-    $PLAN examples/gpt_1b.py --gpu h200 --gpus 1 "${extra[@]}" -o "$OUT/plan_$name.json" --force 2>&1 | tee "$OUT/plan_$name.txt" || { status=1; continue; }
+    $PLAN examples/gpt_1b.py --gpu "$gpu" --gpus 1 "${extra[@]}" -o "$OUT/plan_$name.json" --force 2>&1 | tee "$OUT/plan_$name.txt" || { status=1; continue; }
     echo "== run ($name, $STEPS steps)"
     $PLAN run "$OUT/plan_$name.json" --steps "$STEPS" --force 2>&1 | tee "$OUT/run_$name.txt" || status=1
 done
@@ -36,7 +42,7 @@ import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 print(f"{'plan':8} {'pred step':>10} {'meas step':>10} {'ratio':>6} {'pred mem GB':>12} {'meas mem GB':>12} {'ratio':>6}")
-for name in ("default", "gb8"):
+for name in ("default", "gb8", "calibrated"):
     path = out / f"plan_{name}.run.json"
     if not path.exists():
         print(f"{name:8} no run report ({path.name} missing: see run_{name}.txt)")

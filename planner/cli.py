@@ -178,6 +178,12 @@ def cmd_run(argv: Sequence[str]) -> int:
     return run_plan(argv)
 
 
+def cmd_calibrate(argv: Sequence[str]) -> int:
+    from runtime.cli import cmd_calibrate as calibrate  # measured with torchrun: the runtime's
+
+    return calibrate(argv)
+
+
 def cmd_whatif(argv: Sequence[str]) -> int:
     from planner.files import check_output_path
     from planner.report.whatif_table import _parser as whatif_parser
@@ -194,6 +200,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "profile": cmd_profile,
     "gpus": cmd_gpus,
     "run": cmd_run,
+    "calibrate": cmd_calibrate,
     "whatif": cmd_whatif,
 }
 
@@ -203,6 +210,7 @@ USAGE = """usage: plan MODEL.py --gpus N [options]   or   plan COMMAND ...
   plan profile MODEL.py [--batch-size B] [--json]  per-layer parameters, FLOPs, memory and time
   plan gpus                                        the hardware catalogue (--gpu names)
   plan run plan.json [--steps S] [--dry-run]       execute a saved plan (torchrun), measured against predicted
+  plan calibrate [--gpu cpu|NAME] [-o FILE]        measure this machine with the processes plans run (torchrun)
   plan whatif MODEL.py --gpus 8,16 --gpu a,b ...   plans over GPU types x counts: speed, time, cost, HTML report
 
 Run `plan COMMAND --help` for the options of each."""

@@ -6,6 +6,7 @@ local CPU) both build GPUSpecs, so the type lives here and neither imports the o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from planner.errors import BadInput
@@ -15,6 +16,19 @@ _DTYPE_ALIASES = {
     "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
     "float8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
 }
+
+
+def _loglog(points: list[tuple[int, float]], x: int) -> float:
+    """y at x from sorted (x, y) points: log-log interpolation inside, y proportional to x outside."""
+    if x <= points[0][0]:
+        return points[0][1] * x / points[0][0]
+    if x >= points[-1][0]:
+        return points[-1][1] * x / points[-1][0]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            t = math.log(x / x0) / math.log(x1 / x0)
+            return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
+    return float(x)
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,29 @@ class GPUSpec:
     """The largest share of the dense peak that 16-bit matmuls reach on this GPU, measured
     (maximum achievable matmul FLOPS over the best shapes / peak: A100 SXM 86%, H100 SXM 80%,
     MI300X 60%); 1.0 for the local CPU, whose peak is itself a measured matmul."""
+    process_slowdown: tuple[tuple[int, float], ...] = ()
+    """The local CPU after `plan calibrate --gpu cpu`: (processes, how much longer one training step
+    of a fixed model takes in each of that many processes sharing the cores, each with its share of
+    the threads, than in one process with all of them), measured; empty: assumed proportional."""
+    collectives: tuple[tuple[int, str, float, float], ...] = ()
+    """The local CPU after `plan calibrate --gpu cpu`: (processes, kind, latency s, bus bandwidth
+    B/s) of gloo's all_reduce, all_gather, reduce_scatter and p2p among that many local processes,
+    fitted over message sizes; empty: the intra/inter-node figures for every group."""
+
+    def slowdown(self, processes: int) -> float:
+        """`process_slowdown` at `processes`: interpolated in log-log between the measured counts,
+        proportional to the count beyond them; the count itself when none was measured."""
+        points = sorted(self.process_slowdown)
+        if not points:
+            return float(processes)
+        return _loglog(points, processes)
+
+    def collective(self, group_size: int) -> tuple[tuple[str, float, float], ...]:
+        """(kind, latency s, bus bandwidth B/s) measured for the nearest process count; () if none."""
+        if not self.collectives:
+            return ()
+        nearest = min({c[0] for c in self.collectives}, key=lambda n: (abs(math.log(n / group_size)), n))
+        return tuple((kind, latency, busbw) for n, kind, latency, busbw in self.collectives if n == nearest)
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for `dtype` (``bf16``, ``torch.bfloat16``, ``float32`` ...)."""

@@ -221,6 +221,20 @@ def _spec_from(data: dict[str, Any]) -> GPUSpec:
     }
     sources["inter_node_bandwidth_Bps"] = sources["intra_node_bandwidth_Bps"] + " (one host: same as intra-node)"
     sources["inter_node_latency_s"] = sources["intra_node_latency_s"] + " (one host: same as intra-node)"
+    slowdown, collectives = (), ()
+    calibration = data.get("calibration")
+    if calibration:
+        counts = {int(n): c for n, c in calibration["counts"].items()}
+        slowdown = tuple(sorted((n, float(c["slowdown"])) for n, c in counts.items()))
+        collectives = tuple(sorted(
+            (n, kind, float(f["latency_s"]), float(f["busbw_Bps"]))
+            for n, c in counts.items() for kind, f in c.get("collectives", {}).items()
+        ))
+        at = f"plan calibrate on {key['host']} at {calibration['measured_at']}"
+        sources["process_slowdown"] = (f"{at}: median seconds of a fixed training step in each of N processes sharing "
+                                       f"the {cores} cores, over one process with all of them (N = {', '.join(map(str, counts))})")
+        sources["collectives"] = (f"{at}: gloo all-reduce, all-gather, reduce-scatter and send/recv among N local "
+                                  "processes, 4 KiB-16 MiB, latency and bus bandwidth fitted")
     return GPUSpec(
         name="cpu",
         display_name=f"local CPU core ({key['cpu_model']})",
@@ -236,6 +250,8 @@ def _spec_from(data: dict[str, Any]) -> GPUSpec:
         tdp_w=None,
         sources=sources,
         origin="measured",
+        process_slowdown=slowdown,
+        collectives=collectives,
     )
 
 
@@ -246,12 +262,37 @@ def cached_local_cpu() -> GPUSpec | None:
 
 
 def measure_local_cpu(refresh: bool = False) -> GPUSpec:
-    """The local CPU as a device: from the cache, else measured (a few seconds) and cached."""
+    """The local CPU as a device: from the cache, else measured (a few seconds) and cached (a
+    refresh keeps what `plan calibrate --gpu cpu` measured on this machine)."""
     key = cache_key()
-    data = None if refresh else _read_cache(key)
+    cached = _read_cache(key)
+    data = None if refresh else cached
     if data is None:
         data = {"key": key, **run_benchmark()}
+        if cached and cached.get("calibration"):
+            data["calibration"] = cached["calibration"]
         _write_cache(data)
+    return _spec_from(data)
+
+
+def store_calibration(results: list[dict[str, Any]]) -> GPUSpec:
+    """Keep what `plan calibrate --gpu cpu` measured (runtime.calibrate: one result per process
+    count, one process among them) with this machine's other figures; the spec every later
+    `--gpu cpu` plan gets."""
+    single = next((r for r in results if r["processes"] == 1), None)
+    if single is None:
+        raise PlanError("plan calibrate: the local CPU needs a measurement with one process")
+    key = cache_key()
+    data = _read_cache(key) or {"key": key, **run_benchmark()}
+    counts = {}
+    for r in results:
+        entry: dict[str, Any] = {"step_s": r["step_s"], "slowdown": r["step_s"] / single["step_s"], "collectives": {
+            kind: {k: r[kind][k] for k in ("latency_s", "busbw_Bps")}
+            for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p") if kind in r
+        }}
+        counts[str(r["processes"])] = entry
+    data["calibration"] = {"measured_at": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "counts": counts}
+    _write_cache(data)
     return _spec_from(data)
 
 

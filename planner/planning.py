@@ -6,6 +6,7 @@ code for every point they report.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 
@@ -96,12 +97,28 @@ def _training(request: PlanRequest, cluster: Cluster, global_batch: int) -> Trai
 
 
 def _cpu_factor(profile: ModelProfile, cluster: Cluster) -> float | None:
-    """Measured CPU seconds scale with the threads each process gets (one process per device,
-    cores shared evenly): times measured with T threads, run with cores/N threads."""
+    """Measured CPU seconds scaled to a process of the run: N processes share C cores, each with
+    p = max(1, C // N) threads (runtime/launch.py). The profile measured with T threads; p threads
+    take speedup(T) / speedup(p) times as long, speedup interpolated in log-log between one thread
+    (1) and T (the profile's thread_speedup, else T: linear); processes beyond the cores take
+    turns: times N p / C, or what `plan calibrate --gpu cpu` measured for N (GPUSpec.slowdown)."""
     if cluster.gpu.origin != "measured" or not profile.timed:
         return None
     cores = os.cpu_count() or 1
-    return (profile.num_threads or 1) * cluster.num_gpus / cores
+    threads = profile.num_threads or 1
+    n = cluster.num_gpus
+    per = max(1, cores // n)
+    measured = profile.thread_speedup if profile.thread_speedup is not None else float(threads)
+
+    def speedup(p: int) -> float:
+        if threads <= 1 or p <= 1:
+            return 1.0
+        return measured ** (math.log(min(p, threads)) / math.log(threads))
+
+    oversubscribed = max(1.0, n * per / cores)
+    if cluster.gpu.process_slowdown and n > cores:  # calibrated: turns taken as measured
+        oversubscribed = cluster.gpu.slowdown(n) / cluster.gpu.slowdown(cores)
+    return speedup(threads) / speedup(per) * oversubscribed
 
 
 def global_batch_of(profile: ModelProfile, request: PlanRequest, cluster: Cluster) -> tuple[int, str | None]:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 from planner.cli_args import _Parser, _positive_float, _positive_int
 from planner.errors import BadInput
@@ -71,4 +72,115 @@ def cmd_run(argv: Sequence[str]) -> int:
     else:
         render_report(report)
         print(f"run report written to {out}")
+    return 0
+
+
+def _calibrate_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="plan calibrate", description=(
+        "Measure this machine as plans will run on it (torchrun, every process at once) and keep the "
+        "figures: for --gpu cpu where every later --gpu cpu plan finds them; for a GPU, in a catalogue "
+        "file (-o) that --gpu accepts."))
+    p.add_argument("--gpu", default="cpu", help="cpu (the local CPU, default) or the catalogue GPU this node has")
+    p.add_argument("--gpus", type=_positive_int, metavar="N",
+                   help="the most processes to measure with (cpu: 1, 2, 4, ... up to N, default 8; a GPU: "
+                        "the node's GPUs)")
+    p.add_argument("-o", "--output", metavar="FILE", help="write the figures (cpu: JSON; a GPU: a catalogue YAML)")
+    p.add_argument("--force", action="store_true", help="overwrite FILE")
+    p.add_argument("--timeout-s", type=_positive_float, default=300.0, help="per launch (default 300)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def cmd_calibrate(argv: Sequence[str]) -> int:
+    args = _calibrate_parser().parse_args(argv)
+    import json
+
+    from planner.files import check_output_path
+    from runtime.calibrate import run_counts
+
+    if args.output:
+        check_output_path(args.output, force=args.force, flag="-o")
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    if args.gpu.lower() == "cpu":
+        from planner.local_device import cache_path, store_calibration
+
+        top = args.gpus or 8
+        counts = [1]
+        while counts[-1] * 2 <= top:
+            counts.append(counts[-1] * 2)
+        if counts[-1] != top:
+            counts.append(top)
+        results = run_counts(counts, "cpu", args.timeout_s, progress)
+        spec = store_calibration(results)
+        print(f"local CPU ({spec.display_name}), {len(results)} process counts; kept in {cache_path()}:")
+        print(f"{'processes':>9s} {'step s':>8s} {'slowdown':>9s} {'assumed':>8s}   "
+              + "  ".join(f"{k:>22s}" for k in ("all-reduce", "all-gather", "reduce-scatter", "send/recv")))
+        for r in results:
+            n = r["processes"]
+            cells = []
+            for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
+                f = r.get(kind)
+                cells.append(f"{'-':>22s}" if f is None else f"{f['latency_s'] * 1e6:7.0f} us {f['busbw_Bps'] / 1e9:6.2f} GB/s")
+            print(f"{n:9d} {r['step_s']:8.3f} {spec.slowdown(n):9.2f} {float(n):8.2f}   " + "  ".join(cells))
+        print("slowdown: one process's step time among N, over one process with every core (assumed: N); "
+              "collectives: latency and bus bandwidth fitted over 4 KiB-16 MiB")
+        if args.output:
+            from planner.files import atomic_write_text
+
+            atomic_write_text(args.output, json.dumps({"gpu": "cpu", "results": results}, indent=2) + "\n")
+            print(f"figures written to {args.output}")
+        return 0
+    return _calibrate_gpu(args, progress)
+
+
+def _calibrate_gpu(args: argparse.Namespace, progress: Any) -> int:
+    """A node of catalogue GPUs: the bf16 matmul ceiling and the all-reduce among its GPUs, as a
+    catalogue file (the base GPU's other fields and sources kept)."""
+    import datetime
+    import socket
+
+    import torch
+    import yaml
+
+    from planner.hardware import get_gpu
+    from runtime.calibrate import run_counts
+
+    base = get_gpu(args.gpu)
+    if not args.output:
+        raise BadInput("plan calibrate: a GPU's figures go to a catalogue file: give -o FILE.yaml")
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if available == 0:
+        raise BadInput(f"plan calibrate --gpu {args.gpu}: this machine has no GPU; run it on a node of them")
+    n = min(args.gpus or available, available)
+    result = run_counts([n], "cuda", args.timeout_s, progress)[0]
+    at = f"plan calibrate on {socket.gethostname()} at {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}"
+    peak = base.peak("bf16")
+    data: dict[str, Any] = {
+        "name": Path(args.output).stem.lower(),
+        "display_name": f"{base.display_name} (calibrated)",
+        "vendor": base.vendor,
+        "peak_tflops": {k: v / 1e12 for k, v in base.peak_flops.items()},
+        "memory_gb": base.memory_bytes / 1e9,
+        "hbm_bandwidth_GBps": base.hbm_bandwidth_Bps / 1e9,
+        "intra_node_bandwidth_GBps": base.intra_node_bandwidth_Bps / 1e9,
+        "intra_node_latency_us": base.intra_node_latency_s * 1e6,
+        "inter_node_bandwidth_GBps": base.inter_node_bandwidth_Bps / 1e9,
+        "inter_node_latency_us": base.inter_node_latency_s * 1e6,
+        "gpus_per_node": base.gpus_per_node,
+        "matmul_efficiency": min(1.0, result["matmul_bf16_flops"] / peak),
+        "sources": {"matmul_efficiency": f"{at}: best median bf16 torch.mm 4096/8192, slowest of {n} GPUs at once, over the bf16 peak"},
+    }
+    if "all_reduce" in result:
+        data["intra_node_bandwidth_GBps"] = result["all_reduce"]["busbw_Bps"] / 1e9
+        data["intra_node_latency_us"] = result["all_reduce"]["latency_s"] * 1e6
+        data["sources"]["intra_node_bandwidth_GBps"] = f"{at}: NCCL all-reduce among {n} GPUs, 4 KiB-16 MiB, bus bandwidth fitted"
+        data["sources"]["intra_node_latency_us"] = f"{at}: NCCL all-reduce among {n} GPUs, latency fitted"
+    from planner.files import atomic_write_text
+
+    atomic_write_text(args.output, yaml.safe_dump(data, sort_keys=False))
+    print(f"{args.output}: {base.name} calibrated on this node ({n} GPUs): matmul {result['matmul_bf16_flops'] / 1e12:.0f} "
+          f"TFLOP/s bf16 ({data['matmul_efficiency']:.0%} of peak); use it with --gpu {args.output}")
     return 0

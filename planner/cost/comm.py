@@ -26,6 +26,15 @@ class Link:
     latency_s: float
     ring_step_s: float = 0.0
     """Mean latency one step of a ring over the group adds (GPU links: `ring_step_s`)."""
+    measured: tuple[tuple[str, float, float], ...] = ()
+    """(kind, latency s, bus bandwidth B/s) that `plan calibrate` measured for this group's size:
+    all_reduce, all_gather, reduce_scatter, p2p; each costs exactly that (no efficiency applied)."""
+
+    def fitted(self, kind: str, volume: float) -> "Affine | None":
+        for k, latency, busbw in self.measured:
+            if k == kind:
+                return Affine(latency, volume / busbw)
+        return None
 
 
 @dataclass(frozen=True)
@@ -64,18 +73,30 @@ def _coef(volume: float, n: int, link: Link, ring_steps: int = 0) -> Affine:
 
 
 def allreduce(n: int, link: Link) -> Affine:
-    return _coef(2 * (n - 1) / n, n, link)
+    if n <= 1:
+        return NONE
+    return link.fitted("all_reduce", 2 * (n - 1) / n) or _coef(2 * (n - 1) / n, n, link)
 
 
 def allgather(n: int, link: Link) -> Affine:
-    """Applied to the size of the gathered (full) buffer. Reduce-scatter costs the same."""
-    return _coef((n - 1) / n, n, link, ring_steps=n - 1)
+    """Applied to the size of the gathered (full) buffer."""
+    if n <= 1:
+        return NONE
+    return link.fitted("all_gather", (n - 1) / n) or _coef((n - 1) / n, n, link, ring_steps=n - 1)
 
 
-reduce_scatter = allgather
+def reduce_scatter(n: int, link: Link) -> Affine:
+    """Applied to the size of the whole (input) buffer; as all-gather unless measured."""
+    if n <= 1:
+        return NONE
+    return link.fitted("reduce_scatter", (n - 1) / n) or _coef((n - 1) / n, n, link, ring_steps=n - 1)
 
 
 def p2p(link: Link) -> Affine:
+    # measured: a message each way, one after the other (2 x the bytes); one message is half
+    fitted = link.fitted("p2p", 2.0)
+    if fitted is not None:
+        return Affine(fitted.fixed_s / 2, fitted.per_byte_s / 2)
     return Affine(link.latency_s, 1 / (link.bandwidth_Bps * LINK_EFFICIENCY))
 
 

@@ -33,7 +33,9 @@ def _link(cluster: Cluster, group_size: int, spans: bool, members_per_node: int 
     step = 0.0
     if cluster.gpu.origin != "measured":  # NCCL's ring steps (a measured CPU runs gloo)
         step = ring_step_s(group_size, -(-group_size // members_per_node) if spans else 1)
-    return Link(cluster.bandwidth_Bps(group_size, spans, members_per_node), cluster.latency_s(group_size, spans), step)
+    measured = cluster.gpu.collective(group_size) if group_size > 1 else ()
+    return Link(cluster.bandwidth_Bps(group_size, spans, members_per_node), cluster.latency_s(group_size, spans), step,
+                measured)
 
 
 def links(cluster: Cluster, cand: Candidate) -> Links:

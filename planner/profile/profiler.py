@@ -184,9 +184,18 @@ def profile_model(
             "profiled on fake tensors, no timings"
         )
     fwd_s = bwd_s = None
+    thread_speedup = None
     if mode == "materialized" and measure:
         first = trace.order[0] if trace.order else 0
         fwd_s, bwd_s = time_units(handle, model, units, first, inputs, targets, repeats)
+        threads = torch.get_num_threads()
+        if threads > 1:  # what the threads bought: processes that share the cores get fewer
+            torch.set_num_threads(1)
+            try:
+                serial = time_units(handle, model, units, first, inputs, targets, repeats)
+            finally:
+                torch.set_num_threads(threads)
+            thread_speedup = max(1.0, (sum(serial[0]) + sum(serial[1])) / max(sum(fwd_s) + sum(bwd_s), 1e-12))
 
     layers, edges = _assemble(model, units, trace, fwd_s, bwd_s, warnings)
     split, split_note = "sequential", None
@@ -230,6 +239,7 @@ def profile_model(
         warnings=tuple(warnings),
         profile_s=round(time.perf_counter() - start, 3),
         num_threads=torch.get_num_threads() if fwd_s is not None else None,
+        thread_speedup=thread_speedup,
         pipeline_split=split,
         pipeline_split_note=split_note,
     )

@@ -188,6 +188,9 @@ class ModelProfile(schema.Versioned):
     profile_s: float = 0.0
     num_threads: Optional[int] = None
     """torch's intra-op threads when the times were measured (None: not timed)."""
+    thread_speedup: Optional[float] = None
+    """The step's measured seconds with one thread over those with num_threads (None: not timed,
+    or timed with one thread): how this model's time grows when processes share the cores."""
     pipeline_split: str = "sequential"
     """How the runtime splits this model into pipeline stages: "sequential" (the valid cuts hand
     over one layer's output; the tracer was not needed, or it failed and some such cuts remain;

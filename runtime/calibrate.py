@@ -1,0 +1,208 @@
+"""`plan calibrate`: measure the machines the plans will run on, with the processes they will run.
+
+One torchrun launch per process count (``--nproc-per-node N``; the worker is ``python -m
+runtime.calibrate``), every rank measuring at once, so that what the ranks share (a CPU's cores,
+a node's power and memory system) is measured as training meets it:
+
+- one training step (forward, backward) of a fixed model (a ``torch.nn.TransformerEncoderLayer``,
+  d_model 256, 4 heads, 1,024 wide, batch 8 x 128 tokens, fp32): its median seconds per rank. On
+  the CPU, the step's time with N processes over its time in one process with every core is
+  ``GPUSpec.process_slowdown``, which the planner uses instead of assuming that N processes on C
+  cores each run at C/N of the whole (they do not: two threads are not twice one);
+- all-reduce, all-gather and reduce-scatter among all N ranks, and a message each way between pairs
+  of ranks, at sizes from 4 KiB to 16 MiB: a least-squares fit of seconds = latency + bytes x
+  volume / bus bandwidth (nccl-tests' bus bandwidth: volume 2(N-1)/N for all-reduce, (N-1)/N for
+  the others): ``collectives``, each group of the plan costed with what was measured for its
+  size and kind.
+
+Rank 0 writes the figures as JSON. On the local CPU (`--gpu cpu`) the launcher stores them with the
+CPU's other measured figures (planner.local_device's cache), where every later ``--gpu cpu`` plan
+finds them; ``-o FILE.json`` also writes them out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB
+STEP_SHAPE = (8, 128, 256)  # batch, tokens, width of the fixed training step
+REPEATS = 9
+
+
+def _median_s(fn: Callable[[], Any], repeats: int = REPEATS, sync: Callable[[], None] = lambda: None) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def step_seconds(device: torch.device, sync: Callable[[], None]) -> float:
+    """Median seconds of one forward and backward of the fixed model."""
+    torch.manual_seed(0)
+    b, t, d = STEP_SHAPE
+    layer = torch.nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True).to(device)
+    x = torch.randn(b, t, d, device=device)
+
+    def step() -> None:
+        layer(x).square().mean().backward()
+
+    return _median_s(step, sync=sync)
+
+
+def fit_alpha_beta(sizes: tuple[int, ...], seconds: list[float], volume: float) -> tuple[float, float]:
+    """(latency s, bandwidth B/s) of seconds = latency + size x volume / bandwidth, least squares;
+    the latency at least 0 and the bandwidth from the largest message when the fit is degenerate."""
+    n = len(sizes)
+    mx, my = sum(sizes) / n, sum(seconds) / n
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds)) / sxx if sxx else 0.0
+    latency = my - slope * mx
+    if slope <= 0 or latency < 0:
+        latency = max(0.0, min(seconds))
+        slope = max(seconds[-1] - latency, 1e-12) / sizes[-1]
+    return latency, volume / slope
+
+
+def matmul_flops(device: torch.device, sync: Callable[[], None]) -> float:
+    """Best median FLOP/s of square bf16 matmuls (4096, 8192) on a GPU."""
+    best = 0.0
+    for n in (4096, 8192):
+        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        best = max(best, 2 * n**3 / _median_s(lambda: torch.mm(a, b), sync=sync))
+    return best
+
+
+def measure(device: torch.device) -> dict[str, Any]:
+    """What this rank measures (every rank at once); collectives over the whole group."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    world = dist.get_world_size()
+    out: dict[str, Any] = {"step_s": step_seconds(device, sync)}
+    if device.type == "cuda":
+        out["matmul_bf16_flops"] = matmul_flops(device, sync)
+    if world > 1:
+        rank = dist.get_rank()
+        peer = rank ^ 1  # pairs (0, 1), (2, 3), ...: each sends to the other, all pairs at once
+        for kind, volume in COLLECTIVES.items():
+            if kind == "p2p" and peer >= world:
+                continue
+            seconds = []
+            for size in SIZES:  # the whole buffer: all-reduce's, all-gather's output, reduce-scatter's input
+                elems = max(world, size // 4) // world * world
+                whole = torch.ones(elems, device=device)
+                part = torch.empty(elems // world, device=device)
+                op = {
+                    "all_reduce": lambda: dist.all_reduce(whole),
+                    "all_gather": lambda: dist.all_gather_into_tensor(whole, part),
+                    "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole),
+                    "p2p": lambda: _exchange(whole, rank, peer),
+                }[kind]
+                seconds.append(_median_s(op, sync=sync))
+            latency, busbw = fit_alpha_beta(SIZES, seconds, volume(world))
+            out[kind] = {"latency_s": latency, "busbw_Bps": busbw, "sizes": list(SIZES), "seconds": seconds}
+    return out
+
+
+def _exchange(t: torch.Tensor, rank: int, peer: int) -> None:
+    """One message each way between `rank` and `peer` (the lower rank sends first)."""
+    if rank < peer:
+        dist.send(t, peer)
+        dist.recv(t, peer)
+    else:
+        dist.recv(t, peer)
+        dist.send(t, peer)
+
+
+COLLECTIVES: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,  # nccl-tests' bus bandwidth: bytes x this / seconds
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "p2p": lambda n: 2.0,  # a message each way, one after the other
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="runtime.calibrate", description="one rank of plan calibrate")
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    args = p.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if args.device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo" if args.device == "cpu" else "nccl", timeout=timedelta(seconds=120))
+    try:
+        mine = measure(device)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, mine)
+        if rank == 0:
+            result = {
+                "processes": world,
+                "threads_per_process": torch.get_num_threads() if args.device == "cpu" else None,
+                "step_s": statistics.median(r["step_s"] for r in everyone),
+                "step_s_per_rank": [r["step_s"] for r in everyone],
+                **{k: mine[k] for k in COLLECTIVES if k in mine},
+                **({"matmul_bf16_flops": min(r["matmul_bf16_flops"] for r in everyone)} if "matmul_bf16_flops" in mine else {}),
+            }
+            Path(args.out).write_text(json.dumps(result))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# --- the launcher ------------------------------------------------------------------------------
+
+
+def run_counts(counts: list[int], device: str, timeout_s: float, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    """One torchrun launch per process count; each one's figures (rank 0's JSON)."""
+    import tempfile
+
+    from runtime.launch import free_port
+
+    out = []
+    with tempfile.TemporaryDirectory(prefix="plan-calibrate-") as tmp:
+        for n in counts:
+            progress(f"measuring with {n} process{'es' * (n > 1)} ...")
+            path = Path(tmp) / f"n{n}.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-addr", "127.0.0.1",
+                   "--master-port", str(free_port()), "-m", "runtime.calibrate", "--out", str(path), "--device", device]
+            env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
+                                      cwd=str(Path(__file__).resolve().parents[1]))
+            except subprocess.TimeoutExpired:
+                from planner.errors import PlanError
+
+                raise PlanError(f"plan calibrate: the launch with {n} processes did not finish in {timeout_s:g} s") from None
+            if proc.returncode != 0 or not path.exists():
+                from planner.errors import PlanError
+
+                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                raise PlanError(f"plan calibrate: the launch with {n} processes failed: {tail}")
+            out.append(json.loads(path.read_text()))
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""`plan calibrate` and what the planner does with it: the CPU step scaled to the processes that
+share the cores (the profile's measured thread speed-up, the calibrated turns beyond the cores),
+collectives from the calibrated table, and the alpha-beta fit."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from planner.cli import main
+from planner.hardware import make_cluster
+from planner.planning import _cpu_factor
+from runtime.calibrate import fit_alpha_beta
+
+
+class _Profile:
+    """What _cpu_factor reads of a ModelProfile."""
+
+    def __init__(self, threads: int, speedup: float | None):
+        self.num_threads, self.thread_speedup, self.timed = threads, speedup, True
+
+
+def _cpu(cores: int, **fields):
+    from planner.local_device import measure_local_cpu
+
+    return replace(measure_local_cpu(), gpus_per_node=cores, **{"process_slowdown": (), "collectives": (), **fields})
+
+
+def test_processes_sharing_the_cores(monkeypatch):
+    """Timed with 2 threads, 1.6 x faster than with one: 2 processes on 2 cores (1 thread each)
+    take 1.6 x as long; 4 take turns on top (x2), or as calibrated; without a measured speed-up,
+    threads count linearly."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    profile = _Profile(2, 1.6)
+    cpu = _cpu(2)
+    factor = {n: _cpu_factor(profile, make_cluster(cpu, n)) for n in (1, 2, 4)}
+    assert factor[1] == pytest.approx(1.0) and factor[2] == pytest.approx(1.6) and factor[4] == pytest.approx(3.2)
+    assert _cpu_factor(_Profile(2, None), make_cluster(cpu, 2)) == pytest.approx(2.0)
+    calibrated = _cpu(2, process_slowdown=((1, 1.0), (2, 1.5), (4, 3.3), (8, 7.2)))
+    assert _cpu_factor(profile, make_cluster(calibrated, 4)) == pytest.approx(1.6 * 3.3 / 1.5)
+    assert _cpu_factor(profile, make_cluster(calibrated, 2)) == pytest.approx(1.6)  # no turns taken
+
+
+def test_slowdown_and_collectives_read_from_the_calibration():
+    """Each group is costed with what was measured for the nearest process count and its kind:
+    exactly latency + bytes x volume / bus bandwidth; unmeasured kinds and counts as before."""
+    from planner.cost import comm
+    from planner.cost.setup import Candidate
+    from planner.cost.topology import links
+
+    measured = ((2, "all_reduce", 1e-3, 1e9), (2, "all_gather", 2e-3, 5e8), (8, "all_reduce", 4e-3, 5e8), (2, "p2p", 4e-4, 2e9))
+    spec = _cpu(8, process_slowdown=((1, 1.0), (2, 1.5), (8, 6.0)), collectives=measured)
+    assert spec.slowdown(4) == pytest.approx(math.exp(math.log(1.5) + 0.5 * (math.log(6.0) - math.log(1.5))))
+    assert spec.slowdown(16) == pytest.approx(12.0)  # proportional past the last count
+    assert spec.collective(6) == (("all_reduce", 4e-3, 5e8),)
+    lk = links(make_cluster(spec, 8), Candidate(1, 2, 4, 1, 1, 0, "1f1b"))  # the pipeline pairs: 2 processes
+    ar, ag = comm.allreduce(2, lk.pp), comm.allgather(2, lk.pp)
+    assert (ar.fixed_s, ar.per_byte_s) == pytest.approx((1e-3, 1 / 1e9)) and ag.fixed_s == pytest.approx(2e-3)
+    rs = comm.reduce_scatter(2, lk.pp)  # not measured: the alpha-beta model of the link
+    assert rs.fixed_s != 2e-3
+    one = comm.p2p(lk.pp)  # measured both ways at once: one message is half
+    assert (one.fixed_s, one.per_byte_s) == pytest.approx((2e-4, 1 / 2e9))
+
+
+def test_alpha_beta_fit():
+    sizes = (4096, 65536, 1 << 20, 1 << 24)
+    seconds = [2e-4 + s * 1.5 / 2e9 for s in sizes]
+    latency, busbw = fit_alpha_beta(sizes, seconds, 1.5)
+    assert latency == pytest.approx(2e-4, rel=1e-6) and busbw == pytest.approx(2e9, rel=1e-6)
+
+
+def test_plan_calibrate_cpu_keeps_the_figures_for_cpu_plans(capsys, tmp_path, monkeypatch):
+    """Two short launches (1 and 2 processes); the figures land with the CPU's other measured
+    ones, where --gpu cpu finds them (and in -o, never over an existing file)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out = tmp_path / "cpu.json"
+    assert main(["calibrate", "--gpus", "2", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "slowdown" in text and out.exists()
+    from planner.local_device import measure_local_cpu
+
+    spec = measure_local_cpu()
+    assert [n for n, _ in spec.process_slowdown] == [1, 2] and spec.process_slowdown[0][1] == 1.0
+    assert {(n, kind) for n, kind, _, _ in spec.collectives} == {(2, k) for k in ("all_reduce", "all_gather", "reduce_scatter", "p2p")}
+    assert "plan calibrate" in spec.sources["process_slowdown"]
+    assert main(["calibrate", "--gpus", "2", "-o", str(out)]) == 2  # not overwritten without --force
+    assert "already exists" in capsys.readouterr().err
+    assert main(["calibrate", "--gpu", "a100-80gb"]) == 2
+    assert "give -o FILE.yaml" in capsys.readouterr().err
