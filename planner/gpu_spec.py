@@ -72,6 +72,14 @@ class GPUSpec:
     B/s) of gloo's all_reduce, all_gather, reduce_scatter and p2p among that many local processes,
     fitted over message sizes; empty: the intra/inter-node figures for every group."""
 
+    phase_factors: tuple[tuple[str, float], ...] = ()
+    """Refit from run reports (`plan calibrate --from-run`): (phase, measured / predicted) for
+    "compute" (forward, backward, recompute), "comm" (TP, pipeline and data-parallel traffic) and
+    "optimizer"; each multiplies the cost model's seconds for that phase. Empty: 1."""
+
+    def factor(self, phase: str) -> float:
+        return next((f for name, f in self.phase_factors if name == phase), 1.0)
+
     def slowdown(self, processes: int) -> float:
         """`process_slowdown` at `processes`: interpolated in log-log between the measured counts,
         proportional to the count beyond them; the count itself when none was measured."""

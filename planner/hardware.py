@@ -76,7 +76,8 @@ def _to_si(key: str, value: float) -> float:
 
 
 _TEXTS = ("name", "display_name", "vendor")
-KNOWN_KEYS = (*_TEXTS, "peak_tflops", *_SCALARS, "sources", "uncertain")
+PHASES = ("compute", "comm", "optimizer")
+KNOWN_KEYS = (*_TEXTS, "peak_tflops", *_SCALARS, "phase_factors", "sources", "uncertain")
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,10 @@ def parse_gpu(data: Any, *, where: str, default_name: str, origin: str) -> GPUSp
         values[attr] = int(number) if key == "gpus_per_node" else _to_si(key, number)
     values["memory_bytes"] = int(round(values["memory_bytes"]))
 
+    factors = data.get("phase_factors") or {}
+    if not isinstance(factors, dict) or any(k not in PHASES for k in factors):
+        raise _fail(where, f"field 'phase_factors' must map phases ({', '.join(PHASES)}) to factors")
+    values["phase_factors"] = tuple((k, float(_positive(where, f"phase_factors.{k}", v))) for k, v in factors.items())
     sources, uncertain = _parse_sources(data, where, origin)
     defaults = {"intra_node_latency_us": DEFAULT_INTRA_LATENCY_US, "inter_node_latency_us": DEFAULT_INTER_LATENCY_US}
     for key, default_us in defaults.items():
@@ -214,6 +219,8 @@ def _spec_key(where: str, key: str, context: str = "sources") -> str:
         return "peak_flops" + (f".{dtype}" if dtype else "")
     if head in _SCALARS and not dtype:
         return _SCALARS[head][0]
+    if head == "phase_factors" and not dtype:
+        return "phase_factors"
     raise _fail(where, f"field '{context}' names unknown field {key!r}")
 
 

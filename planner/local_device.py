@@ -235,6 +235,10 @@ def _spec_from(data: dict[str, Any]) -> GPUSpec:
                                        f"the {cores} cores, over one process with all of them (N = {', '.join(map(str, counts))})")
         sources["collectives"] = (f"{at}: gloo all-reduce, all-gather, reduce-scatter and send/recv among N local "
                                   "processes, 4 KiB-16 MiB, latency and bus bandwidth fitted")
+    factors = tuple((k, float(v)) for k, v in (data.get("phase_factors") or {}).get("factors", {}).items())
+    if factors:
+        refit = data["phase_factors"]
+        sources["phase_factors"] = f"plan calibrate --from-run on {key['host']} at {refit['measured_at']}: {refit['note']}"
     return GPUSpec(
         name="cpu",
         display_name=f"local CPU core ({key['cpu_model']})",
@@ -252,6 +256,7 @@ def _spec_from(data: dict[str, Any]) -> GPUSpec:
         origin="measured",
         process_slowdown=slowdown,
         collectives=collectives,
+        phase_factors=factors,
     )
 
 
@@ -269,9 +274,21 @@ def measure_local_cpu(refresh: bool = False) -> GPUSpec:
     data = None if refresh else cached
     if data is None:
         data = {"key": key, **run_benchmark()}
-        if cached and cached.get("calibration"):
-            data["calibration"] = cached["calibration"]
+        for kept in ("calibration", "phase_factors"):
+            if cached and cached.get(kept):
+                data[kept] = cached[kept]
         _write_cache(data)
+    return _spec_from(data)
+
+
+def store_phase_factors(factors: dict[str, float], note: str) -> GPUSpec:
+    """Keep the phase factors `plan calibrate --from-run` refit (runtime.calibrate.refit) with this
+    machine's figures; the spec every later `--gpu cpu` plan gets."""
+    key = cache_key()
+    data = _read_cache(key) or {"key": key, **run_benchmark()}
+    data["phase_factors"] = {"factors": factors, "note": note,
+                             "measured_at": dt.datetime.now().astimezone().isoformat(timespec="seconds")}
+    _write_cache(data)
     return _spec_from(data)
 
 
@@ -292,6 +309,7 @@ def store_calibration(results: list[dict[str, Any]]) -> GPUSpec:
         }}
         counts[str(r["processes"])] = entry
     data["calibration"] = {"measured_at": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "counts": counts}
+    data.pop("phase_factors", None)  # refit against the old figures: refit again from new runs
     _write_cache(data)
     return _spec_from(data)
 

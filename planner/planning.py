@@ -170,6 +170,11 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
         "tensor parallelism is Megatron-style (column-wise then row-wise Linears), with or without sequence "
         "parallelism as parallel.sequence_parallel says; ranks ordered tp, dp, pp",
     ]
+    gpu = cluster.gpu
+    for field_name in ("process_slowdown", "collectives", "phase_factors"):
+        if getattr(gpu, field_name):  # plan calibrate's figures: say which were used, and from where
+            what = (", ".join(f"{k} x{v:.2f}" for k, v in gpu.phase_factors) + ": ") if field_name == "phase_factors" else ""
+            assumptions.append(f"calibration: {field_name} {what}{gpu.sources.get(field_name, gpu.origin)}")
     _, basis = global_batch_of(profile, request, cluster)
     if basis is not None:
         assumptions.append(f"{basis} (set --global-batch)")

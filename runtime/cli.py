@@ -84,6 +84,9 @@ def _calibrate_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=_positive_int, metavar="N",
                    help="the most processes to measure with (cpu: 1, 2, 4, ... up to N, default 8; a GPU: "
                         "the node's GPUs)")
+    p.add_argument("--from-run", nargs="+", metavar="REPORT",
+                   help="refit the phase factors (compute, communication, optimizer) from run reports (PLAN.run.json) "
+                        "instead of measuring: --gpu cpu, or --gpu FILE.yaml with -o")
     p.add_argument("-o", "--output", metavar="FILE", help="write the figures (cpu: JSON; a GPU: a catalogue YAML)")
     p.add_argument("--force", action="store_true", help="overwrite FILE")
     p.add_argument("--timeout-s", type=_positive_float, default=300.0, help="per launch (default 300)")
@@ -104,6 +107,8 @@ def cmd_calibrate(argv: Sequence[str]) -> int:
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    if args.from_run:
+        return _refit(args)
     if args.gpu.lower() == "cpu":
         from planner.local_device import cache_path, store_calibration
 
@@ -183,4 +188,43 @@ def _calibrate_gpu(args: argparse.Namespace, progress: Any) -> int:
     atomic_write_text(args.output, yaml.safe_dump(data, sort_keys=False))
     print(f"{args.output}: {base.name} calibrated on this node ({n} GPUs): matmul {result['matmul_bf16_flops'] / 1e12:.0f} "
           f"TFLOP/s bf16 ({data['matmul_efficiency']:.0%} of peak); use it with --gpu {args.output}")
+    return 0
+
+
+def _refit(args: argparse.Namespace) -> int:
+    """`plan calibrate --from-run R.json ...`: the phase factors refit from measured runs, kept for
+    the local CPU or written into a GPU catalogue file."""
+    from planner.hardware import get_gpu
+    from runtime.calibrate import refit
+    from runtime.report import RunReport
+
+    reports = [RunReport.load(path) for path in args.from_run]
+    spec = get_gpu(args.gpu)
+    on_cpu = args.gpu.lower() == "cpu"
+    if not on_cpu and not args.output:
+        raise BadInput("plan calibrate --from-run: a GPU file's refit goes to a catalogue file: give -o FILE.yaml")
+    old = dict(spec.phase_factors)
+    new, fitted = refit(reports, old)
+    print(f"{'run':60s} {'measured':>9s} {'predicted':>10s} {'refit':>8s}")
+    for plan, before, after, measured in fitted:
+        print(f"{plan[:60]:60s} {measured:8.3f}s {before:9.3f}s {after:7.3f}s")
+    print("phase factors: " + ", ".join(f"{k} {old.get(k, 1.0):.2f} -> {v:.2f}" for k, v in new.items()))
+    note = f"refit from {len(reports)} run report(s): {', '.join(Path(p).name for p in args.from_run)}"
+    if on_cpu:
+        from planner.local_device import cache_path, store_phase_factors
+
+        store_phase_factors(new, note)
+        print(f"kept in {cache_path()}: every later --gpu cpu plan uses them")
+        return 0
+    import yaml
+
+    from planner.files import atomic_write_text
+
+    data = yaml.safe_load(Path(args.gpu).read_text()) if Path(args.gpu).is_file() else None
+    if not isinstance(data, dict):
+        raise BadInput(f"plan calibrate --from-run: --gpu {args.gpu} is not a catalogue file to refit (give FILE.yaml)")
+    data["phase_factors"] = {k: round(v, 4) for k, v in new.items()}
+    data.setdefault("sources", {})["phase_factors"] = f"plan calibrate --from-run: {note}"
+    atomic_write_text(args.output, yaml.safe_dump(data, sort_keys=False))
+    print(f"{args.output}: phase factors written; use it with --gpu {args.output}")
     return 0

@@ -27,6 +27,18 @@ DISAGREE = 0.25
 class PredictedRun:
     step_time_s: float
     peak_memory_bytes: int
+    breakdown_s: dict[str, float] = field(default_factory=dict)
+    """The plan's: where the bottleneck rank's step goes (compute, recompute, tp_comm, pp_comm,
+    dp_comm, optimizer, bubble)."""
+
+
+@dataclass(frozen=True)
+class PhaseRun:
+    """One phase of the step, predicted against measured (the slowest rank's median)."""
+
+    name: str
+    predicted_s: float
+    measured_s: float
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,9 @@ class RunReport(schema.Versioned):
     ratios: Ratios
     notes: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    phases: tuple[PhaseRun, ...] = ()
+    """The step in the phases the runtime times apart: the optimizer step, and the rest (forward,
+    backward, recompute and their communication, the pipeline's bubble)."""
     """Where the runtime departs from the plan (e.g. embeddings replicated under TP)."""
     wall_s: Optional[float] = None
     schema: str = field(default="planner.RunReport")
@@ -115,9 +130,17 @@ def build_report(
     peak_memory_bytes: Sequence[int],
     losses: Sequence[float],
     warnings: Sequence[str] = (),
+    optimizer_s: float | None = None,
 ) -> RunReport:
     world_size = plan.parallel.dp * plan.parallel.tp * plan.parallel.pp
-    predicted = PredictedRun(plan.predicted.step_time_s, plan.predicted.peak_memory_bytes)
+    predicted = PredictedRun(plan.predicted.step_time_s, plan.predicted.peak_memory_bytes, dict(plan.predicted.breakdown_s))
+    phases: tuple[PhaseRun, ...] = ()
+    if optimizer_s is not None:
+        opt = predicted.breakdown_s.get("optimizer", 0.0)
+        phases = (
+            PhaseRun("forward, backward, communication, bubble", predicted.step_time_s - opt, step_time_s - optimizer_s),
+            PhaseRun("optimizer step", opt, optimizer_s),
+        )
     ratios = Ratios(
         step_time=step_time_s / predicted.step_time_s if predicted.step_time_s else float("inf"),
         memory=max(peak_memory_bytes) / predicted.peak_memory_bytes if predicted.peak_memory_bytes else float("inf"),
@@ -132,9 +155,20 @@ def build_report(
         predicted=predicted,
         measured=MeasuredRun(step_time_s, tuple(step_times_s), tuple(peak_memory_bytes), tuple(losses)),
         ratios=ratios,
-        notes=tuple(_notes(device, world_size, ratios, steps)),
+        notes=tuple(_notes(device, world_size, ratios, steps) + _phase_notes(phases)),
         warnings=tuple(warnings),
+        phases=phases,
     )
+
+
+def _phase_notes(phases: Sequence[PhaseRun]) -> list[str]:
+    """The phase furthest from its prediction (by the time it is off), when that is over DISAGREE."""
+    off = [p for p in phases if p.predicted_s > 0 and abs(p.measured_s / p.predicted_s - 1) > DISAGREE]
+    if not off:
+        return []
+    worst = max(off, key=lambda p: abs(p.measured_s - p.predicted_s))
+    return [f"the largest departure: {worst.name}, {fmt_seconds(worst.measured_s)} measured against "
+            f"{fmt_seconds(worst.predicted_s)} predicted ({worst.measured_s / worst.predicted_s:.2f}x)"]
 
 
 def report_path(plan_path: str | Path) -> Path:
@@ -156,6 +190,9 @@ def render_report(report: RunReport, console: Console | None = None) -> None:
         "step time", fmt_seconds(report.predicted.step_time_s), fmt_seconds(report.measured.step_time_s),
         f"{report.ratios.step_time:.2f}x",
     )
+    for phase in report.phases:
+        ratio = f"{phase.measured_s / phase.predicted_s:.2f}x" if phase.predicted_s > 0 else "-"
+        table.add_row(f"  {phase.name}", fmt_seconds(phase.predicted_s), fmt_seconds(phase.measured_s), ratio)
     table.add_row(
         "peak memory per rank", fmt_bytes(report.predicted.peak_memory_bytes),
         fmt_bytes(max(report.measured.peak_memory_bytes)), f"{report.ratios.memory:.2f}x",

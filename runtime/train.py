@@ -42,6 +42,9 @@ class RankResult:
     """Per step, the global batch's mean loss (averaged over dp)."""
     step_times_s: tuple[float, ...]
     peak_memory_bytes: int
+    optimizer_times_s: tuple[float, ...] = ()
+    """Per step, the optimizer step's seconds (the rest of the step is forward, backward and their
+    communication)."""
 
 
 def make_optimizer(plan: Plan, model: nn.Module, dp_group: dist.ProcessGroup | None = None) -> torch.optim.Optimizer:
@@ -142,6 +145,7 @@ def run_steps(
     `after_step(n)` runs after the n-th step (n counted from 1: a checkpoint hook)."""
     losses: list[float] = []
     times: list[float] = []
+    opt_times: list[float] = []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(start_step, steps):
@@ -151,7 +155,13 @@ def run_steps(
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         total = forward_backward(data).detach().float().reshape(())
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        before = time.perf_counter()
         optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        opt_times.append(time.perf_counter() - before)
         for group, count in loss_groups:
             if group is not None:
                 dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
@@ -162,7 +172,7 @@ def run_steps(
         losses.append(float(total))
         if after_step is not None:
             after_step(step + 1)
-    return RankResult(rank, tuple(losses), tuple(times), peak_memory_bytes(device))
+    return RankResult(rank, tuple(losses), tuple(times), peak_memory_bytes(device), tuple(opt_times))
 
 
 def train(

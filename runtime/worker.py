@@ -198,6 +198,7 @@ def _finish(
         report = build_report(
             plan, str(prepared.plan_path), device_type, args.steps - ctx.start_step,
             step_time_s=max(median_step_time(r.step_times_s) for r in done),
+            optimizer_s=max(median_step_time(r.optimizer_times_s) for r in done) if done[0].optimizer_times_s else None,
             step_times_s=done[0].step_times_s,
             peak_memory_bytes=[r.peak_memory_bytes for r in done],
             losses=done[0].losses,

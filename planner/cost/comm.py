@@ -47,6 +47,9 @@ class Affine:
     def __call__(self, nbytes: float) -> float:
         return self.fixed_s + self.per_byte_s * nbytes
 
+    def scaled(self, factor: float) -> "Affine":
+        return self if factor == 1.0 else Affine(self.fixed_s * factor, self.per_byte_s * factor)
+
 
 NONE = Affine(0.0, 0.0)
 

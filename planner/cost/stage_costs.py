@@ -220,6 +220,9 @@ def _layer_costs(
         bwd = roofline_s(bwd_work, gpu, training.precision)
         sel_extra = memory_bound_s(fwd_work.other_bytes, gpu)
         alt_extra = sel_extra + roofline_s(alt_work, gpu, training.precision)
+    # refit from this cluster's runs (plan calibrate --from-run): measured / predicted per phase
+    compute = gpu.factor("compute")
+    fwd, bwd, sel_extra, alt_extra = fwd * compute, bwd * compute, sel_extra * compute, alt_extra * compute
     tp_fwd = tp_bwd = 0.0
     if shard > 1:
         ar = comm.allreduce(shard, tp_link)
@@ -233,6 +236,7 @@ def _layer_costs(
             gemm_bwd = bwd * layer.bwd_linear_flops / layer.bwd_flops if layer.bwd_flops else 0.0
             tp_fwd = max(tp_fwd / shard, tp_fwd - gemm_fwd)
             tp_bwd = max(tp_bwd / shard, tp_bwd - gemm_bwd)
+    tp_fwd, tp_bwd = tp_fwd * gpu.factor("comm"), tp_bwd * gpu.factor("comm")
     fwd += tp_fwd
     bwd += tp_bwd
 
@@ -359,7 +363,9 @@ def stage_costs(
         # HSDP: each shard group's reduce-scatter, then the replicas all-reduce their 1/shard
         ar = comm.allreduce(cand.dp_replicate, lk.dp_replicate)
         rs = comm.Affine(rs.fixed_s + ar.fixed_s, rs.per_byte_s + ar.per_byte_s / shard)
-    rs_or_ar = comm.allreduce(dp, lk.dp) if zero <= 1 else rs
+    comm_factor = cluster.gpu.factor("comm")  # refit from this cluster's runs (1 without)
+    ag, rs = ag.scaled(comm_factor), rs.scaled(comm_factor)
+    rs_or_ar = comm.allreduce(dp, lk.dp).scaled(comm_factor) if zero <= 1 else rs
     grad_sync = rs_or_ar if zero <= 1 and dp > 1 else comm.NONE
     per_atom = per_param = 0.0
     in_pipeline = pipelined_fsdp(cand)
@@ -391,7 +397,7 @@ def stage_costs(
         zero3_gather_bytes=sum(max_params) * w if cand.zero == 3 and not in_pipeline else 0.0,
         reserve_fixed_bytes=RESERVE_GPU_BYTES if on_gpu else RESERVE_CPU_BYTES,
         limit_bytes=training.memory_limit_bytes,
-        p2p_s=2 * comm.p2p(lk.pp)(cut_bytes) if cand.pp > 1 else 0.0,
+        p2p_s=2 * comm.p2p(lk.pp)(cut_bytes) * comm_factor if cand.pp > 1 else 0.0,
         min_first_atoms=first_atoms,
         mb_comm_atom_s=per_atom,
         mb_comm_param_s=per_param,
@@ -400,7 +406,7 @@ def stage_costs(
         after_step_param_s=ag.per_byte_s * w if cand.zero in (1, 2) and not in_pipeline else 0.0,
         after_step_atom_s=ag.fixed_s if cand.zero in (1, 2) and not in_pipeline else 0.0,
         optimizer_s_per_param=memory_bound_s(training.optimizer_traffic_per_param(), cluster.gpu)
-        / (shard if cand.zero >= 1 else 1),
+        * cluster.gpu.factor("optimizer") / (shard if cand.zero >= 1 else 1),
         links=lk,
         model_flops_per_step=model_flops,
     )

@@ -316,6 +316,11 @@ def test_cli_run_writes_report(plans, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["schema"] == "planner.RunReport" and report["version"] == 1
     assert len(report["measured"]["losses"]) == 2 and len(report["measured"]["peak_memory_bytes"]) == 2
+    # the phases the runtime times apart, each against the plan's prediction of it
+    phases = {p["name"]: p for p in report["phases"]}
+    assert set(phases) == {"forward, backward, communication, bubble", "optimizer step"}
+    assert 0 < phases["optimizer step"]["measured_s"] < report["measured"]["step_time_s"]
+    assert phases["optimizer step"]["predicted_s"] == report["predicted"]["breakdown_s"]["optimizer"]
     written = path.with_name("tp.run.json")
     assert json.loads(written.read_text())["measured"]["losses"] == report["measured"]["losses"]
     assert main(["run", str(path), "--steps", "2"]) == 2  # never overwritten without --force

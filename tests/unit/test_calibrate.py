@@ -85,7 +85,52 @@ def test_plan_calibrate_cpu_keeps_the_figures_for_cpu_plans(capsys, tmp_path, mo
     assert [n for n, _ in spec.process_slowdown] == [1, 2] and spec.process_slowdown[0][1] == 1.0
     assert {(n, kind) for n, kind, _, _ in spec.collectives} == {(2, k) for k in ("all_reduce", "all_gather", "reduce_scatter", "p2p")}
     assert "plan calibrate" in spec.sources["process_slowdown"]
+    import json
+
+    from tests.conftest import EXAMPLES
+
+    assert main([str(EXAMPLES / "gpt.py"), "--gpu", "cpu", "--gpus", "2", "--global-batch", "4", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)  # the plan says which calibration it used
+    assert any(a.startswith("calibration: process_slowdown plan calibrate on") for a in plan["assumptions"])
     assert main(["calibrate", "--gpus", "2", "-o", str(out)]) == 2  # not overwritten without --force
     assert "already exists" in capsys.readouterr().err
     assert main(["calibrate", "--gpu", "a100-80gb"]) == 2
     assert "give -o FILE.yaml" in capsys.readouterr().err
+
+
+def _report(compute: float, comm: float, optimizer: float, measured: tuple[float, float, float]):
+    """A run report whose plan predicted these phases and whose run measured compute, comm and
+    optimizer seconds `measured` (what the runtime times apart: the optimizer step, the rest)."""
+    from runtime.report import MeasuredRun, PhaseRun, PredictedRun, Ratios, RunReport
+
+    step = compute + comm + optimizer
+    took = sum(measured)
+    return RunReport(
+        plan="p", plan_path="p.json", model_name="m", device="cpu", world_size=2, steps=5,
+        predicted=PredictedRun(step, 1, {"compute": compute, "tp_comm": comm, "optimizer": optimizer}),
+        measured=MeasuredRun(took, (took,) * 5, (1,), (1.0,) * 5), ratios=Ratios(took / step, 1.0),
+        phases=(PhaseRun("forward, backward, communication, bubble", compute + comm, took - measured[2]),
+                PhaseRun("optimizer step", optimizer, measured[2])),
+    )
+
+
+def test_refit_from_runs_finds_the_phase_factors_and_converges():
+    """Runs whose compute took 1.5x, communication 2x and optimizer 3x the prediction, in different
+    mixes: the refit finds those factors (within the weak pull to 1), and a second refit from runs
+    predicted with them moves them by under 3%, to within 1% of the truth."""
+    from runtime.calibrate import refit
+
+    truth = {"compute": 1.5, "comm": 2.0, "optimizer": 3.0}
+    mixes = [(1.0, 0.1, 0.02), (0.6, 0.5, 0.02), (0.3, 0.9, 0.05), (1.2, 0.3, 0.01)]
+
+    def runs(factors):
+        return [_report(c * factors["compute"], m * factors["comm"], o * factors["optimizer"],
+                        (c * truth["compute"], m * truth["comm"], o * truth["optimizer"])) for c, m, o in mixes]
+
+    first, fitted = refit(runs({"compute": 1.0, "comm": 1.0, "optimizer": 1.0}), {})
+    for k, v in truth.items():
+        assert first[k] == pytest.approx(v, rel=0.05), (k, first)
+    assert all(abs(after / measured - 1) < 0.05 for _, _, after, measured in fitted)
+    second, _ = refit(runs(first), first)
+    for k in truth:
+        assert second[k] == pytest.approx(first[k], rel=0.03) and second[k] == pytest.approx(truth[k], rel=0.01)
