@@ -12,7 +12,9 @@ what the catalogue files state for GPUs:
 
 Results are cached as JSON in ``$XDG_CACHE_HOME/parallel-planner/local_cpu.json`` (default
 ``~/.cache``), keyed by host, CPU model, core count, torch version and torch threads; a different
-key re-measures and ``refresh=True`` forces it. Memory is read fresh from /proc/meminfo each time
+key re-measures and ``refresh=True`` forces it. What ``plan calibrate --gpu cpu`` measures (and
+``--from-run`` refits) is kept beside it, in ``local_cpu_calibration.json``, keyed by the same but
+the threads. Memory is read fresh from /proc/meminfo each time
 (MemAvailable, shared by the devices), never cached.
 """
 
@@ -222,7 +224,8 @@ def _spec_from(data: dict[str, Any]) -> GPUSpec:
     sources["inter_node_bandwidth_Bps"] = sources["intra_node_bandwidth_Bps"] + " (one host: same as intra-node)"
     sources["inter_node_latency_s"] = sources["intra_node_latency_s"] + " (one host: same as intra-node)"
     slowdown, collectives = (), ()
-    calibration = data.get("calibration")
+    stored = _read_calibration()
+    calibration = stored.get("calibration")
     if calibration:
         counts = {int(n): c for n, c in calibration["counts"].items()}
         slowdown = tuple(sorted((n, float(c["slowdown"])) for n, c in counts.items()))
@@ -235,9 +238,9 @@ def _spec_from(data: dict[str, Any]) -> GPUSpec:
                                        f"the {cores} cores, over one process with all of them (N = {', '.join(map(str, counts))})")
         sources["collectives"] = (f"{at}: gloo all-reduce, all-gather, reduce-scatter and send/recv among N local "
                                   "processes, 4 KiB-16 MiB, latency and bus bandwidth fitted")
-    factors = tuple((k, float(v)) for k, v in (data.get("phase_factors") or {}).get("factors", {}).items())
+    factors = tuple((k, float(v)) for k, v in (stored.get("phase_factors") or {}).get("factors", {}).items())
     if factors:
-        refit = data["phase_factors"]
+        refit = stored["phase_factors"]
         sources["phase_factors"] = f"plan calibrate --from-run on {key['host']} at {refit['measured_at']}: {refit['note']}"
     return GPUSpec(
         name="cpu",
@@ -268,28 +271,51 @@ def cached_local_cpu() -> GPUSpec | None:
 
 def measure_local_cpu(refresh: bool = False) -> GPUSpec:
     """The local CPU as a device: from the cache, else measured (a few seconds) and cached (a
-    refresh keeps what `plan calibrate --gpu cpu` measured on this machine)."""
+    refresh keeps what `plan calibrate --gpu cpu` measured on this machine: another file)."""
     key = cache_key()
-    cached = _read_cache(key)
-    data = None if refresh else cached
+    data = None if refresh else _read_cache(key)
     if data is None:
         data = {"key": key, **run_benchmark()}
-        for kept in ("calibration", "phase_factors"):
-            if cached and cached.get(kept):
-                data[kept] = cached[kept]
         _write_cache(data)
     return _spec_from(data)
 
 
+def calibration_key() -> dict[str, Any]:
+    """What `plan calibrate --gpu cpu`'s figures depend on: the machine and torch, not the threads
+    of the process that plans (the runs set their own)."""
+    return {k: v for k, v in cache_key().items() if k != "torch_threads"}
+
+
+def calibration_path() -> Path:
+    return cache_path().with_name("local_cpu_calibration.json")
+
+
+def _read_calibration() -> dict[str, Any]:
+    """This machine's calibration ({"calibration": ..., "phase_factors": ...}), or {}."""
+    try:
+        data = json.loads(calibration_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) and data.get("key") == calibration_key() else {}
+
+
+def _write_calibration(update: dict[str, Any], drop: tuple[str, ...] = ()) -> None:
+    data = {**_read_calibration(), **update, "key": calibration_key()}
+    for name in drop:
+        data.pop(name, None)
+    path = calibration_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
 def store_phase_factors(factors: dict[str, float], note: str) -> GPUSpec:
-    """Keep the phase factors `plan calibrate --from-run` refit (runtime.calibrate.refit) with this
-    machine's figures; the spec every later `--gpu cpu` plan gets."""
-    key = cache_key()
-    data = _read_cache(key) or {"key": key, **run_benchmark()}
-    data["phase_factors"] = {"factors": factors, "note": note,
-                             "measured_at": dt.datetime.now().astimezone().isoformat(timespec="seconds")}
-    _write_cache(data)
-    return _spec_from(data)
+    """Keep the phase factors `plan calibrate --from-run` refit (runtime.calibrate.refit) for this
+    machine; the spec every later `--gpu cpu` plan gets."""
+    _write_calibration({"phase_factors": {"factors": factors, "note": note,
+                                          "measured_at": dt.datetime.now().astimezone().isoformat(timespec="seconds")}})
+    return measure_local_cpu()
 
 
 def store_calibration(results: list[dict[str, Any]]) -> GPUSpec:
@@ -299,8 +325,6 @@ def store_calibration(results: list[dict[str, Any]]) -> GPUSpec:
     single = next((r for r in results if r["processes"] == 1), None)
     if single is None:
         raise PlanError("plan calibrate: the local CPU needs a measurement with one process")
-    key = cache_key()
-    data = _read_cache(key) or {"key": key, **run_benchmark()}
     counts = {}
     for r in results:
         entry: dict[str, Any] = {"step_s": r["step_s"], "slowdown": r["step_s"] / single["step_s"], "collectives": {
@@ -308,10 +332,10 @@ def store_calibration(results: list[dict[str, Any]]) -> GPUSpec:
             for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p") if kind in r
         }}
         counts[str(r["processes"])] = entry
-    data["calibration"] = {"measured_at": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "counts": counts}
-    data.pop("phase_factors", None)  # refit against the old figures: refit again from new runs
-    _write_cache(data)
-    return _spec_from(data)
+    # phase factors refit against the old figures are dropped: refit again from new runs
+    _write_calibration({"calibration": {"measured_at": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+                                        "counts": counts}}, drop=("phase_factors",))
+    return measure_local_cpu()
 
 
 def share_host(spec: GPUSpec, num_procs: int) -> GPUSpec:

@@ -5,7 +5,9 @@ runtime.calibrate``), every rank measuring at once, so that what the ranks share
 a node's power and memory system) is measured as training meets it:
 
 - one training step (forward, backward) of a fixed model (a ``torch.nn.TransformerEncoderLayer``,
-  d_model 256, 4 heads, 1,024 wide, batch 8 x 128 tokens, fp32): its median seconds per rank. On
+  d_model 256, 4 heads, 1,024 wide, batch 8 x 128 tokens, fp32): the fastest of 9 per rank (other
+  load on the machine comes in bursts; the processes' own sharing is in every repeat), the median
+  over the ranks. Calibrate an otherwise idle machine. On
   the CPU, the step's time with N processes over its time in one process with every core is
   ``GPUSpec.process_slowdown``, which the planner uses instead of assuming that N processes on C
   cores each run at C/N of the whole (they do not: two threads are not twice one);
@@ -41,7 +43,7 @@ STEP_SHAPE = (8, 128, 256)  # batch, tokens, width of the fixed training step
 REPEATS = 9
 
 
-def _median_s(fn: Callable[[], Any], repeats: int = REPEATS, sync: Callable[[], None] = lambda: None) -> float:
+def _times_s(fn: Callable[[], Any], repeats: int = REPEATS, sync: Callable[[], None] = lambda: None) -> list[float]:
     fn()
     sync()
     times = []
@@ -50,7 +52,11 @@ def _median_s(fn: Callable[[], Any], repeats: int = REPEATS, sync: Callable[[], 
         fn()
         sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def _median_s(fn: Callable[[], Any], repeats: int = REPEATS, sync: Callable[[], None] = lambda: None) -> float:
+    return statistics.median(_times_s(fn, repeats, sync))
 
 
 def step_seconds(device: torch.device, sync: Callable[[], None]) -> float:
@@ -63,7 +69,8 @@ def step_seconds(device: torch.device, sync: Callable[[], None]) -> float:
     def step() -> None:
         layer(x).square().mean().backward()
 
-    return _median_s(step, sync=sync)
+    # the fastest of the repeats: what the processes' own sharing costs, less other load's bursts
+    return min(_times_s(step, sync=sync))
 
 
 def fit_alpha_beta(sizes: tuple[int, ...], seconds: list[float], volume: float) -> tuple[float, float]:

@@ -110,7 +110,7 @@ def cmd_calibrate(argv: Sequence[str]) -> int:
     if args.from_run:
         return _refit(args)
     if args.gpu.lower() == "cpu":
-        from planner.local_device import cache_path, store_calibration
+        from planner.local_device import calibration_path, store_calibration
 
         top = args.gpus or 8
         counts = [1]
@@ -120,7 +120,7 @@ def cmd_calibrate(argv: Sequence[str]) -> int:
             counts.append(top)
         results = run_counts(counts, "cpu", args.timeout_s, progress)
         spec = store_calibration(results)
-        print(f"local CPU ({spec.display_name}), {len(results)} process counts; kept in {cache_path()}:")
+        print(f"local CPU ({spec.display_name}), {len(results)} process counts; kept in {calibration_path()}:")
         print(f"{'processes':>9s} {'step s':>8s} {'slowdown':>9s} {'assumed':>8s}   "
               + "  ".join(f"{k:>22s}" for k in ("all-reduce", "all-gather", "reduce-scatter", "send/recv")))
         for r in results:
@@ -211,10 +211,10 @@ def _refit(args: argparse.Namespace) -> int:
     print("phase factors: " + ", ".join(f"{k} {old.get(k, 1.0):.2f} -> {v:.2f}" for k, v in new.items()))
     note = f"refit from {len(reports)} run report(s): {', '.join(Path(p).name for p in args.from_run)}"
     if on_cpu:
-        from planner.local_device import cache_path, store_phase_factors
+        from planner.local_device import calibration_path, store_phase_factors
 
         store_phase_factors(new, note)
-        print(f"kept in {cache_path()}: every later --gpu cpu plan uses them")
+        print(f"kept in {calibration_path()}: every later --gpu cpu plan uses them")
         return 0
     import yaml
 
