@@ -14,8 +14,8 @@ stage exactly as to a whole model.
 - Every later stage runs its layers in order, each on the previous one's output. This needs the
   model's forward to be a plain sequence of its layers from the first split point on (each layer's
   input is the previous layer's output and the model's output is
-  the last layer's: the profiler's finding, carried by the plan as ``model.pipeline_split``); a
-  model that is not is split by the tracer instead (below). The planner puts
+  the last layer's: the profiler's finding, each layer's ``plain_cut`` in the plan); a model that
+  is not is split by the tracer instead (below). The planner puts
   the first cut of a plan with tensor parallelism where the layers run in sequence
   (ModelProfile.plain_from), and plan run refuses before launch a plan that would need the tracer
   with TP (``traced_reason``).

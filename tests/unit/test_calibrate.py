@@ -5,6 +5,7 @@ collectives from the calibrated table, and the alpha-beta fit."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -134,3 +135,30 @@ def test_refit_from_runs_finds_the_phase_factors_and_converges():
     second, _ = refit(runs(first), first)
     for k in truth:
         assert second[k] == pytest.approx(first[k], rel=0.03) and second[k] == pytest.approx(truth[k], rel=0.01)
+
+
+def test_phase_factors_from_a_catalogue_file_scale_their_phases(tmp_path):
+    """A GPU file's phase_factors (what --from-run writes) multiply that phase's seconds in the
+    cost tables; an unknown phase is one line naming the file."""
+    from planner.cost.setup import Candidate, Training
+    from planner.cost.stage_costs import stage_costs
+    from planner.errors import BadInput
+    from planner.hardware import load_gpu_file
+    from tests.unit.test_partition import synthetic_profile
+
+    base = (Path(__file__).parents[2] / "profiles" / "a100-80gb.yaml").read_text().replace("name: a100-80gb", "name: mine")
+    path = tmp_path / "mine.yaml"
+    path.write_text(base + "phase_factors:\n  compute: 2.0\n  optimizer: 3.0\n")
+    scaled = load_gpu_file(path)
+    path.write_text(base)
+    plain = load_gpu_file(path)
+    profile = synthetic_profile()
+    training = Training("bf16", "adamw", 8, 80 * 2**30)
+    cand = Candidate(1, 1, 2, 4, 1, 0, "1f1b")
+    a, b = (stage_costs(profile, make_cluster(g, 2), training, cand) for g in (plain, scaled))
+    assert sum(x.fwd_s for x in b.atoms) == pytest.approx(2 * sum(x.fwd_s for x in a.atoms))
+    assert b.optimizer_s_per_param == pytest.approx(3 * a.optimizer_s_per_param)
+    assert (b.grad_sync.fixed_s, b.grad_sync.per_byte_s) == pytest.approx((a.grad_sync.fixed_s, a.grad_sync.per_byte_s))
+    path.write_text(base + "phase_factors:\n  network: 2.0\n")
+    with pytest.raises(BadInput, match="mine.yaml: field 'phase_factors' must map phases"):
+        load_gpu_file(path)
