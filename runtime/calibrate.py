@@ -38,6 +38,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from planner.errors import BadInput, PlanError
+
 SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB
 STEP_SHAPE = (8, 128, 256)  # batch, tokens, width of the fixed training step
 REPEATS = 9
@@ -213,8 +215,6 @@ def refit(reports: list[Any], old: dict[str, float]) -> tuple[dict[str, float], 
         if b.get("optimizer", 0.0) > 0:
             opt.append(phases["optimizer step"].measured_s / b["optimizer"])
     if not rows:
-        from planner.errors import BadInput
-
         raise BadInput("plan calibrate --from-run: no run report with a predicted breakdown and a measured optimizer "
                        "step (reports of plan run from this version)")
     # minimise sum (a x + b y - 1)^2 + RIDGE ((a - 1)^2 + (b - 1)^2)
@@ -259,12 +259,8 @@ def run_counts(counts: list[int], device: str, timeout_s: float, progress: Calla
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
                                       cwd=str(Path(__file__).resolve().parents[1]))
             except subprocess.TimeoutExpired:
-                from planner.errors import PlanError
-
                 raise PlanError(f"plan calibrate: the launch with {n} processes did not finish in {timeout_s:g} s") from None
             if proc.returncode != 0 or not path.exists():
-                from planner.errors import PlanError
-
                 tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
                 raise PlanError(f"plan calibrate: the launch with {n} processes failed: {tail}")
             out.append(json.loads(path.read_text()))

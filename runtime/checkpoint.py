@@ -337,7 +337,7 @@ def prune(root: Path, plan_sha256: str, keep: int = KEEP) -> list[Path]:
     """Delete all but the newest `keep` checkpoints this tool signed for this plan, and this plan's
     leftover partial folders; nothing else is touched (another plan's checkpoints included). The
     deleted paths."""
-    removed = [p for p in clean_partials(root, plan_sha256)]
+    removed = clean_partials(root, plan_sha256)
     mine = [path for step, tag, path in candidates(root) if tag == plan_tag(plan_sha256) and is_ours(path, plan_sha256)]
     for path in mine[keep:]:
         shutil.rmtree(path)
@@ -345,15 +345,15 @@ def prune(root: Path, plan_sha256: str, keep: int = KEEP) -> list[Path]:
     return removed
 
 
-def clean_partials(root: Path, plan_sha256: str, keep: Path | None = None) -> list[Path]:
+def clean_partials(root: Path, plan_sha256: str) -> list[Path]:
     """Remove this plan's partial folders (``.step-*-<plan>.partial-*``, ``.step-*-<plan>.old-*``:
-    what a crashed save left), but `keep`."""
+    what a crashed save left)."""
     if not root.is_dir():
         return []
     pattern = re.compile(r"^\.step-\d{8}-%s\.(partial|old)-" % re.escape(plan_tag(plan_sha256)))
     removed = []
     for child in root.iterdir():
-        if pattern.match(child.name) and child != keep and child.is_dir() and not child.is_symlink():
+        if pattern.match(child.name) and child.is_dir() and not child.is_symlink():
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child)
     return removed
@@ -434,7 +434,6 @@ class Checkpointer:
         names: list[Any] = [None]
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            clean_partials(self.root, self.plan_sha256)
             if final.exists() and not is_ours(final, self.plan_sha256):
                 names[0] = f"!{final} exists and was not written by plan run for this plan: move it away"
             else:

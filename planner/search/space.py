@@ -93,11 +93,12 @@ def candidates(
             stats.reject(f"tp={tp} does not divide the heads or features")
             continue
         sp_choices = _sequence_parallel(profile, tp, fixed, stats)
+        num_cuts = len(profile.pipeline_cuts(tp))
         for pp in divisors(num_gpus // tp):
             if fixed.pp is not None and pp != fixed.pp:
                 continue
-            if pp > 1 and len(profile.pipeline_cuts(tp)) < pp - 1:
-                stats.reject(f"pp={pp} needs more pipeline cuts than the model's {len(profile.pipeline_cuts(tp))}"
+            if pp > 1 and num_cuts < pp - 1:
+                stats.reject(f"pp={pp} needs more pipeline cuts than the model's {num_cuts}"
                              + (f" with tp={tp}" if tp > 1 and profile.pipeline_split == "traced" else ""))
                 continue
             dp = num_gpus // (tp * pp)
