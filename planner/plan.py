@@ -31,11 +31,15 @@ class Parallel:
     dp_replicate: int = 1
     """HSDP (ZeRO-2/3): dp ranks in dp_replicate groups of dp / dp_replicate (one node's); FSDP
     shards inside a group and the groups are replicas (FSDP2 on a 2-D mesh). 1: no HSDP."""
+    cp: int = 1
+    """Context parallelism: each sequence split over cp ranks (ranks tp fastest, then cp, dp, pp),
+    attention as a ring (torch's context_parallel); gradients averaged and ZeRO sharded over
+    dp x cp. 1: none."""
 
     def one_line(self) -> str:
         sched = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": f"interleaved 1F1B x{self.virtual_stages}"}
         parts = [
-            f"dp={self.dp} tp={self.tp} pp={self.pp}",
+            f"dp={self.dp} tp={self.tp} pp={self.pp}" + (f" cp={self.cp}" if self.cp > 1 else ""),
             f"micro-batch {self.micro_batch} x {self.num_microbatches}",
         ]
         if self.pp > 1:
@@ -87,7 +91,8 @@ class Predicted:
     peak_memory_bytes: int
     bubble_s: float
     breakdown_s: dict[str, float]
-    """Where the bottleneck rank's step goes: compute, recompute, tp_comm, pp_comm, bubble, sync."""
+    """Where the bottleneck rank's step goes: compute, recompute, tp_comm, cp_comm, pp_comm, dp_comm,
+    optimizer, bubble."""
 
 
 @dataclass(frozen=True)

@@ -53,18 +53,18 @@ def cluster_for(request: PlanRequest) -> Cluster:
 def _check(request: PlanRequest, cluster: Cluster) -> list[str]:
     f, n = request.fixed, request.gpus
     warnings = []
-    degrees = [d for d in (f.tp, f.pp, f.dp) if d is not None]
+    degrees = [d for d in (f.tp, f.pp, f.dp, f.cp) if d is not None]
     prod = 1
     for d in degrees:
         prod *= d
     if n % prod:
-        raise BadInput(f"--tp/--pp/--dp: their product ({prod}) does not divide --gpus {n}")
-    if len(degrees) == 3 and prod != n:
-        raise BadInput(f"--tp {f.tp} x --pp {f.pp} x --dp {f.dp} = {prod}, not --gpus {n}")
+        raise BadInput(f"--tp/--pp/--dp/--cp: their product ({prod}) does not divide --gpus {n}")
+    if len(degrees) == 4 and prod != n:
+        raise BadInput(f"--tp {f.tp} x --pp {f.pp} x --dp {f.dp} x --cp {f.cp} = {prod}, not --gpus {n}")
     if f.virtual_stages is not None and f.schedule not in (None, "interleaved"):
         raise BadInput(f"--virtual-stages needs --schedule interleaved, not {f.schedule}")
-    if f.zero and f.dp == 1:
-        raise BadInput(f"--zero {f.zero} shards over data-parallel replicas, but --dp is 1")
+    if f.zero and f.dp == 1 and (f.cp or 1) == 1:
+        raise BadInput(f"--zero {f.zero} shards over data-parallel (and context-parallel) ranks, but --dp is 1")
     if request.global_batch is not None and request.global_batch < 1:
         raise BadInput(f"--global-batch must be at least 1, got {request.global_batch}")
     if request.precision == "fp8" and "fp8" not in cluster.gpu.peak_flops:
@@ -168,7 +168,7 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
         f"memory reserve per device: {fmt_bytes(constants.RESERVE_GPU_BYTES if cluster.gpu.origin != 'measured' else constants.RESERVE_CPU_BYTES)} "
         f"(runtime, communication buffers) + {constants.FRAGMENTATION:.0%} fragmentation",
         "tensor parallelism is Megatron-style (column-wise then row-wise Linears), with or without sequence "
-        "parallelism as parallel.sequence_parallel says; ranks ordered tp, dp, pp",
+        "parallelism as parallel.sequence_parallel says; ranks ordered tp, cp, dp, pp",
     ]
     gpu = cluster.gpu
     for field_name in ("process_slowdown", "collectives", "phase_factors"):

@@ -151,7 +151,7 @@ def check_plan(plan: Any) -> None:
     from planner.cost.setup import OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES
 
     p, cluster, training = plan.parallel, plan.cluster, plan.training
-    for name in ("dp", "tp", "pp", "micro_batch", "num_microbatches", "virtual_stages", "dp_replicate"):
+    for name in ("dp", "tp", "pp", "cp", "micro_batch", "num_microbatches", "virtual_stages", "dp_replicate"):
         _at_least(f"parallel.{name}", getattr(p, name))
     _at_least("cluster.num_gpus", cluster.num_gpus)
     _at_least("cluster.gpus_per_node", cluster.gpus_per_node)
@@ -161,9 +161,11 @@ def check_plan(plan: Any) -> None:
     _one_of("parallel.recompute", p.recompute, (*RECOMPUTE, "mixed"))
     _one_of("training.precision", training.precision, PRECISIONS)
     _one_of("training.optimizer", training.optimizer, OPTIMIZERS)
-    if p.dp * p.tp * p.pp != cluster.num_gpus:
+    if p.dp * p.tp * p.pp * p.cp != cluster.num_gpus:
+        cp = f" x cp {p.cp}" if p.cp > 1 else ""
         raise _Malformed(
-            "parallel", f"dp {p.dp} x tp {p.tp} x pp {p.pp} = {p.dp * p.tp * p.pp}, not cluster.num_gpus {cluster.num_gpus}"
+            "parallel",
+            f"dp {p.dp} x tp {p.tp} x pp {p.pp}{cp} = {p.dp * p.tp * p.pp * p.cp}, not cluster.num_gpus {cluster.num_gpus}",
         )
     if p.dp % p.dp_replicate:
         raise _Malformed("parallel", f"dp_replicate {p.dp_replicate} does not divide dp {p.dp}")

@@ -192,7 +192,7 @@ def _sums(breakdown: dict[str, float]) -> tuple[float, float]:
     (which scales with them); TP, pipeline and data-parallel traffic."""
     b = breakdown
     return (b.get("compute", 0.0) + b.get("recompute", 0.0) + b.get("bubble", 0.0),
-            b.get("tp_comm", 0.0) + b.get("pp_comm", 0.0) + b.get("dp_comm", 0.0))
+            b.get("tp_comm", 0.0) + b.get("cp_comm", 0.0) + b.get("pp_comm", 0.0) + b.get("dp_comm", 0.0))
 
 
 def refit(reports: list[Any], old: dict[str, float]) -> tuple[dict[str, float], list[tuple[str, float, float, float]]]:

@@ -269,10 +269,6 @@ def _schedule(p: dict, pp: int, assumed: list[str]) -> tuple[str | None, int | N
     return "1f1b", None
 
 
-def _fits_tp(shape: Shape, tp: int) -> bool:
-    return all(x % tp == 0 for x in (shape.heads, shape.kv_heads, shape.hidden, shape.ffn))
-
-
 def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
     notes: list[str] = []
     assumed: list[str] = []
@@ -316,22 +312,13 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
         # per micro-batch): ZeRO-2 in the plan's terms (runtime/README.md, data parallel)
         zero = 2
         notes.append("FSDP2 no reshard under PP")
-    if cp > 1:  # context parallelism: nearest expressible split of each sequence's work
-        if tp * cp <= per_node and _fits_tp(shape, tp * cp):
-            notes.append(f"CP{cp} as TP")
-            tp *= cp
-            sp = True  # CP splits every activation along the sequence: as TP with SP does
-        else:
-            notes.append(f"CP{cp} as DP")
-            dp *= cp
-            micro = max(1, min(micro or 1, gb // dp))
     recompute = _recompute(p, shape, notes, assumed)
     schedule, v = _schedule(p, pp, assumed)
     fixed = Fixed(
-        tp=tp, pp=pp, dp=dp, micro_batch=micro, zero=zero if dp > 1 else 0,
+        tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=micro, zero=zero if dp * cp > 1 else 0,
         schedule=schedule, virtual_stages=v, recompute=recompute,
         sequence_parallel=bool(sp) if sp is not None and tp > 1 else None,
-        hsdp=hsdp if zero >= 2 and dp > 1 else None,
+        hsdp=hsdp if zero >= 2 and dp * cp > 1 else None,
         tp_overlap=tp_overlap or None,
     )
     peak_gib = value((e.get("measured") or {}).get("peak_memory_gib"))

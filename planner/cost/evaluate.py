@@ -34,6 +34,8 @@ class DeviceFigures:
     compute_s: float
     recompute_s: float
     tp_comm_s: float
+    cp_comm_s: float
+    """Context-parallel ring exchanges left exposed past attention."""
     p2p_s: float
     sync_s: float
     """Exposed gradient sync, parameter all-gather and optimizer step after the pipeline."""
@@ -68,7 +70,7 @@ def evaluate(costs: StageCosts, bounds: list[int], choice: list[int]) -> Evaluat
     """`bounds`: S+1 atom indices (stage s holds atoms bounds[s]:bounds[s+1]); `choice`: 0/1/2 per
     atom (none/selective/full recompute)."""
     cand = costs.cand
-    p, dp = cand.pp, cand.dp
+    p, ranks = cand.pp, cand.grad_ranks
     assert len(bounds) == cand.num_stages + 1, f"bounds({len(bounds)}) != stages({cand.num_stages}) + 1"
     per_device: list[list[int]] = [[] for _ in range(p)]
     for s in range(cand.num_stages):
@@ -77,17 +79,18 @@ def evaluate(costs: StageCosts, bounds: list[int], choice: list[int]) -> Evaluat
     devices = []
     for i, atom_ids in enumerate(per_device):
         atoms = [costs.atoms[a] for a in atom_ids]
-        compute = sum(a.fwd_s + a.bwd_s - a.tp_comm_s for a in atoms)
+        compute = sum(a.fwd_s + a.bwd_s - a.tp_comm_s - a.cp_comm_s for a in atoms)
         recompute = sum(a.extra_s[choice[k]] for a, k in zip(atoms, atom_ids))
         tp_comm = sum(a.tp_comm_s for a in atoms)
+        cp_comm = sum(a.cp_comm_s for a in atoms)
         p2p = costs.p2p_s * stages_per_device
-        t = compute + recompute + tp_comm + p2p
+        t = compute + recompute + tp_comm + cp_comm + p2p
         params = sum(a.params for a in atoms)
         g = costs.grad_bytes
         # data-parallel traffic every micro-batch (ZeRO-2/3): bytes overlap compute, latency does not
         t = overlapped_s(t, costs.mb_comm_param_s * params) + costs.mb_comm_atom_s * len(atoms)
         one_backward = sum(a.bwd_s for a in atoms)
-        exposed = max(costs.tail_s, exposed_after_s(one_backward, costs.grad_sync(params * g))) if dp > 1 else 0.0
+        exposed = max(costs.tail_s, exposed_after_s(one_backward, costs.grad_sync(params * g))) if ranks > 1 else 0.0
         sync = exposed + (costs.after_step_param_s + costs.optimizer_s_per_param) * params + costs.after_step_atom_s * len(atoms)
         w_dev, g_dev, o_dev = costs.state_bytes_per_param()
         weights = params * w_dev + costs.zero3_gather_bytes
@@ -104,6 +107,7 @@ def evaluate(costs: StageCosts, bounds: list[int], choice: list[int]) -> Evaluat
                 compute_s=compute,
                 recompute_s=recompute,
                 tp_comm_s=tp_comm,
+                cp_comm_s=cp_comm,
                 p2p_s=p2p,
                 sync_s=sync,
                 weights_bytes=weights,

@@ -79,11 +79,22 @@ class Candidate:
     (one node's data-parallel ranks); FSDP shards inside a group, and the groups hold replicas
     whose gradients are all-reduced across nodes (FSDP2 on a 2-D mesh, torchtitan's
     data_parallel_replicate_degree). 1: one shard group over all dp ranks."""
+    cp: int = 1
+    """Context parallelism: each sample's sequence split over cp ranks (ranks ordered tp fastest,
+    then cp, then dp, then pp, as torchtitan's mesh), every fused attention a ring over their keys
+    and values (torch's context_parallel, load-balanced for causal attention). The cp ranks hold
+    the same weights: gradients are averaged, and ZeRO shards, over dp x cp ranks (torchtitan's
+    dp_shard_cp mesh). The batch is split over dp only."""
+
+    @property
+    def grad_ranks(self) -> int:
+        """The ranks that hold the same weights and average their gradients: dp x cp."""
+        return self.dp * self.cp
 
     @property
     def dp_shard(self) -> int:
-        """The ranks ZeRO shards over: dp, or one HSDP group."""
-        return self.dp // self.dp_replicate
+        """The ranks ZeRO shards over: dp x cp, or one HSDP group of them."""
+        return self.grad_ranks // self.dp_replicate
 
     @property
     def num_stages(self) -> int:
@@ -97,7 +108,8 @@ class Candidate:
             sched += " · SP" if self.sequence_parallel else " · no SP"
             sched += " · TP overlap" if self.tp_overlap else ""
         hsdp = f" · HSDP {self.dp_replicate} x {self.dp_shard}" if self.dp_replicate > 1 else ""
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
         return (
-            f"dp={self.dp} tp={self.tp} pp={self.pp} · micro-batch {self.micro_batch} x "
+            f"dp={self.dp} tp={self.tp} pp={self.pp}{cp} · micro-batch {self.micro_batch} x "
             f"{self.num_microbatches} · {sched} · ZeRO-{self.zero}{hsdp}"
         )

@@ -54,6 +54,8 @@ class AtomCost:
     bwd_s: float
     tp_comm_s: float
     """Part of fwd_s + bwd_s spent in tensor-parallel collectives."""
+    cp_comm_s: float
+    """Part of fwd_s + bwd_s spent in context-parallel ring exchanges (exposed past attention)."""
     extra_s: tuple[float, ...]
     """Recompute time added per micro-batch, by choice (none, selective, alternate, full)."""
     act_bytes: tuple[float, ...]
@@ -148,18 +150,39 @@ class StageCosts:
 
 def pipelined_fsdp(cand: Candidate) -> bool:
     """ZeRO-2/3 over dp > 1 inside a pipeline (StageCosts.pipelined_fsdp)."""
-    return cand.pp > 1 and cand.zero >= 2 and cand.dp > 1
+    return cand.pp > 1 and cand.zero >= 2 and cand.grad_ranks > 1
 
 
-def _scale(profile: ModelProfile, micro_batch: int) -> float:
-    return micro_batch / profile.batch_size
+def _scale(profile: ModelProfile, micro_batch: int, cp: int = 1) -> float:
+    """A rank's share of the profiled batch's tokens: its micro-batch, 1/cp of each sequence.
+    FLOPs, bytes and saved tensors scale with it, attention's too: with a sequence split in cp
+    load-balanced shards (torch's context_parallel for causal attention) each rank's queries
+    meet the whole sequence's keys, 1/cp of the attention's work."""
+    return micro_batch / (profile.batch_size * cp)
+
+
+# Bytes per element of the gradients of keys and values a context-parallel ring accumulates and
+# passes on in backward: fp32 (torch's context_parallel, _cp_options.convert_to_f32 default).
+CP_GRAD_ACCUM_BYTES = 4
+
+
+def _dtype_bytes(profile: ModelProfile) -> int:
+    return 4 if profile.dtype == "fp32" else 2
+
+
+def ring_bytes(layer: LayerProfile, profile: ModelProfile, micro_batch: int, shard: int) -> tuple[float, float]:
+    """A context-parallel ring per micro-batch on one rank: (keys and values of the whole
+    sequence for this rank's heads, their fp32 gradients): what forward gathers (and backward
+    again), and what backward returns to their owners."""
+    kv = layer.attention_kv_bytes * _scale(profile, micro_batch) / shard
+    return kv, kv * CP_GRAD_ACCUM_BYTES / _dtype_bytes(profile)
 
 
 def _shard(layer: LayerProfile, tp: int) -> int:
     return tp if layer.tp is not None and tp > 1 and layer.tp.legal(tp) else 1
 
 
-def loss_working_bytes(profile: ModelProfile, tp: int, micro_batch: int) -> float:
+def loss_working_bytes(profile: ModelProfile, tp: int, micro_batch: int, cp: int = 1) -> float:
     """The default loss's working set in backward when TP splits the head over the vocabulary:
     torch's loss_parallel (max, shift, exp, sum, subtract as separate ops) holds
     LOSS_PARALLEL_EXTRA more fp32 copies of the logits shard (which the head's activations are:
@@ -167,7 +190,7 @@ def loss_working_bytes(profile: ModelProfile, tp: int, micro_batch: int) -> floa
     head = profile.layers[-1]
     if _shard(head, tp) == 1 or head.tp is None or head.tp.rowwise or head.kind != "Linear":
         return 0.0
-    return (2 + LOSS_PARALLEL_EXTRA) * head.activation_bytes * _scale(profile, micro_batch) / tp
+    return (2 + LOSS_PARALLEL_EXTRA) * head.activation_bytes * _scale(profile, micro_batch, cp) / tp
 
 
 def _layer_costs(
@@ -177,11 +200,11 @@ def _layer_costs(
     cluster: Cluster,
     training: Training,
     cand: Candidate,
-    tp_link: comm.Link,
+    lk: Links,
     cpu_factor: float | None,
-) -> tuple[float, float, float, tuple[float, ...], tuple[float, ...], float]:
-    """(fwd_s, bwd_s, tp_comm_s, extra_s, act_bytes, params) of one layer, per micro-batch."""
-    scale = _scale(profile, cand.micro_batch)
+) -> tuple[float, float, float, float, tuple[float, ...], tuple[float, ...], float]:
+    """(fwd_s, bwd_s, tp_comm_s, cp_comm_s, extra_s, act_bytes, params) of one layer, per micro-batch."""
+    scale = _scale(profile, cand.micro_batch, cand.cp)
     shard = _shard(layer, cand.tp)
     gpu = cluster.gpu
     # Without sequence parallelism a block's work and tensors outside its column-wise -> row-wise
@@ -225,7 +248,7 @@ def _layer_costs(
     fwd, bwd, sel_extra, alt_extra = fwd * compute, bwd * compute, sel_extra * compute, alt_extra * compute
     tp_fwd = tp_bwd = 0.0
     if shard > 1:
-        ar = comm.allreduce(shard, tp_link)
+        ar = comm.allreduce(shard, lk.tp)
         volume = layer.tp.allreduce_bytes * scale
         tp_fwd = ar(volume) if layer.tp.rowwise else 0.0
         tp_bwd = ar(volume) if layer.tp.colwise else 0.0
@@ -236,9 +259,22 @@ def _layer_costs(
             gemm_bwd = bwd * layer.bwd_linear_flops / layer.bwd_flops if layer.bwd_flops else 0.0
             tp_fwd = max(tp_fwd / shard, tp_fwd - gemm_fwd)
             tp_bwd = max(tp_bwd / shard, tp_bwd - gemm_bwd)
+    cp_fwd = cp_bwd = 0.0
+    if cand.cp > 1 and layer.attention_kv_bytes:
+        # The ring (torch's context_parallel): forward gathers every rank's keys and values, beside
+        # the attention on those already there; backward gathers them again and passes their
+        # gradients back (a reduce-scatter's volume, in fp32). Exposed past the attention's time
+        # as any overlapped collective (comm.exposed_after_s).
+        kv, dkv = ring_bytes(layer, profile, cand.micro_batch, shard)
+        ag, rs = comm.allgather(cand.cp, lk.cp), comm.reduce_scatter(cand.cp, lk.cp)
+        attn_fwd = fwd * layer.fwd_attention_flops / layer.fwd_flops if layer.fwd_flops else 0.0
+        attn_bwd = bwd * layer.bwd_attention_flops / layer.bwd_flops if layer.bwd_flops else 0.0
+        cp_fwd = comm.exposed_after_s(attn_fwd, ag(kv))
+        cp_bwd = comm.exposed_after_s(attn_bwd, ag(kv) + rs(dkv))
     tp_fwd, tp_bwd = tp_fwd * gpu.factor("comm"), tp_bwd * gpu.factor("comm")
-    fwd += tp_fwd
-    bwd += tp_bwd
+    cp_fwd, cp_bwd = cp_fwd * gpu.factor("comm"), cp_bwd * gpu.factor("comm")
+    fwd += tp_fwd + cp_fwd
+    bwd += tp_bwd + cp_bwd
 
     def split(total: int, tp_part: int) -> float:
         """Bytes per device of `total`, of which `tp_part` TP splits even without SP."""
@@ -254,7 +290,7 @@ def _layer_costs(
     act_full = min(act, kept_inputs)
     sharded = layer.tp.sharded_params if shard > 1 and layer.tp is not None else 0
     params = layer.num_params - sharded + sharded / shard
-    return fwd, bwd, tp_fwd + tp_bwd, (0.0, sel_extra, alt_extra, fwd), (act, act_sel, act_alt, act_full), params
+    return fwd, bwd, tp_fwd + tp_bwd, cp_fwd + cp_bwd, (0.0, sel_extra, alt_extra, fwd), (act, act_sel, act_alt, act_full), params
 
 
 _NAMES = ("index", "name", "modules", "kind")
@@ -296,11 +332,13 @@ def atom_table(
     cpu_factor: float | None = None,
     sequence_parallel: bool = True,
     tp_overlap: bool = False,
+    cp: int = 1,
 ) -> tuple[AtomCost, ...]:
-    """Per-atom costs for a TP degree, micro-batch, sequence-parallel and TP-overlap choice (what
-    the other choices do not change). `cpu_factor`: use the profile's measured seconds, times this."""
-    probe = Candidate(tp, 1, 1, micro_batch, 1, 0, "1f1b", sequence_parallel=sequence_parallel, tp_overlap=tp_overlap)
-    tp_link = links(cluster, probe).tp
+    """Per-atom costs for a TP degree, micro-batch, sequence-parallel, TP-overlap and CP choice
+    (what the other choices do not change). `cpu_factor`: use the profile's measured seconds, times this."""
+    probe = Candidate(tp, 1, 1, micro_batch, 1, 0, "1f1b", sequence_parallel=sequence_parallel, tp_overlap=tp_overlap,
+                      cp=cp)
+    lk = links(cluster, probe)
     layers = profile.layers
     per_layer = []
     seen: dict[tuple, tuple] = {}  # identical layers (a transformer's blocks) cost the same
@@ -309,15 +347,15 @@ def atom_table(
         input_bytes = layers[layer.index - 1].output_bytes if layer.index > 0 else 0
         key = (figures[layer.index], input_bytes)
         if key not in seen:
-            seen[key] = _layer_costs(layer, input_bytes, profile, cluster, training, probe, tp_link, cpu_factor)
+            seen[key] = _layer_costs(layer, input_bytes, profile, cluster, training, probe, lk, cpu_factor)
         per_layer.append(seen[key])
-    scale = _scale(profile, micro_batch)
+    scale = _scale(profile, micro_batch, cp)
     atoms = []
     for first, last in atoms_of(profile):
         rows = per_layer[first : last + 1]
-        act = tuple(sum(r[4][k] for r in rows) for k in KINDS)
+        act = tuple(sum(r[5][k] for r in rows) for k in KINDS)
         # Recomputing an atom keeps its own input only (the first layer's), not each layer's.
-        act = (*act[:FULL], rows[0][4][FULL])
+        act = (*act[:FULL], rows[0][5][FULL])
         last_layer = layers[last]
         out_shard = tp if tp > 1 and last_layer.tp is not None else 1
         atoms.append(
@@ -327,14 +365,22 @@ def atom_table(
                 fwd_s=sum(r[0] for r in rows),
                 bwd_s=sum(r[1] for r in rows),
                 tp_comm_s=sum(r[2] for r in rows),
-                extra_s=tuple(sum(r[3][k] for r in rows) for k in KINDS),
+                cp_comm_s=sum(r[3] for r in rows),
+                extra_s=tuple(sum(r[4][k] for r in rows) for k in KINDS),
                 act_bytes=act,
-                params=sum(r[5] for r in rows),
+                params=sum(r[6] for r in rows),
                 out_bytes=last_layer.output_bytes * scale / out_shard,
                 cut_ok=last_layer.cut_after_ok,
             )
         )
     return tuple(atoms)
+
+
+def _ring_working_bytes(profile: ModelProfile, cand: Candidate) -> float:
+    """With CP, one layer's gathered keys and values and their fp32 gradients live at once."""
+    if cand.cp == 1:
+        return 0.0
+    return max((sum(ring_bytes(l, profile, cand.micro_batch, _shard(l, cand.tp))) for l in profile.layers), default=0.0)
 
 
 def stage_costs(
@@ -350,13 +396,13 @@ def stage_costs(
     layers = profile.layers
     if atoms is None:
         atoms = atom_table(profile, cluster, training, cand.tp, cand.micro_batch, cpu_factor, cand.sequence_parallel,
-                           cand.tp_overlap)
+                           cand.tp_overlap, cand.cp)
     w, g, o = training.bytes_per_param()
     max_act = max(a.act_bytes[NONE] for a in atoms)
     max_params = sorted((a.params for a in atoms), reverse=True)[:2]
     cut_bytes = max((a.out_bytes for a in atoms if a.cut_ok), default=0.0)
     on_gpu = cluster.gpu.origin != "measured"
-    dp, zero, shard = cand.dp, cand.zero, cand.dp_shard
+    ranks, zero, shard = cand.grad_ranks, cand.zero, cand.dp_shard
     grads_per_rank = sum(a.params for a in atoms) / cand.pp * g  # a model smaller than a bucket
     ag, rs = comm.allgather(shard, lk.dp), comm.reduce_scatter(shard, lk.dp)
     if lk.dp_replicate is not None:
@@ -365,8 +411,8 @@ def stage_costs(
         rs = comm.Affine(rs.fixed_s + ar.fixed_s, rs.per_byte_s + ar.per_byte_s / shard)
     comm_factor = cluster.gpu.factor("comm")  # refit from this cluster's runs (1 without)
     ag, rs = ag.scaled(comm_factor), rs.scaled(comm_factor)
-    rs_or_ar = comm.allreduce(dp, lk.dp).scaled(comm_factor) if zero <= 1 else rs
-    grad_sync = rs_or_ar if zero <= 1 and dp > 1 else comm.NONE
+    rs_or_ar = comm.allreduce(ranks, lk.dp).scaled(comm_factor) if zero <= 1 else rs
+    grad_sync = rs_or_ar if zero <= 1 and ranks > 1 else comm.NONE
     per_atom = per_param = 0.0
     in_pipeline = pipelined_fsdp(cand)
     if in_pipeline:
@@ -376,10 +422,10 @@ def stage_costs(
         grad_sync = comm.Affine(ag.fixed_s + rs.fixed_s, ag.per_byte_s * w / g + rs.per_byte_s)
         if zero == 3:
             per_atom, per_param = ag.fixed_s, ag.per_byte_s * w
-    elif zero == 3 and dp > 1:
+    elif zero == 3 and ranks > 1:
         per_atom = 2 * ag.fixed_s + rs.fixed_s
         per_param = 2 * ag.per_byte_s * w + rs.per_byte_s * g
-    elif zero == 2 and dp > 1:
+    elif zero == 2 and ranks > 1:
         per_atom, per_param = rs.fixed_s, rs.per_byte_s * g
     model_flops = sum(l.fwd_flops + l.bwd_flops for l in layers) * training.global_batch / profile.batch_size
     first_atoms = 1
@@ -393,7 +439,8 @@ def stage_costs(
         weight_bytes=w,
         grad_bytes=g,
         optim_bytes=o,
-        working_bytes=max(2 * max_act, loss_working_bytes(profile, cand.tp, cand.micro_batch)),
+        working_bytes=max(2 * max_act, loss_working_bytes(profile, cand.tp, cand.micro_batch, cand.cp))
+        + _ring_working_bytes(profile, cand),
         zero3_gather_bytes=sum(max_params) * w if cand.zero == 3 and not in_pipeline else 0.0,
         reserve_fixed_bytes=RESERVE_GPU_BYTES if on_gpu else RESERVE_CPU_BYTES,
         limit_bytes=training.memory_limit_bytes,
@@ -402,7 +449,7 @@ def stage_costs(
         mb_comm_atom_s=per_atom,
         mb_comm_param_s=per_param,
         grad_sync=grad_sync,
-        tail_s=rs_or_ar(min(DDP_BUCKET_BYTES, grads_per_rank)) if cand.dp > 1 else 0.0,
+        tail_s=rs_or_ar(min(DDP_BUCKET_BYTES, grads_per_rank)) if ranks > 1 else 0.0,
         after_step_param_s=ag.per_byte_s * w if cand.zero in (1, 2) and not in_pipeline else 0.0,
         after_step_atom_s=ag.fixed_s if cand.zero in (1, 2) and not in_pipeline else 0.0,
         optimizer_s_per_param=memory_bound_s(training.optimizer_traffic_per_param(), cluster.gpu)

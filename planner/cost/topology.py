@@ -1,10 +1,12 @@
 """Which link each parallel group's traffic crosses.
 
-Ranks are laid out tensor-parallel first, then data-parallel, then pipeline (Megatron-LM's
-default order, tp fastest): a TP group is `tp` consecutive ranks, a DP group strides by `tp`,
-pipeline neighbours are `tp * dp` ranks apart. A group that cannot stay inside one node uses the
-inter-node network: each of its members in a node sends through its own port (one NIC per GPU),
-so the group's bandwidth is the per-GPU figure times its members per node (hardware.Cluster).
+Ranks are laid out tensor-parallel first, then context-parallel, then data-parallel, then
+pipeline (Megatron-LM's and torchtitan's order, tp fastest): a TP group is `tp` consecutive ranks,
+a CP group strides by `tp`, the dp x cp ranks that hold the same weights (ZeRO's and the gradient
+average's group) are `tp`-strided too, pipeline neighbours are `tp * cp * dp` ranks apart. A group
+that cannot stay inside one node uses the inter-node network: each of its members in a node
+sends through its own port (one NIC per GPU), so the group's bandwidth is the per-GPU figure
+times its members per node (hardware.Cluster).
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ from planner.hardware import Cluster
 class Links:
     tp: Link
     dp: Link
-    """The data-parallel group ZeRO shards over (all dp ranks, or one HSDP shard group)."""
+    """The group ZeRO shards and gradients are averaged over (dp x cp ranks, or one HSDP shard group)."""
     pp: Link
     tp_spans_nodes: bool
     dp_spans_nodes: bool
     pp_spans_nodes: bool
     dp_replicate: Link | None = None
     """HSDP: a replica group (one rank per shard group, one per node), across nodes."""
+    cp: Link | None = None
+    """A context-parallel group (cp ranks strided by tp), None without CP."""
+    cp_spans_nodes: bool = False
 
 
 def _link(cluster: Cluster, group_size: int, spans: bool, members_per_node: int = 1) -> Link:
@@ -43,11 +48,12 @@ def links(cluster: Cluster, cand: Candidate) -> Links:
     shard, rep = cand.dp_shard, cand.dp_replicate
     tp_spans = cand.tp > per_node
     dp_spans = cand.tp * shard > per_node
-    pp_spans = cand.pp > 1 and cand.tp * cand.dp >= per_node
+    cp_spans = cand.cp > 1 and cand.tp * cand.cp > per_node
+    pp_spans = cand.pp > 1 and cand.tp * cand.grad_ranks >= per_node
     # members of one group in a node, whose network ports it uses at once: a TP group fills its
     # nodes; a DP group strides by tp, so a node holds per_node / tp of it (at least one); an
     # HSDP replica group strides by a shard group: one member per node, each of the shard
-    # group's ranks on its own port
+    # group's ranks on its own port; a CP group strides by tp, as a DP group
     tp_members = min(cand.tp, per_node)
     dp_members = min(shard, max(1, per_node // cand.tp))
     return Links(
@@ -57,5 +63,7 @@ def links(cluster: Cluster, cand: Candidate) -> Links:
         tp_spans_nodes=tp_spans,
         dp_spans_nodes=dp_spans,
         pp_spans_nodes=pp_spans,
-        dp_replicate=_link(cluster, rep, cand.tp * cand.dp > per_node) if rep > 1 else None,
+        dp_replicate=_link(cluster, rep, cand.tp * cand.grad_ranks > per_node) if rep > 1 else None,
+        cp=_link(cluster, cand.cp, cp_spans, min(cand.cp, max(1, per_node // cand.tp))) if cand.cp > 1 else None,
+        cp_spans_nodes=cp_spans,
     )

@@ -72,7 +72,7 @@ def formula_for(func):
     return flop_registry.get(func.overloadpacket)
 
 
-_ATTENTION_CORE = {torch.ops.aten.bmm, torch.ops.aten.baddbmm}
+ATTENTION_CORE = {torch.ops.aten.bmm, torch.ops.aten.baddbmm}
 """Batched matmuls: in an unfused attention, Q K^T and (softmax) V, whose outputs hold the
 s x s scores and are what Megatron-LM's selective recompute exists to drop (Korthikanti et al.
 2022, section 5); projections reach the dispatcher as mm/addmm, fused attention as SDPA kernels."""
@@ -83,7 +83,14 @@ def kept_by_selective(func) -> bool:
     mm/addmm projections, SDPA kernels, convolutions) other than the attention core's batched
     matmuls. The runtime's checkpoint policy (runtime/recompute.py) and the profile's
     activation_matmul_bytes use this one test, so the plan's selective figure is what runs."""
-    return formula_for(func) is not None and func.overloadpacket not in _ATTENTION_CORE
+    return formula_for(func) is not None and func.overloadpacket not in ATTENTION_CORE
+
+
+def is_attention(func) -> bool:
+    """A fused attention kernel (what scaled_dot_product_attention dispatches to: flash,
+    memory-efficient, cuDNN or the CPU flash kernel, forward or backward; not the math fallback's
+    matmuls, which reach the dispatcher as bmm)."""
+    return op_name(func).startswith("_scaled_dot_product_") and formula_for(func) is not None
 
 
 _LINEAR = {torch.ops.aten.mm, torch.ops.aten.addmm}

@@ -242,7 +242,36 @@ def profile_model(
         thread_speedup=thread_speedup,
         pipeline_split=split,
         pipeline_split_note=split_note,
+        cp_blocker=cp_blocker(trace, units, seq_len_of(inputs)),
     )
+
+
+def cp_blocker(trace: TraceResult, units: list[Unit], seq_len: int | None) -> str:
+    """Why context parallelism cannot run on the traced model ("" when it can). It splits the
+    sequence over ranks (in a load-balanced order, for causal attention) and turns every fused
+    attention into a ring over their keys and values (torch's context_parallel): attention done
+    with plain matmuls, a mask that is not causal, or positions the forward makes over the whole
+    sequence would be wrong on a shard, so they block it."""
+    if not seq_len:
+        return "its inputs have no sequence dimension (a 2-D integer input)"
+
+    def where(unit: int) -> str:
+        return units[unit].name if unit >= 0 else "the forward, outside its submodules,"
+
+    fwd = trace.fwd
+    for unit, n in fwd.masked_attention.items():
+        if n:
+            return f"{where(unit)} gives scaled_dot_product_attention an explicit mask (a ring splits causal or unmasked attention only)"
+    for unit, n in fwd.square_scores.items():
+        if n == seq_len:
+            return f"{where(unit)} computes attention scores with matmuls, not scaled_dot_product_attention"
+    for unit, n in fwd.aranges.items():
+        if n == seq_len:
+            return (f"{where(unit)} makes positions with torch.arange over the whole sequence (each rank holds a "
+                    "reordered shard of it: take position ids as an input, or a buffer of seq_len rows)")
+    if not any(fwd.attention_kv_bytes.values()):
+        return "it has no scaled_dot_product_attention to split"
+    return ""
 
 
 def _traced_cuts(
@@ -328,6 +357,9 @@ def _assemble(
         "bwd_linear_operand_bytes": per_layer(trace.bwd.linear_operand_bytes),
         "fwd_ops": per_layer(trace.fwd.ops),
         "bwd_ops": per_layer(trace.bwd.ops),
+        "fwd_attention_flops": per_layer(trace.fwd.attention_flops),
+        "bwd_attention_flops": per_layer(trace.bwd.attention_flops),
+        "attention_kv_bytes": per_layer(trace.fwd.attention_kv_bytes),
     }
 
     # Tensors crossing each cut, and the layer graph's edges.

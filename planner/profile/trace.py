@@ -30,7 +30,15 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from planner.model_file import ModelHandle
-from planner.profile.flops import formula_for, is_cheap, is_linear_matmul, kept_by_selective, op_name
+from planner.profile.flops import (
+    ATTENTION_CORE,
+    formula_for,
+    is_attention,
+    is_cheap,
+    is_linear_matmul,
+    kept_by_selective,
+    op_name,
+)
 from planner.profile.layers import Unit
 from planner.profile.tp_plan import find_tp_plan
 
@@ -130,6 +138,21 @@ class PhaseCosts:
     """Their outputs: what the alternate policy does not keep of matmul_out_bytes."""
     alternate_out_tp_bytes: Counter = field(default_factory=Counter)
     """Of alternate_out_bytes, the outputs made inside a column-wise -> row-wise region."""
+    # What context parallelism does to attention (it splits the sequence: each rank keeps its
+    # queries and receives every other rank's keys and values, planner.cost.stage_costs).
+    attention_flops: Counter = field(default_factory=Counter)
+    """Of flops, the fused attention kernels' (scaled_dot_product_attention)."""
+    attention_kv_bytes: Counter = field(default_factory=Counter)
+    """Bytes of the keys and values those kernels read (what a context-parallel ring exchanges)."""
+    masked_attention: Counter = field(default_factory=Counter)
+    """Fused attention calls given an explicit mask (context parallelism splits causal or
+    unmasked attention only)."""
+    square_scores: Counter = field(default_factory=Counter)
+    """The largest n of a batched matmul's n x n output: attention scores computed without the
+    fused kernel when n is the sequence length."""
+    aranges: Counter = field(default_factory=Counter)
+    """The longest torch.arange the forward made: positions made inside the model when it is the
+    sequence length (a context-parallel rank holds a reordered shard of the sequence)."""
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -176,7 +199,21 @@ class _Recorder(TorchDispatchMode):
             if is_linear_matmul(func):
                 costs.linear_flops[seg] += flops
                 costs.linear_operand_bytes[seg] += sum(map(_nbytes, tensors_in((args, kwargs))))
+            if is_attention(func):
+                costs.attention_flops[seg] += flops
+                if not self.seg.backward:
+                    costs.attention_kv_bytes[seg] += _nbytes(args[1]) + _nbytes(args[2])
+                    if kwargs.get("attn_mask") is not None or any(isinstance(a, torch.Tensor) for a in args[3:]):
+                        costs.masked_attention[seg] += 1
+            elif func.overloadpacket in ATTENTION_CORE and not self.seg.backward:
+                shape = tuple(tensors_in(out)[0].shape) if tensors_in(out) else ()
+                if len(shape) >= 2 and shape[-1] == shape[-2]:
+                    costs.square_scores[seg] = max(costs.square_scores[seg], int(shape[-1]))
         elif not getattr(func, "is_view", False):
+            if func.overloadpacket is torch.ops.aten.arange and not self.seg.backward:
+                made = tensors_in(out)
+                if made and made[0].dim() == 1:
+                    costs.aranges[seg] = max(costs.aranges[seg], int(made[0].shape[0]))
             if not is_cheap(func):
                 self.uncounted[(seg, op_name(func))] += 1
             ins = [t for t in tensors_in((args, kwargs)) if storage_key(t) not in self.param_keys]

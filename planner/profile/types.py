@@ -91,6 +91,13 @@ class LayerProfile:
     tp_role: Optional["TPRole"] = None
     """What tensor parallelism does to this layer besides its TPInfo (tp_roles.py); None when the
     model has no TPInfo, or its roles could not be found."""
+    # -- what context parallelism exchanges -------------------------------------------------------
+    fwd_attention_flops: int = 0
+    """Of fwd_flops, the fused attention kernels' (scaled_dot_product_attention)."""
+    bwd_attention_flops: int = 0
+    attention_kv_bytes: int = 0
+    """Bytes of the keys and values those kernels read in forward: what a context-parallel ring
+    passes around (each rank's shard to every other rank of the group)."""
 
 
 @dataclass(frozen=True)
@@ -201,6 +208,10 @@ class ModelProfile(schema.Versioned):
     of a stack (ModuleList/Sequential) is not a plain hand-over."""
     pipeline_split_note: Optional[str] = None
     """Why the tracer could not split the model (one line), when it was tried and failed."""
+    cp_blocker: Optional[str] = None
+    """Why context parallelism (the sequence split over ranks, attention as a ring: torch's
+    context_parallel) cannot run on this model, "" when it can; None in a profile made before the
+    profiler looked (read as blocked)."""
     schema: str = field(default="planner.ModelProfile")
     version: int = field(default=1)
 

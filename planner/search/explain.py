@@ -37,7 +37,7 @@ def parallel_of(s: Scored) -> Parallel:
         dp=c.dp, tp=c.tp, pp=c.pp, micro_batch=c.micro_batch, num_microbatches=c.num_microbatches,
         zero=c.zero, schedule=c.schedule, virtual_stages=c.virtual_stages,
         recompute=recompute_label(s.partition.choice), sequence_parallel=c.sequence_parallel, dp_replicate=c.dp_replicate,
-        tp_overlap=c.tp_overlap,
+        tp_overlap=c.tp_overlap, cp=c.cp,
     )
 
 
@@ -45,11 +45,12 @@ def breakdown(s: Scored) -> dict[str, float]:
     """Seconds per step on the slowest rank, by cause."""
     ev, m = s.evaluation, s.cand.num_microbatches
     d = max(ev.devices, key=lambda x: x.time_per_microbatch_s)
-    busy = d.compute_s + d.recompute_s + d.tp_comm_s + d.p2p_s
+    busy = d.compute_s + d.recompute_s + d.tp_comm_s + d.cp_comm_s + d.p2p_s
     return {
         "compute": m * d.compute_s,
         "recompute": m * d.recompute_s,
         "tp_comm": m * d.tp_comm_s,
+        "cp_comm": m * d.cp_comm_s,
         "pp_comm": m * d.p2p_s,
         "dp_comm": m * max(0.0, d.time_per_microbatch_s - busy) + max(x.sync_s for x in ev.devices) - _optimizer_s(s),
         "optimizer": _optimizer_s(s),
@@ -121,14 +122,14 @@ def binding_of(s: Scored, limit: int) -> str:
     d = max(ev.devices, key=lambda x: x.total_bytes)
     b = breakdown(s)
     step = ev.step_time_s
-    comm = b["tp_comm"] + b["pp_comm"] + b["dp_comm"]
+    comm = b["tp_comm"] + b["cp_comm"] + b["pp_comm"] + b["dp_comm"]
     if d.total_bytes > 0.9 * limit:
         where = f"rank {d.rank}" if s.cand.pp > 1 else "each GPU"
         return f"memory: {where} holds {fmt_bytes(d.total_bytes)} of {fmt_bytes(limit)}"
     if b["bubble"] > 0.15 * step:
         return f"the pipeline bubble: {b['bubble'] / step:.0%} of the step idle"
     if comm > 0.25 * step:
-        parts = ", ".join(f"{k} {fmt_seconds(b[key])}" for k, key in (("TP", "tp_comm"), ("PP", "pp_comm"), ("DP", "dp_comm")) if b[key] > 0)
+        parts = ", ".join(f"{k} {fmt_seconds(b[key])}" for k, key in (("TP", "tp_comm"), ("CP", "cp_comm"), ("PP", "pp_comm"), ("DP", "dp_comm")) if b[key] > 0)
         return f"communication: {comm / step:.0%} of the step ({parts})"
     return f"compute: {(b['compute'] + b['recompute']) / step:.0%} of the step is math"
 
@@ -141,6 +142,7 @@ def _why_slower(alt: Scored, best: Scored) -> str:
         "compute": "more math per GPU (less efficient shards or replicated layers)",
         "recompute": "recomputing activations to fit",
         "tp_comm": "tensor-parallel all-reduces",
+        "cp_comm": "context-parallel key/value exchanges",
         "pp_comm": "pipeline sends",
         "dp_comm": "data-parallel gradient and parameter traffic",
         "optimizer": "a larger optimizer step per GPU",
@@ -168,7 +170,7 @@ def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int
     lines = []
     c = best.cand
     dp_plan = result.data_parallel
-    split = c.tp > 1 or c.pp > 1
+    split = c.tp > 1 or c.pp > 1 or c.cp > 1
     if dp_plan is None:
         need = result.data_parallel_need_bytes
         lines.append(
@@ -207,6 +209,10 @@ def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int
         overlap = " (overlapped with the GEMMs: what outlasts them)" if c.tp_overlap else ""
         lines.append(f"Tensor parallelism over {c.tp} GPUs {where} splits each block's matmuls, {sp}; "
                      f"its collectives cost {fmt_seconds(breakdown(best)['tp_comm'])} per step{overlap}.")
+    if c.cp > 1:
+        lines.append(_context_parallel_line(best, profile))
+    elif profile.cp_blocker and profile.seq_len and split:
+        lines.append(f"Context parallelism was not considered: this model cannot run it, {profile.cp_blocker}.")
     if c.pp > 1:
         lines.append(
             f"The pipeline has {c.pp} stages and {c.num_microbatches} micro-batches"
@@ -220,7 +226,8 @@ def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int
                          f"the {c.dp_replicate} nodes' groups are replicas whose gradients are all-reduced across "
                          f"the network (1/{c.dp_shard} of them per GPU), so only that crosses nodes.")
         else:
-            lines.append(f"ZeRO-{c.zero} shards {what} over the {c.dp} data-parallel replicas.")
+            over = f"the {c.dp} data-parallel replicas" + (f" x {c.cp} context-parallel ranks" if c.cp > 1 else "")
+            lines.append(f"ZeRO-{c.zero} shards {what} over {over}.")
     rc = recompute_label(best.partition.choice)
     if rc != "none":
         lines.append(f"Recompute ({rc}) trades {fmt_seconds(breakdown(best)['recompute'])} per step for activation memory.")
@@ -229,6 +236,16 @@ def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int
         lines.append(f"Runner-up {parallel_of(alt).one_line()}: {fmt_seconds(alt.step_time_s)} ({_alternative(alt, best).note}).")
     lines += _what_would_change(best, limit)
     return lines
+
+
+def _context_parallel_line(best: Scored, profile: ModelProfile) -> str:
+    c = best.cand
+    where = "across nodes" if best.costs.links.cp_spans_nodes else "inside a node"
+    tokens = f"{profile.seq_len:,}-token " if profile.seq_len else ""
+    return (f"Context parallelism over {c.cp} GPUs {where} splits each {tokens}sequence: every GPU holds 1/{c.cp} of "
+            f"the tokens and their activations, and attention passes keys and values around a ring; the exchange "
+            f"not hidden behind attention costs {fmt_seconds(breakdown(best)['cp_comm'])} per step. Gradients are "
+            f"averaged over dp x cp = {c.grad_ranks} GPUs.")
 
 
 def _what_would_change(best: Scored, limit: int) -> list[str]:

@@ -33,7 +33,7 @@ FREE_RECOMPUTE_LIMIT_S = 1.0
 SEARCH_BUDGET_S = 8.0
 # Plans are ranked by their predicted step time plus a margin for what they add to plain data
 # parallelism, the field's rule of thumb (split the model only when it does not fit or is clearly
-# faster). A model split (tp or pp > 1) must be faster by more than SPLIT_MARGIN: 3% is below what
+# faster). A model split (tp, pp or cp > 1) must be faster by more than SPLIT_MARGIN: 3% is below what
 # the cost model resolves (median error 9.9% over 60 published runs, bench/bench_published.py). Each
 # ZeRO stage and each extra interleaved chunk must pay for itself by a smaller margin.
 SPLIT_MARGIN = 0.03
@@ -45,7 +45,7 @@ SCHEDULE_ORDER = ("1f1b", "gpipe", "interleaved")
 
 def margin(c: Candidate) -> float:
     """The share of its step time a plan must save to beat plain data parallelism."""
-    split = SPLIT_MARGIN if c.tp * c.pp > 1 else 0.0
+    split = SPLIT_MARGIN if c.tp * c.pp * c.cp > 1 else 0.0
     chunks = c.virtual_stages - 1 if c.schedule == "interleaved" and c.pp > 1 else 0
     return split + ZERO_MARGIN * c.zero + CHUNK_MARGIN * chunks
 
@@ -79,11 +79,11 @@ class Scored:
 
 
 def _shape(c: Candidate) -> tuple:
-    return (c.dp, c.tp, c.pp, c.schedule if c.pp > 1 else "")
+    return (c.dp, c.tp, c.pp, c.cp, c.schedule if c.pp > 1 else "")
 
 
 def _simplicity(c: Candidate) -> tuple:
-    return (c.tp * c.pp, c.zero, c.virtual_stages, -c.micro_batch, c.pp, SCHEDULE_ORDER.index(c.schedule),
+    return (c.tp * c.pp * c.cp, c.zero, c.virtual_stages, -c.micro_batch, c.pp, SCHEDULE_ORDER.index(c.schedule),
             not c.sequence_parallel, c.dp_replicate)
 
 
@@ -95,7 +95,7 @@ def _rank(plans) -> list[Scored]:
 @dataclass
 class SearchResult:
     ranked: list[Scored]
-    """The best plan of each distinct shape (dp, tp, pp, schedule), fastest first."""
+    """The best plan of each distinct shape (dp, tp, pp, cp, schedule), fastest first."""
     data_parallel: Scored | None
     """Plain data parallelism (tp = pp = 1, ZeRO-0), when it fits."""
     data_parallel_need_bytes: float | None
@@ -183,7 +183,7 @@ def run_search(
     tables: dict[tuple[int, int, bool], tuple] = {}
 
     def costs_of(cand: Candidate) -> StageCosts:
-        key = (cand.tp, cand.micro_batch, cand.sequence_parallel, cand.tp_overlap)
+        key = (cand.tp, cand.micro_batch, cand.sequence_parallel, cand.tp_overlap, cand.cp)
         if key not in tables:
             tables[key] = atom_table(profile, cluster, training, *key[:2], cpu_factor, *key[2:])
         return stage_costs(profile, cluster, training, cand, cpu_factor, atoms=tables[key])
@@ -246,9 +246,9 @@ def _min_need(result: SearchResult, survivors: list[tuple[float, StageCosts]], l
 
 def _data_parallel_baseline(result, profile, cluster, training, costs_of, solver, num_atoms) -> None:
     """The best plain data-parallel plan (tp = pp = 1, ZeRO-0), or the memory it would need."""
-    dp_only = Fixed(tp=1, pp=1, zero=0)
+    dp_only = Fixed(tp=1, pp=1, zero=0, cp=1)
     for s in result.ranked:
-        if (s.cand.tp, s.cand.pp, s.cand.zero) == (1, 1, 0):
+        if (s.cand.tp, s.cand.pp, s.cand.cp, s.cand.zero) == (1, 1, 1, 0):
             result.data_parallel = s
             return
     best: Scored | None = None

@@ -1,13 +1,14 @@
 """The discrete search space and the bounds that prune it before any ILP is solved.
 
-Candidates: tp x pp x dp = GPUs, tp a degree every tensor-parallel block accepts (head counts,
+Candidates: tp x cp x pp x dp = GPUs, tp a degree every tensor-parallel block accepts (head counts,
 feature sizes) and at most a node (TP's all-reduces want NVLink: Narayanan et al. 2021, Sec. 3.2;
 a user may force more), pp at most the number of atoms, micro-batch b a power of two dividing
 the per-replica batch, m = global batch / (dp b) micro-batches, ZeRO 0-3 (0 only without data
 parallelism), the schedule (GPipe, 1F1B, interleaved 1F1B with v = 2-4 chunks when m % pp == 0,
 as Megatron-LM requires), with tp > 1 sequence parallelism on or off (on only where tp divides
 the sequence, as the runtime needs), and for ZeRO-2/3 over dp ranks in several nodes, HSDP (one
-shard group per node, replicas across nodes) or not.
+shard group per node, replicas across nodes) or not; cp a degree whose 2 cp load-balanced shards
+split the sequence evenly, on models where context parallelism can run (ModelProfile.cp_blocker).
 
 Bounds, per candidate, from the cost tables alone:
 - memory: the least the fullest rank can hold (memory_lower_bound); above the limit, no
@@ -35,6 +36,7 @@ class Fixed:
     tp: int | None = None
     pp: int | None = None
     dp: int | None = None
+    cp: int | None = None
     micro_batch: int | None = None
     zero: int | None = None
     schedule: str | None = None
@@ -92,48 +94,73 @@ def candidates(
         if tp > 1 and not legal_tp(profile, tp):
             stats.reject(f"tp={tp} does not divide the heads or features")
             continue
-        sp_choices = _sequence_parallel(profile, tp, fixed, stats)
         num_cuts = len(profile.pipeline_cuts(tp))
-        for pp in divisors(num_gpus // tp):
-            if fixed.pp is not None and pp != fixed.pp:
-                continue
-            if pp > 1 and num_cuts < pp - 1:
-                stats.reject(f"pp={pp} needs more pipeline cuts than the model's {num_cuts}"
-                             + (f" with tp={tp}" if tp > 1 and profile.pipeline_split == "traced" else ""))
-                continue
-            dp = num_gpus // (tp * pp)
-            if fixed.dp is not None and dp != fixed.dp:
-                continue
-            if global_batch % dp:
-                stats.reject(f"global batch not divisible by dp={dp}")
-                continue
-            per_replica = global_batch // dp
-            sizes = [b for b in (2**k for k in range(per_replica.bit_length())) if per_replica % b == 0]
-            if fixed.micro_batch is not None:  # a non-power-of-two the user asked for, too
-                sizes = [fixed.micro_batch] if per_replica % fixed.micro_batch == 0 else []
-            replicas = _hsdp_replicas(tp, dp, gpus_per_node, fixed, stats)
-            for sp in sp_choices:
-                for b in sizes:
-                    for cand in _schedules(tp, pp, dp, b, per_replica // b, num_atoms, fixed, stats):
-                        for rep in replicas if cand.zero >= 2 else [] if fixed.hsdp else [1]:
-                            yield replace(cand, sequence_parallel=sp, dp_replicate=rep,
-                                          tp_overlap=bool(fixed.tp_overlap) and sp)
+        for cp in _context_parallel(profile, num_gpus // tp, fixed, stats):
+            sp_choices = _sequence_parallel(profile, tp, fixed, stats, cp)
+            for pp in divisors(num_gpus // (tp * cp)):
+                if fixed.pp is not None and pp != fixed.pp:
+                    continue
+                if pp > 1 and num_cuts < pp - 1:
+                    stats.reject(f"pp={pp} needs more pipeline cuts than the model's {num_cuts}"
+                                 + (f" with tp={tp}" if tp > 1 and profile.pipeline_split == "traced" else ""))
+                    continue
+                dp = num_gpus // (tp * cp * pp)
+                if fixed.dp is not None and dp != fixed.dp:
+                    continue
+                if global_batch % dp:
+                    stats.reject(f"global batch not divisible by dp={dp}")
+                    continue
+                per_replica = global_batch // dp
+                sizes = [b for b in (2**k for k in range(per_replica.bit_length())) if per_replica % b == 0]
+                if fixed.micro_batch is not None:  # a non-power-of-two the user asked for, too
+                    sizes = [fixed.micro_batch] if per_replica % fixed.micro_batch == 0 else []
+                replicas = _hsdp_replicas(tp, dp, cp, gpus_per_node, fixed, stats)
+                for sp in sp_choices:
+                    for b in sizes:
+                        for cand in _schedules(tp, pp, dp, b, per_replica // b, num_atoms, fixed, stats, cp):
+                            for rep in replicas if cand.zero >= 2 else [] if fixed.hsdp else [1]:
+                                yield replace(cand, sequence_parallel=sp, dp_replicate=rep,
+                                              tp_overlap=bool(fixed.tp_overlap) and sp)
 
 
-def _hsdp_replicas(tp: int, dp: int, gpus_per_node: int, fixed: Fixed, stats: SpaceStats) -> list[int]:
-    """dp_replicate choices for ZeRO-2/3: 1 (shard over all dp ranks) and, where the dp ranks span
-    nodes, HSDP with one shard group per node (replicas across nodes)."""
-    in_node = min(dp, max(1, gpus_per_node // tp))
-    hsdp_ok = dp > in_node and dp % in_node == 0 and gpus_per_node % tp == 0
+def _context_parallel(profile: ModelProfile, most: int, fixed: Fixed, stats: SpaceStats) -> list[int]:
+    """CP degrees (dividing `most`, the GPUs left beside TP): 1, and where the model lets it
+    (`ModelProfile.cp_blocker`; a profile from before it was recorded reads as blocked) every
+    degree whose 2 cp load-balanced shards split the sequence evenly (torch's context_parallel
+    for causal attention)."""
+    blocker = profile.cp_blocker
+    if blocker is None:
+        blocker = "the profile does not say whether its attention can be split (profile it again)"
+    seq = profile.seq_len or 0
+    if fixed.cp is not None:
+        if fixed.cp > 1 and blocker:
+            raise BadInput(f"--cp {fixed.cp}: context parallelism cannot run on this model: {blocker}")
+        if fixed.cp > 1 and seq % (2 * fixed.cp):
+            raise BadInput(f"--cp {fixed.cp}: the sequence ({seq}) does not split into 2 x {fixed.cp} equal shards "
+                           "(context parallelism balances causal attention over 2 cp chunks)")
+        return [fixed.cp] if most % fixed.cp == 0 else []
+    if blocker:
+        return [1]
+    return [c for c in divisors(most) if c == 1 or seq % (2 * c) == 0]
+
+
+def _hsdp_replicas(tp: int, dp: int, cp: int, gpus_per_node: int, fixed: Fixed, stats: SpaceStats) -> list[int]:
+    """dp_replicate choices for ZeRO-2/3: 1 (shard over all dp x cp ranks) and, where they span
+    nodes, HSDP with one shard group per node (replicas across nodes; a replica keeps its cp ranks
+    whole)."""
+    ranks = dp * cp
+    in_node = min(ranks, max(1, gpus_per_node // tp))
+    reps = ranks // in_node
+    hsdp_ok = ranks > in_node and ranks % in_node == 0 and gpus_per_node % tp == 0 and dp % reps == 0
     if fixed.hsdp and not hsdp_ok:
-        stats.reject(f"HSDP needs dp={dp} to span nodes in whole groups of the {in_node} dp ranks in a node")
+        stats.reject(f"HSDP needs the dp x cp = {ranks} ranks to span nodes in whole groups of the {in_node} in a node")
         return []
     if fixed.hsdp:
-        return [dp // in_node]
-    return [1, dp // in_node] if hsdp_ok and fixed.hsdp is None else [1]
+        return [reps]
+    return [1, reps] if hsdp_ok and fixed.hsdp is None else [1]
 
 
-def _sequence_parallel(profile: ModelProfile, tp: int, fixed: Fixed, stats: SpaceStats) -> list[bool]:
+def _sequence_parallel(profile: ModelProfile, tp: int, fixed: Fixed, stats: SpaceStats, cp: int = 1) -> list[bool]:
     """Both choices with TP (unless fixed); SP splits the sequence, so tp must divide it, and the
     model must let it (the profile's TP roles: `ModelProfile.sp_blocker`; unknown in a profile
     without them, which the runtime then runs without SP)."""
@@ -150,20 +177,21 @@ def _sequence_parallel(profile: ModelProfile, tp: int, fixed: Fixed, stats: Spac
     choices = [True, False] if fixed.sequence_parallel is None else [fixed.sequence_parallel]
     if fixed.tp_overlap:  # TP overlap chunks the sequence-parallel collectives
         choices = [c for c in choices if c]
-    if True in choices and profile.seq_len and profile.seq_len % tp:
-        stats.reject(f"sequence parallelism needs tp={tp} to divide the sequence ({profile.seq_len})")
+    if True in choices and profile.seq_len and (profile.seq_len // cp) % tp:
+        shard = f"each rank's 1/{cp} of the sequence ({profile.seq_len // cp})" if cp > 1 else f"the sequence ({profile.seq_len})"
+        stats.reject(f"sequence parallelism needs tp={tp} to divide {shard}")
         choices.remove(True)
     return choices
 
 
-def _schedules(tp, pp, dp, b, m, num_atoms, fixed: Fixed, stats: SpaceStats) -> Iterator[Candidate]:
-    zeros = [0] if dp == 1 else [0, 1, 2, 3]
+def _schedules(tp, pp, dp, b, m, num_atoms, fixed: Fixed, stats: SpaceStats, cp: int = 1) -> Iterator[Candidate]:
+    zeros = [0] if dp * cp == 1 else [0, 1, 2, 3]
     for zero in zeros:
         if fixed.zero is not None and zero != fixed.zero:
             continue
         if pp == 1:
             stats.enumerated += 1
-            yield Candidate(tp, pp, dp, b, m, zero, fixed.schedule or "1f1b", 1)
+            yield Candidate(tp, pp, dp, b, m, zero, fixed.schedule or "1f1b", 1, cp=cp)
             continue
         for schedule in ("1f1b", "gpipe", "interleaved"):
             if fixed.schedule is not None and schedule != fixed.schedule:
@@ -172,7 +200,7 @@ def _schedules(tp, pp, dp, b, m, num_atoms, fixed: Fixed, stats: SpaceStats) -> 
                 continue  # with one micro-batch GPipe is 1F1B: one candidate, not two tied ones
             if schedule != "interleaved":
                 stats.enumerated += 1
-                yield Candidate(tp, pp, dp, b, m, zero, schedule, 1)
+                yield Candidate(tp, pp, dp, b, m, zero, schedule, 1, cp=cp)
                 continue
             if m % pp:
                 stats.reject("interleaving needs micro-batches divisible by pp")
@@ -180,7 +208,7 @@ def _schedules(tp, pp, dp, b, m, num_atoms, fixed: Fixed, stats: SpaceStats) -> 
             for v in [fixed.virtual_stages] if fixed.virtual_stages else INTERLEAVE:
                 if pp * v <= num_atoms:
                     stats.enumerated += 1
-                    yield Candidate(tp, pp, dp, b, m, zero, schedule, v)
+                    yield Candidate(tp, pp, dp, b, m, zero, schedule, v, cp=cp)
 
 
 def memory_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
@@ -227,7 +255,7 @@ def time_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
         slowest = max(slowest, min_max_split([t + costs.mb_comm_atom_s for t in times], p))
     slowest = max(slowest + sends, costs.mb_comm_param_s * params + latency)
     pipeline = (cand.num_microbatches - 1 / v) * slowest + (total + p * (sends + latency)) / v
-    sync = (costs.tail_s if cand.dp > 1 else 0.0) + (costs.after_step_param_s + costs.optimizer_s_per_param) * params
+    sync = (costs.tail_s if cand.grad_ranks > 1 else 0.0) + (costs.after_step_param_s + costs.optimizer_s_per_param) * params
     sync += costs.after_step_atom_s * atoms_per_rank
     return pipeline + sync
 

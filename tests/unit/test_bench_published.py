@@ -31,8 +31,8 @@ def test_every_row_has_a_model_a_cluster_and_a_configuration(rows):
         compile(source, r.id, "exec")
         assert "def build_model" in source and "def sample_batch" in source
         f = r.fixed
-        assert f.tp * f.pp * f.dp == r.num_gpus, r.id
-        assert f.zero in (0, 1, 2, 3) and (f.dp > 1 or f.zero == 0), r.id
+        assert f.tp * f.pp * f.dp * f.cp == r.num_gpus, r.id
+        assert f.zero in (0, 1, 2, 3) and (f.dp * f.cp > 1 or f.zero == 0), r.id
         assert f.micro_batch is None or r.global_batch % (f.dp * f.micro_batch) == 0, r.id
         assert r.measured_step_s > 0, r.id
         cluster = r.cluster()
@@ -62,7 +62,7 @@ def test_models_and_approximations_follow_the_rows(rows):
     # the 96 GB part: the 80 GB entry's usable memory (81,559 MiB) scaled to 96, its own HBM rate
     assert llama.gpu.memory_bytes == pytest.approx(81559 * 2**20 * 96 / 80, rel=1e-4) and llama.gpu.hbm_bandwidth_Bps == 2.4e12
     cp = by_id["torchtitan_T2_8B_8gpu_6"]
-    assert cp.fixed.tp == 8 and "CP8 as TP" in cp.notes
+    assert (cp.fixed.cp, cp.fixed.tp) == (8, 1) and not any("CP" in n for n in cp.notes)  # as published
     assert by_id["llmfoundry_mpt7b_a100_40gb_8gpu_seq2048"].shape.arch == "mpt"
     assert by_id["korthikanti_530B_2240gpu_full_recompute"].assumed  # no global batch published
 

@@ -16,6 +16,7 @@ from planner.cost.evaluate import evaluate
 from planner.cost.setup import OPTIMIZERS, PRECISIONS, SCHEDULES, Training
 from planner.cost.stage_costs import KIND_OF, KINDS, atoms_of
 from planner.hardware import make_cluster
+from planner.errors import BadInput
 from planner.model_file import load_model_file
 from planner.profile import profile_model
 from planner.profile.types import ModelProfile
@@ -61,6 +62,7 @@ def problems(draw):
     fixed = Fixed(
         tp=draw(st.one_of(st.none(), st.none(), st.sampled_from([1, 2]))),
         pp=draw(st.one_of(st.none(), st.none(), st.sampled_from([1, 2, 4]))),
+        cp=draw(st.one_of(st.none(), st.none(), st.sampled_from([1, 2]))),
         micro_batch=draw(st.one_of(st.none(), st.none(), st.sampled_from([1, 2, 3, 4]))),
         zero=draw(st.one_of(st.none(), st.none(), st.sampled_from([0, 1, 2, 3]))),
         schedule=draw(st.one_of(st.none(), st.none(), st.sampled_from(SCHEDULES))),
@@ -87,6 +89,10 @@ def test_every_ranked_plan_is_legal_and_fits(problem):
     cluster = make_cluster("h100-sxm-80gb" if precision == "fp8" else "a100-80gb", num_gpus)  # FP8 needs FP8 cores
     assert cluster.gpus_per_node == min(GPUS_PER_NODE, num_gpus)
     training = Training(precision, optimizer, global_batch, limit)
+    if fixed.cp and fixed.cp > 1 and (profile.cp_blocker != "" or profile.seq_len % (2 * fixed.cp)):
+        with pytest.raises(BadInput, match=f"--cp {fixed.cp}: "):  # a model or sequence CP cannot split
+            run_search(profile, cluster, training, fixed, top_k)
+        return
     result = run_search(profile, cluster, training, fixed, top_k)
 
     num_atoms = len(atoms_of(profile))
@@ -94,7 +100,8 @@ def test_every_ranked_plan_is_legal_and_fits(problem):
     for plan in result.ranked:
         c, ev, part, costs = plan.cand, plan.evaluation, plan.partition, plan.costs
         where = f"{name} {num_gpus} GPUs batch {global_batch} limit {limit} {fixed}: {c.label()}"
-        assert c.dp * c.tp * c.pp == num_gpus, where
+        assert c.dp * c.tp * c.pp * c.cp == num_gpus, where
+        assert c.cp == 1 or (profile.cp_blocker == "" and profile.seq_len % (2 * c.cp) == 0), where
         assert c.dp * c.micro_batch * c.num_microbatches == global_batch, where
         assert c.tp == 1 or (required_tp and all(t.legal(c.tp) for t in required_tp)), where
         v = c.virtual_stages
@@ -113,9 +120,9 @@ def test_every_ranked_plan_is_legal_and_fits(problem):
         # the pruning bounds are bounds
         assert ev.step_time_s >= time_lower_bound(costs) * (1 - 1e-9), where
         assert ev.peak_bytes >= memory_lower_bound(costs) * (1 - 1e-9), where
-        assert c.zero == 0 or c.dp > 1, where
+        assert c.zero == 0 or c.dp * c.cp > 1, where
         # what the user fixed
-        for key in ("tp", "pp", "dp", "micro_batch", "zero", "schedule"):
+        for key in ("tp", "pp", "dp", "cp", "micro_batch", "zero", "schedule"):
             want = getattr(fixed, key)
             assert want is None or getattr(c, key) == want, (where, key)
         if fixed.virtual_stages is not None and c.schedule == "interleaved" and c.pp > 1:
@@ -126,7 +133,7 @@ def test_every_ranked_plan_is_legal_and_fits(problem):
 
     if result.data_parallel is not None:
         dp = result.data_parallel.cand
-        assert (dp.tp, dp.pp, dp.zero, dp.dp) == (1, 1, 0, num_gpus) and result.data_parallel.evaluation.fits
+        assert (dp.tp, dp.pp, dp.cp, dp.zero, dp.dp) == (1, 1, 1, 0, num_gpus) and result.data_parallel.evaluation.fits
     if not result.ranked:
         # nothing fits: the result says how much memory the leanest candidate needs
         if result.stats.enumerated == 0:
@@ -144,7 +151,7 @@ def test_need_respects_fixed_recompute():
     limit = 1_115_684_864
     result = run_search(
         get_profile("llama"), make_cluster("a100-80gb", 8), Training("bf16", "adamw", 8, limit),
-        Fixed(micro_batch=4, recompute="none"), top_k=1,
+        Fixed(micro_batch=4, recompute="none", cp=1), top_k=1,  # (context parallelism would fit it)
     )
     assert result.ranked == []
     assert result.min_need_bytes is not None and result.min_need_bytes > limit, (result.min_need_cand, result.min_need_bytes)

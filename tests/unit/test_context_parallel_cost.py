@@ -1,0 +1,131 @@
+"""Context parallelism in the profile and the cost model, each formula on a case computed by hand:
+what the profiler records of attention and what blocks a sequence split, the ring's traffic, the
+1/cp share of tokens, ZeRO over dp x cp, the CP group's link, and the search's choices."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.cost import comm
+from planner.cost.setup import Candidate, Training
+from planner.cost.stage_costs import NONE, atom_table, stage_costs
+from planner.cost.topology import links
+from planner.errors import BadInput
+from planner.hardware import make_cluster
+from planner.model_file import load_model_file
+from planner.profile.profiler import profile_model
+from tests.conftest import EXAMPLES
+
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """examples/llama.py (dim 256, 8 heads of 32, 2 kv heads repeated to 8 before SDPA, seq 256), bf16."""
+    return profile_model(load_model_file(EXAMPLES / "llama.py"), batch_size=2, dtype="bf16", measure=False)
+
+
+@pytest.fixture(scope="module")
+def llama7b():
+    """examples/llama_7b.py (seq 4096) on fake tensors: large enough that no op is launch-bound on a GPU."""
+    return profile_model(load_model_file(EXAMPLES / "llama_7b.py"), batch_size=1, dtype="bf16", measure=False)
+
+
+def test_profile_records_the_keys_and_values_attention_reads(llama):
+    blocks = [l for l in llama.layers if l.attention_kv_bytes]
+    assert len(blocks) == 4 and llama.cp_blocker == ""
+    # K and V after the grouped-query repeat: batch 2 x 8 heads x 256 tokens x 32 dims x 2 bytes each
+    assert blocks[0].attention_kv_bytes == 2 * (2 * 8 * 256 * 32 * 2)
+    # SDPA forward: Q K^T and P V, 2 x (2 x 8 x 256 x 256 x 32) multiply-adds
+    assert blocks[0].fwd_attention_flops == 2 * 2 * (2 * 8 * 256 * 256 * 32)
+    assert 0 < blocks[0].fwd_attention_flops < blocks[0].fwd_flops
+    assert blocks[0].bwd_attention_flops == pytest.approx(2.5 * blocks[0].fwd_attention_flops)
+
+
+@pytest.mark.parametrize("example,reason", [
+    ("gpt.py", "makes positions with torch.arange over the whole sequence"),
+    ("hf_gpt2.py", "gives scaled_dot_product_attention an explicit mask"),
+    ("mlp.py", "no sequence dimension"),
+])
+def test_what_blocks_context_parallelism(example, reason):
+    if example == "hf_gpt2.py":
+        pytest.importorskip("transformers")
+    profile = profile_model(load_model_file(EXAMPLES / example), batch_size=1, measure=False)
+    assert reason in profile.cp_blocker
+
+
+def test_unfused_attention_blocks_context_parallelism(model_file):
+    path = model_file("""
+        from gpt import GPTConfig, build_gpt, gpt_batch
+        CONFIG = GPTConfig(vocab=512, seq_len=64, n_layer=2, n_head=4, n_embd=64, attn="math")
+        def build_model():
+            return build_gpt(CONFIG)
+        def sample_batch(batch_size):
+            return gpt_batch(CONFIG, batch_size)
+    """)
+    profile = profile_model(load_model_file(path), batch_size=1, measure=False)
+    assert "computes attention scores with matmuls" in profile.cp_blocker
+
+
+def test_cp_splits_the_tokens_and_adds_the_ring(llama7b):
+    """cp = 2 inside an H100 node: every token-proportional figure halves (attention's too: each
+    rank's queries meet all keys), the parameters do not, and each attention layer pays the
+    ring: forward all-gathers K and V, backward gathers them again and reduce-scatters their fp32
+    gradients (twice the bytes), none of it hidden (OVERLAP_EFFICIENCY 0)."""
+    cluster = make_cluster("h100-sxm-80gb", 2)
+    training = Training("bf16", "adamw", 4, 80 * GIB)
+    one = atom_table(llama7b, cluster, training, 1, 1)
+    two = atom_table(llama7b, cluster, training, 1, 1, cp=2)
+    link = links(cluster, Candidate(1, 1, 1, 1, 1, 0, "1f1b", cp=2)).cp
+    ag, rs = comm.allgather(2, link), comm.reduce_scatter(2, link)
+    for a, b in zip(one, two):
+        layer = llama7b.layers[a.first]
+        assert b.params == a.params
+        work = b.fwd_s + b.bwd_s - b.cp_comm_s
+        if layer.kind == "Embedding":  # its small backward ops stay near the launch floor: a bit over half
+            assert (a.fwd_s + a.bwd_s) / 2 <= work < 0.51 * (a.fwd_s + a.bwd_s)
+        else:
+            assert work == pytest.approx((a.fwd_s + a.bwd_s) / 2)
+        assert b.act_bytes[NONE] == pytest.approx(a.act_bytes[NONE] / 2)
+        kv = layer.attention_kv_bytes  # micro-batch 1 as profiled: the whole sequence's K and V
+        expect = ag(kv) + ag(kv) + rs(2 * kv) if kv else 0.0
+        assert b.cp_comm_s == pytest.approx(expect)
+    assert sum(b.cp_comm_s for b in two) > 0
+
+
+def test_zero_shards_over_dp_times_cp_and_the_ranks_are_tp_cp_dp(llama):
+    cluster = make_cluster("a100-80gb", 16)  # two nodes of 8, one 25 GB/s NIC per GPU
+    training = Training("bf16", "adamw", 4, 80 * GIB)
+    cand = Candidate(tp=2, pp=1, dp=2, micro_batch=1, num_microbatches=2, zero=3, schedule="1f1b", cp=4)
+    costs = stage_costs(llama, cluster, training, cand)
+    assert cand.grad_ranks == 8 and cand.dp_shard == 8
+    assert costs.state_bytes_per_param() == pytest.approx((2 / 8, 2 / 8, 12 / 8))
+    lk = links(cluster, cand)
+    # a CP group strides by tp: 4 x 2 = 8 ranks, one node; the dp x cp group spans both nodes
+    assert not lk.cp_spans_nodes and lk.cp.bandwidth_Bps == pytest.approx(300e9)
+    assert lk.dp_spans_nodes and lk.dp.bandwidth_Bps == pytest.approx(4 * 25e9)  # 4 members per node
+    wide = links(cluster, Candidate(tp=8, pp=1, dp=1, micro_batch=1, num_microbatches=2, zero=0, schedule="1f1b", cp=2))
+    assert wide.cp_spans_nodes and wide.cp.bandwidth_Bps == pytest.approx(25e9)  # one member per node
+
+
+def test_search_splits_a_long_sequence_and_refuses_cp_where_the_model_cannot():
+    from planner.planning import PlanRequest, make_plan
+    from planner.search.space import Fixed
+
+    plan = make_plan(load_model_file(EXAMPLES / "llama3_8b_128k.py"),
+                     PlanRequest(gpus=16, gpu="h100-sxm-80gb", global_batch=16, precision="bf16", optimizer="adamw"))
+    p = plan.parallel
+    assert p.cp * p.tp > 1 and p.dp * p.cp * p.tp * p.pp == 16
+    if p.cp > 1:
+        assert any("Context parallelism over" in line for line in plan.explanation)
+    # fixing cp: that degree, and the gradients averaged over dp x cp
+    fixed = make_plan(load_model_file(EXAMPLES / "llama3_8b_128k.py"),
+                      PlanRequest(gpus=16, gpu="h100-sxm-80gb", global_batch=16, precision="bf16", optimizer="adamw",
+                                  fixed=Fixed(cp=8)))
+    assert fixed.parallel.cp == 8
+    with pytest.raises(BadInput, match="--cp 2: context parallelism cannot run on this model: .*torch.arange"):
+        make_plan(load_model_file(EXAMPLES / "gpt.py"),
+                  PlanRequest(gpus=4, gpu="a100-80gb", precision="bf16", optimizer="adamw", fixed=Fixed(cp=2)))
+    with pytest.raises(BadInput, match="does not split into 2 x 3 equal shards"):
+        make_plan(load_model_file(EXAMPLES / "llama.py"),
+                  PlanRequest(gpus=6, gpu="a100-80gb", precision="bf16", optimizer="adamw", fixed=Fixed(cp=3)))
