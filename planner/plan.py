@@ -36,6 +36,11 @@ class Parallel:
     attention as a ring (torch's context_parallel); gradients averaged and ZeRO sharded over
     dp x cp. 1: none."""
 
+    @property
+    def world_size(self) -> int:
+        """The ranks the plan runs on: dp x tp x pp x cp."""
+        return self.dp * self.tp * self.pp * self.cp
+
     def one_line(self) -> str:
         sched = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": f"interleaved 1F1B x{self.virtual_stages}"}
         parts = [
@@ -145,6 +150,9 @@ class ModelInfo:
     (the runtime uses it for a first cut before the layers' plain_cut), else "sequential" or "none"."""
     pipeline_split_note: Optional[str] = None
     """Why the tracer could not split the model."""
+    cp_blocker: Optional[str] = None
+    """The profile's: why context parallelism cannot run on this model ("" when it can; None when
+    unknown). The runtime refuses a plan with cp > 1 unless it is ""."""
 
 
 @dataclass(frozen=True)

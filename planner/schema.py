@@ -161,11 +161,11 @@ def check_plan(plan: Any) -> None:
     _one_of("parallel.recompute", p.recompute, (*RECOMPUTE, "mixed"))
     _one_of("training.precision", training.precision, PRECISIONS)
     _one_of("training.optimizer", training.optimizer, OPTIMIZERS)
-    if p.dp * p.tp * p.pp * p.cp != cluster.num_gpus:
+    if p.world_size != cluster.num_gpus:
         cp = f" x cp {p.cp}" if p.cp > 1 else ""
         raise _Malformed(
             "parallel",
-            f"dp {p.dp} x tp {p.tp} x pp {p.pp}{cp} = {p.dp * p.tp * p.pp * p.cp}, not cluster.num_gpus {cluster.num_gpus}",
+            f"dp {p.dp} x tp {p.tp} x pp {p.pp}{cp} = {p.world_size}, not cluster.num_gpus {cluster.num_gpus}",
         )
     if p.dp % p.dp_replicate:
         raise _Malformed("parallel", f"dp_replicate {p.dp_replicate} does not divide dp {p.dp}")

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["CP_TORCH_VERSION", "load_balanced_order", "sequence_sharded", "support_cpu_sdpa"]
+__all__ = ["CP_TORCH_VERSION", "ContextParallel", "load_balanced_order", "sequence_sharded", "support_cpu_sdpa"]
 
 aten = torch.ops.aten
 
@@ -319,3 +319,66 @@ def load_balanced_order(seq_len: int, cp_size: int, cp_rank: int) -> list[int]:
     head = range(cp_rank * k, (cp_rank + 1) * k)
     tail = range(seq_len - (cp_rank + 1) * k, seq_len - cp_rank * k)
     return [*head, *tail]
+
+
+# ---------------------------------------------------------------------------------------------
+# A training run's use: the model's sequence buffers once, each micro-batch's tensors per step
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """How a run with context parallelism (plan.parallel.cp > 1) splits the sequence on this rank.
+
+    At set-up, every model buffer with seq_len rows (RoPE tables, position tables: what a model
+    indexes by position and the plan's profile allowed, planner.profile.profiler.cp_blocker) keeps
+    this rank's rows in the load-balanced order, once. Each micro-batch, `sharded` gives copies of
+    the inputs and targets with this rank's positions of every [batch, seq_len, ...] tensor, and
+    forward and backward run inside it (torch's ring attention). The loss is then a mean over this
+    rank's tokens: averaged over the CP group (as data parallelism averages over dp), it is the
+    micro-batch's mean, and so are the gradients."""
+
+    mesh: DeviceMesh
+    """The "cp" axis of the run's mesh."""
+    seq_len: int
+    buffers: tuple[str, ...]
+    """The model buffers sharded at set-up."""
+
+    @classmethod
+    def setup(cls, modules: list[torch.nn.Module], plan: Any, mesh: DeviceMesh) -> "ContextParallel":
+        """Shard the sequence buffers of `modules` (the model, or this rank's pipeline stages: a
+        buffer two of them share is sharded once) over `mesh`'s "cp" axis."""
+        cp_mesh = mesh["cp"]
+        seq = plan.model.seq_len
+        rows = torch.tensor(load_balanced_order(seq, cp_mesh.size(), cp_mesh.get_local_rank()))
+        names, done = [], set()
+        for module in modules:
+            for name, buf in module.named_buffers():
+                if buf.dim() >= 1 and buf.shape[0] == seq and id(buf) not in done:
+                    done.add(id(buf))
+                    buf.data = buf.data.index_select(0, rows.to(buf.device))
+                    names.append(name)
+        support_cpu_sdpa()
+        return cls(cp_mesh, seq, tuple(names))
+
+    @contextlib.contextmanager
+    def sharded(self, inputs: Any, targets: Any) -> Iterator[tuple[Any, Any]]:
+        """(inputs, targets) with this rank's share of each sequence; run forward and backward inside."""
+        inputs, targets = _cloned(inputs), _cloned(targets)
+        tensors = [t for t in _tensors((inputs, targets)) if t.dim() >= 2 and t.shape[1] == self.seq_len]
+        with sequence_sharded(self.mesh, tensors, [1] * len(tensors)):
+            yield inputs, targets
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _cloned(tree: Any) -> Any:
+    """Copies that own their storage: the batch's tensors are views of the step's global batch,
+    and sharding resizes them in place."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)

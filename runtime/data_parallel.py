@@ -119,11 +119,12 @@ def mixed_precision(plan: Plan) -> MixedPrecisionPolicy | None:
 
 
 def uses_fsdp(plan: Plan) -> bool:
-    """Whether `apply_dp` wraps with FSDP2: ZeRO-2/3 over dp > 1, or a 16-bit plan with dp == 1
-    (FSDP2 over one rank carries the mixed precision). FSDP2 can wrap a model still on the meta
-    device; DDP needs real tensors."""
+    """Whether `apply_dp` wraps with FSDP2: ZeRO-2/3 over dp x cp > 1 ranks, or a 16-bit plan
+    with one (FSDP2 over one rank carries the mixed precision). FSDP2 can wrap a model still on
+    the meta device; DDP needs real tensors."""
     p = plan.parallel
-    return (p.dp > 1 and p.zero >= 2) or (p.dp == 1 and mixed_precision(plan) is not None)
+    ranks = p.dp * p.cp
+    return (ranks > 1 and p.zero >= 2) or (ranks == 1 and mixed_precision(plan) is not None)
 
 
 def autocast_dtype(plan: Plan) -> torch.dtype | None:
@@ -156,8 +157,11 @@ def apply_dp(
         # and the rebuild fails there (PipelineStage runs the micro-batches' backwards under no_sync
         # and the reducer counts the gradients of all of them: "rebuilt parameter indices size is not
         # same as original model parameters size", 36 vs 18 with two micro-batches; static_graph=True
-        # runs but gives wrong gradients). Buckets stay in reverse parameter order.
-        return DDP(model, process_group=dp_mesh.get_group(), device_ids=ids, find_unused_parameters=pipeline)
+        # runs but gives wrong gradients). Buckets stay in reverse parameter order. With context
+        # parallelism each rank holds its own rows of the sequence buffers (RoPE tables): DDP must
+        # not broadcast rank 0's over them before each forward.
+        return DDP(model, process_group=dp_mesh.get_group(), device_ids=ids, find_unused_parameters=pipeline,
+                   broadcast_buffers=plan.parallel.cp == 1)
     # One rank (mixed precision only): free the 16-bit copies after forward, as ZeRO-3 does.
     reshard = zero == 3 or dp_mesh.size() == 1
     mp = mixed_precision(plan) or MixedPrecisionPolicy()
@@ -172,6 +176,8 @@ def apply_dp(
 
 @functools.lru_cache(maxsize=None)
 def _hsdp_mesh(device_type: str, pp: int, replicate: int, shard: int, tp: int) -> DeviceMesh:
+    # rank = ((pp * replicate + r) * shard + s) * tp + t: the order tp, cp, dp, pp with a shard
+    # group's s = (its dp index) * cp + cp index
     mesh = init_device_mesh(device_type, (pp, replicate, shard, tp), mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
     return mesh["dp_replicate", "dp_shard"]
 
@@ -181,7 +187,15 @@ def hsdp_mesh(device_type: str, plan: Plan) -> DeviceMesh:
     = replica x shards + shard), as FSDP2 takes it for hybrid sharding (made once per process:
     every rank creates its groups together)."""
     p = plan.parallel
-    return _hsdp_mesh(device_type, p.pp, p.dp_replicate, p.dp // p.dp_replicate, p.tp)
+    return _hsdp_mesh(device_type, p.pp, p.dp_replicate, p.dp // p.dp_replicate * p.cp, p.tp)
+
+
+def data_mesh(mesh: DeviceMesh, plan: Plan) -> DeviceMesh:
+    """The ranks that hold the same weights and average their gradients: the "dp" axis, or with
+    context parallelism the dp x cp ranks flattened (as torchtitan's dp_shard_cp mesh)."""
+    if plan.parallel.cp == 1:
+        return mesh["dp"]
+    return mesh["dp", "cp"]._flatten("dp_cp")
 
 
 def set_grad_sync(wrapped: nn.Module, sync: bool) -> Any:

@@ -1,8 +1,9 @@
-"""Where each rank sits and what it holds: the (dp, tp) coordinates and each layer's shard.
+"""Where each rank sits and what it holds: the (pp, dp, cp, tp) coordinates and each layer's shard.
 
-Ranks are ordered tp fastest, then dp (then pp), as the planner's cost model assumes and as
-``init_device_mesh(..., (dp, tp), mesh_dim_names=("dp", "tp"))`` lays them out: rank = dp_index *
-tp + tp_index, so a tensor-parallel group is consecutive ranks (one node on GPUs).
+Ranks are ordered tp fastest, then cp, then dp (then pp), as the planner's cost model assumes and
+as ``init_device_mesh(..., (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))`` lays them out:
+rank = (dp_index * cp + cp_index) * tp + tp_index, so a tensor-parallel group is consecutive ranks
+(one node on GPUs) and a context-parallel group strides by tp.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ class RankCoords:
     dp_index: int
     tp_index: int
     pp_index: int = 0
+    cp_index: int = 0
 
 
-def coords(rank: int, dp: int, tp: int, pp: int = 1) -> RankCoords:
-    """rank = (pp_index * dp + dp_index) * tp + tp_index, as ``init_device_mesh(..., (pp, dp, tp))``."""
-    assert 0 <= rank < dp * tp * pp, f"rank {rank} outside pp({pp}) * dp({dp}) * tp({tp})"
-    return RankCoords(rank, (rank // tp) % dp, rank % tp, rank // (dp * tp))
+def coords(rank: int, dp: int, tp: int, pp: int = 1, cp: int = 1) -> RankCoords:
+    """rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index, as
+    ``init_device_mesh(..., (pp, dp, cp, tp))``."""
+    assert 0 <= rank < dp * tp * pp * cp, f"rank {rank} outside pp({pp}) * dp({dp}) * cp({cp}) * tp({tp})"
+    return RankCoords(rank, (rank // (tp * cp)) % dp, rank % tp, rank // (dp * cp * tp), (rank // tp) % cp)
 
 
 def tp_layers(layers: tuple[LayerSplit, ...], tp: int) -> list[LayerSplit]:
@@ -200,9 +203,9 @@ def describe(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
         style += f", as HSDP on a 2-D mesh: {p.dp_replicate} replicas x {p.dp // p.dp_replicate} shards"
     out = [f"plan: {p.one_line()}", f"data parallel: {style}"]
     if plan.training.precision in ("bf16", "fp16"):
-        how = ("torch.autocast around the forward (DDP)" if p.dp > 1 and p.zero <= 1 else
+        how = ("torch.autocast around the forward (DDP)" if p.dp * p.cp > 1 and p.zero <= 1 else
                "FSDP2 MixedPrecisionPolicy: fp32 parameters cast when gathered, gradients reduced in fp32"
-               + (" (FSDP2 over this one rank, nothing sharded)" if p.dp == 1 else ""))
+               + (" (FSDP2 over this one rank, nothing sharded)" if p.dp * p.cp == 1 else ""))
         out.append(f"precision: {plan.training.precision} compute, fp32 master weights and optimizer state; {how}")
     full = list(dict.fromkeys(_pattern(n) for s in plan.stages for n in s.recompute_layers))
     sel = list(dict.fromkeys(_pattern(n) for s in plan.stages for n in s.selective_layers))
@@ -216,8 +219,12 @@ def describe(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
         out.append("recompute (torch.utils.checkpoint): " + "; ".join(parts))
     if p.pp > 1:
         out.append(f"pipeline: {p.pp} stages, {p.num_microbatches} micro-batches of {p.micro_batch}, schedule {p.schedule}")
-    for rank in range(p.dp * p.tp * p.pp):
-        c = coords(rank, p.dp, p.tp, p.pp)
+    if p.cp > 1:
+        out.append(f"context parallel: each sequence of {plan.model.seq_len} in 2 x {p.cp} chunks, rank c of a "
+                   f"group holding chunks c and {2 * p.cp - 1}-c (torch's context_parallel, load-balanced causal "
+                   "attention as a ring); model buffers of seq_len rows sharded alike; gradients averaged over dp x cp")
+    for rank in range(p.world_size):
+        c = coords(rank, p.dp, p.tp, p.pp, p.cp)
         if p.pp > 1:
             stage = plan.stages[c.pp_index]
             mine = tuple(l for l in layers if l.name in set(stage.layers))
@@ -225,7 +232,9 @@ def describe(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
             head = f"rank {rank}: pp {c.pp_index}/{p.pp}, dp {c.dp_index}/{p.dp}, tp {c.tp_index}/{p.tp}; layers {chunks} ({len(mine)})"
         else:
             mine = layers
-            head = f"rank {rank}: dp {c.dp_index}/{p.dp}, tp {c.tp_index}/{p.tp}; layers {layers[0].name}..{layers[-1].name} ({len(layers)})"
+            cp = f", cp {c.cp_index}/{p.cp}" if p.cp > 1 else ""
+            head = (f"rank {rank}: dp {c.dp_index}/{p.dp}{cp}, tp {c.tp_index}/{p.tp}; "
+                    f"layers {layers[0].name}..{layers[-1].name} ({len(layers)})")
         out.append(head)
         out += [f"    {line}" for line in shard_lines(mine, p.tp, c.tp_index, p.sequence_parallel, layers)]
     return out
@@ -237,7 +246,7 @@ def runtime_warnings(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
     out = []
     if p.tp > 1:
         out += tp_layout(layers, p.tp, p.sequence_parallel).warnings
-    if plan.training.precision in ("bf16", "fp16") and p.dp > 1 and p.zero <= 1:
+    if plan.training.precision in ("bf16", "fp16") and p.dp * p.cp > 1 and p.zero <= 1:
         out.append(
             f"{plan.training.precision} under DDP runs as torch.autocast: the residual stream and norms stay fp32, "
             "so activations exceed the plan's 16-bit figure (about 1.4x on examples/gpt.py); ZeRO-2/3 casts "

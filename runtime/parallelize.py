@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from planner.plan import Plan
-from runtime.data_parallel import apply_dp, uses_fsdp
+from runtime.data_parallel import apply_dp, data_mesh, uses_fsdp
 from runtime.recompute import apply_recompute_layers
 from runtime.tensor_parallel import apply_tp
 from runtime.types import LayerSplit
@@ -33,8 +33,9 @@ def parallelize(
     ignore: list[str] | tuple[str, ...] = (),
     materialize: Callable[[], None] | None = None,
 ) -> nn.Module:
-    """Apply the plan to `module` (holding `layers`) on `mesh` (dims "dp" and "tp"); the module to
-    call (the DDP wrapper, or `module` itself).
+    """Apply the plan to `module` (holding `layers`) on `mesh` (dims "dp" and "tp", and "cp" with
+    context parallelism: data parallelism then spans dp x cp); the module to call (the DDP wrapper,
+    or `module` itself).
 
     `recompute`: layer name -> full | selective | alternate (runtime.recompute.recompute_of).
     `pipeline`, `ignore`: as ``apply_dp`` (a PipelineStage's module; parameters its forward never
@@ -47,7 +48,7 @@ def parallelize(
     fsdp = uses_fsdp(plan)
     if materialize is not None and not fsdp:
         materialize()
-    wrapped = apply_dp(module, plan, layers, mesh["dp"], device, ignore=ignore, pipeline=pipeline)
+    wrapped = apply_dp(module, plan, layers, data_mesh(mesh, plan), device, ignore=ignore, pipeline=pipeline)
     if materialize is not None and fsdp:
         materialize()
     return wrapped

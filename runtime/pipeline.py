@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -58,7 +59,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from planner.errors import BadInput
 from planner.model_file import ModelHandle
 from planner.plan import Plan
-from runtime.data_parallel import full_parameters
+from runtime.context_parallel import ContextParallel
+from runtime.data_parallel import data_mesh, full_parameters
 from runtime.meta_init import BuildInfo, materialize_sharded, use_meta
 from runtime.pipeline_traced import pipeline_group, sum_tied_grads, traced_stages
 from runtime.types import LayerSplit
@@ -312,15 +314,17 @@ def run_pipeline(
     has_first = any(s == 0 for s, _ in mine)
     has_last = any(s == len(stages) - 1 for s, _ in mine)
 
+    cp = ContextParallel.setup(modules, plan, mesh) if p.cp > 1 else None
+    data = data_mesh(mesh, plan)  # the dp (x cp) ranks that average gradients and the loss
+    dp_group = data.get_group() if data.size() > 1 else None
     # Only the parameters the stages use (the others never get a gradient): what a checkpoint holds.
-    optimizer = make_optimizer_for(plan, list(owned.values()), mesh["dp"].get_group() if p.dp > 1 else None)
+    optimizer = make_optimizer_for(plan, list(owned.values()), dp_group)
     start_step, after_step = 0, None
     if checkpoint is not None:
         from runtime.checkpoint import StateView
 
         start_step, after_step = checkpoint(StateView(owned), optimizer)
     local = p.micro_batch * p.num_microbatches
-    dp_group = mesh["dp"].get_group() if p.dp > 1 else None
 
     def load(step: int) -> tuple[Any, Any]:
         inputs, targets = global_batch(handle, plan, step)
@@ -328,7 +332,10 @@ def run_pipeline(
                 to_device(slice_rows(targets, dp_index * local, (dp_index + 1) * local), device))
 
     def forward_backward(data: tuple[Any, Any]) -> torch.Tensor:
-        inputs, targets = data
+        with cp.sharded(*data) if cp else nullcontext(data) as (inputs, targets):  # every stage's attention: a ring
+            return _step(inputs, targets)
+
+    def _step(inputs: Any, targets: Any) -> torch.Tensor:
         micro: list[torch.Tensor] = []
         args: tuple = ()
         kwargs: dict[str, Any] = {}
@@ -349,7 +356,7 @@ def run_pipeline(
         return torch.zeros((), device=device)
 
     # the loss: from the last stage to every pipeline rank, then averaged over dp
-    groups = ((pp_group, 1), *(((dp_group, p.dp),) if dp_group is not None else ()))
+    groups = ((pp_group, 1), *(((dp_group, data.size()),) if dp_group is not None else ()))
     result = run_steps(steps, start_step, device, rank, optimizer, load, forward_backward, groups,
                        with_step1_hash(after_step, build, owned, start_step))
     gathered = None

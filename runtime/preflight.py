@@ -70,10 +70,11 @@ def prepare(plan_path: str | Path, model_path: str | Path | None = None, *, on_l
     plan_path = Path(plan_path)
     plan = Plan.load(plan_path)  # BadInput naming the file and the field: planner.schema checks every plan it loads
     p = plan.parallel
-    world_size = p.dp * p.tp * p.pp
+    world_size = p.world_size
     if world_size != plan.cluster.num_gpus:  # Plan.load refuses it already (planner.schema.check_plan)
         raise BadInput(
-            f"{plan_path}: parallel: dp {p.dp} x tp {p.tp} x pp {p.pp} = {world_size}, not cluster.num_gpus {plan.cluster.num_gpus}"
+            f"{plan_path}: parallel: dp {p.dp} x tp {p.tp} x pp {p.pp} x cp {p.cp} = {world_size}, "
+            f"not cluster.num_gpus {plan.cluster.num_gpus}"
         )
     if plan.training.precision == "fp8":
         raise BadInput(
@@ -85,6 +86,8 @@ def prepare(plan_path: str | Path, model_path: str | Path | None = None, *, on_l
             f"{plan_path}: the plan overlaps TP collectives with the GEMMs (--tp-overlap on, as Megatron-LM's "
             "--tp-comm-overlap or torchtitan's async TP run it), which this runtime does not; re-plan without it to run it here"
         )
+    if p.cp > 1:
+        check_context_parallel(plan, plan_path)
     if p.dp_replicate > 1 and (p.zero < 2 or p.dp % p.dp_replicate):
         raise BadInput(f"{plan_path}: parallel.dp_replicate {p.dp_replicate} needs ZeRO-2/3 and must divide dp {p.dp}")
     path = Path(model_path if model_path is not None else plan.model.path).expanduser()
@@ -99,6 +102,11 @@ def prepare(plan_path: str | Path, model_path: str | Path | None = None, *, on_l
 
         check_pipeline(plan, layers)
         why = traced_reason(plan)  # BadInput when the cut needs the tracer and it fails on this model
+        if why is not None and p.cp > 1:
+            raise BadInput(
+                f"{plan_path}: context parallelism on pipeline stages split by the tracer is not supported yet "
+                f"(the split is traced because {why}): re-plan with --cp 1 or --pp 1"
+            )
         if why is not None and p.tp > 1:
             raise BadInput(
                 f"{plan_path}: tensor parallelism on pipeline stages split by the tracer is not supported yet "
@@ -109,6 +117,18 @@ def prepare(plan_path: str | Path, model_path: str | Path | None = None, *, on_l
     else:
         device_type = "cpu" if plan.cluster.gpu.lower() == "cpu" else "cuda"
     return Prepared(plan, plan_path, handle, layers, device_type)
+
+
+def check_context_parallel(plan: Plan, plan_path: Path) -> None:
+    """A plan with cp > 1 runs where the model's attention can be split (the profile's verdict,
+    carried in the plan) and its sequence splits into 2 cp load-balanced shards; BadInput otherwise."""
+    p, model = plan.parallel, plan.model
+    if model.cp_blocker != "":
+        why = model.cp_blocker or "the plan does not say whether its attention can be split (re-plan)"
+        raise BadInput(f"{plan_path}: parallel.cp {p.cp}: context parallelism cannot run on this model: {why}")
+    if not model.seq_len or model.seq_len % (2 * p.cp):
+        raise BadInput(f"{plan_path}: parallel.cp {p.cp}: the sequence ({model.seq_len}) does not split into "
+                       f"2 x {p.cp} equal shards")
 
 
 def load_for_worker(plan_path: str | Path, model_path: str | Path | None) -> Prepared:

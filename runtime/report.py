@@ -132,7 +132,7 @@ def build_report(
     warnings: Sequence[str] = (),
     optimizer_s: float | None = None,
 ) -> RunReport:
-    world_size = plan.parallel.dp * plan.parallel.tp * plan.parallel.pp
+    world_size = plan.parallel.world_size
     predicted = PredictedRun(plan.predicted.step_time_s, plan.predicted.peak_memory_bytes, dict(plan.predicted.breakdown_s))
     phases: tuple[PhaseRun, ...] = ()
     if optimizer_s is not None:

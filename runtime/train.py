@@ -3,9 +3,10 @@
 Data: each step draws one global batch with ``sample_batch(global_batch)`` after
 ``torch.manual_seed(DATA_SEED + step)``; data-parallel rank d takes rows
 ``[d * B/dp, (d+1) * B/dp)`` and splits them into ``num_microbatches`` micro-batches of
-``micro_batch`` rows; the ranks of a tensor-parallel group take the same rows. Each micro-batch's
+``micro_batch`` rows; the ranks of a tensor-parallel group take the same rows, and those of a
+context-parallel group their own chunks of each row's sequence (runtime.context_parallel). Each micro-batch's
 loss is scaled by ``1/num_microbatches`` so the accumulated gradient is the local batch's mean, and
-data parallelism averages over dp: the gradient of the global batch's mean loss, as one process
+data parallelism averages over dp (x cp): the gradient of the global batch's mean loss, as one process
 computing it on the whole batch (the parity tests check it).
 """
 
@@ -13,10 +14,11 @@ from __future__ import annotations
 
 import logging
 import resource
+from contextlib import nullcontext
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,9 @@ from torch import nn
 from planner.model_file import ModelHandle, call_model
 from planner.plan import Plan
 from runtime.data_parallel import set_grad_sync
+
+if TYPE_CHECKING:
+    from runtime.context_parallel import ContextParallel
 
 log = logging.getLogger(__name__)
 MODEL_SEED = 1234
@@ -190,9 +195,11 @@ def train(
     optimizer: torch.optim.Optimizer | None = None,
     start_step: int = 0,
     after_step: Callable[[int], None] | None = None,
+    cp: "ContextParallel | None" = None,
 ) -> RankResult:
     """A run without a pipeline: each step, this dp rank's micro-batches through `wrapped`, the
-    gradients synchronised on the last (``run_steps``)."""
+    gradients synchronised on the last (``run_steps``). With context parallelism (`cp`) each
+    micro-batch runs on this rank's share of its sequences, and `dp_group` is the dp x cp ranks."""
     if optimizer is None:
         optimizer = make_optimizer(plan, model)
     num_mb = plan.parallel.num_microbatches
@@ -202,8 +209,8 @@ def train(
 
     def forward_backward(batches: list[tuple[Any, Any]]) -> torch.Tensor:
         total = torch.zeros((), device=device)
-        for m, (inputs, targets) in enumerate(batches):
-            with set_grad_sync(wrapped, m == num_mb - 1):
+        for m, batch in enumerate(batches):
+            with set_grad_sync(wrapped, m == num_mb - 1), cp.sharded(*batch) if cp else nullcontext(batch) as (inputs, targets):
                 with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                     loss = handle.loss(call_model(wrapped, inputs), targets) / num_mb
                 loss.backward()

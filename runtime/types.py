@@ -32,4 +32,4 @@ class Prepared:
     @property
     def world_size(self) -> int:
         p = self.plan.parallel
-        return p.dp * p.tp * p.pp
+        return p.world_size

@@ -1,9 +1,9 @@
 """The per-rank entry point, started by torchrun: ``python -m runtime.worker --plan plan.json ...``.
 
 One process group for the whole launch; each ``--plan`` (several share one launch, as the parity
-tests do: a launch costs seconds) gets its own (dp, tp) DeviceMesh, a fresh model built from the
-same seed on every rank, TP -> recompute -> data parallel applied, and ``--steps`` steps of
-training. A plan with pp > 1 gets a (pp, dp, tp) mesh and runs its pipeline stages
+tests do: a launch costs seconds) gets its own (dp, cp, tp) DeviceMesh, a fresh model built from
+the same seed on every rank, TP -> recompute -> data parallel applied (context parallel around each
+micro-batch), and ``--steps`` steps of training. A plan with pp > 1 gets a (pp, dp, cp, tp) mesh and runs its pipeline stages
 (``runtime.pipeline``). Outputs go to ``RUN_DIR/plan<i>/``: ``rank<r>.json`` per rank, ``report.json`` (the
 RunReport, rank 0) and, with ``--save-params``, ``params.pt`` (every parameter gathered whole).
 A model too large for every rank to build it whole (or ``PLAN_RUNTIME_META=1``) is built on the
@@ -36,7 +36,8 @@ from planner.errors import BadInput
 from runtime.checkpoint import Checkpointer, plan_sha256, sha256_file
 from runtime.layout import coords, runtime_warnings
 from runtime.meta_init import WARNING as META_WARNING, BuildInfo, materialize_sharded, use_meta
-from runtime.data_parallel import autocast_dtype, full_parameters
+from runtime.context_parallel import ContextParallel
+from runtime.data_parallel import autocast_dtype, data_mesh, full_parameters
 from runtime.parallelize import parallelize
 from runtime.recompute import recompute_of
 from runtime.preflight import Prepared, load_for_worker
@@ -81,12 +82,10 @@ def run_plan(index: int, prepared: Prepared, args: argparse.Namespace, rank: int
     if p.pp > 1:
         _run_pipeline_plan(index, out, prepared, args, rank, world_size, device, started)
         return
-    mesh = init_device_mesh(device_type, (p.dp, p.tp), mesh_dim_names=("dp", "tp"))
-    c = coords(rank, p.dp, p.tp)
-    assert mesh["dp"].get_local_rank() == c.dp_index and mesh["tp"].get_local_rank() == c.tp_index, (
-        f"rank {rank}: mesh coordinates ({mesh['dp'].get_local_rank()}, {mesh['tp'].get_local_rank()}) "
-        f"!= layout ({c.dp_index}, {c.tp_index})"
-    )
+    mesh = init_device_mesh(device_type, (p.dp, p.cp, p.tp), mesh_dim_names=("dp", "cp", "tp"))
+    c = coords(rank, p.dp, p.tp, cp=p.cp)
+    found = tuple(mesh[d].get_local_rank() for d in ("dp", "cp", "tp"))
+    assert found == (c.dp_index, c.cp_index, c.tp_index), f"rank {rank}: mesh coordinates {found} != layout {c}"
 
     meta = prepared.handle.build_model("meta")
     on_meta = use_meta(meta, device)
@@ -108,7 +107,9 @@ def run_plan(index: int, prepared: Prepared, args: argparse.Namespace, rank: int
 
     wrapped = parallelize(model, plan, prepared.layers, mesh, device, recompute_of(plan.stages[0]),
                           materialize=materialize if on_meta else None)
-    dp_group = mesh["dp"].get_group() if p.dp > 1 else None
+    cp = ContextParallel.setup([model], plan, mesh) if p.cp > 1 else None
+    data = data_mesh(mesh, plan)
+    dp_group = data.get_group() if data.size() > 1 else None  # gradients (and the loss) average over dp x cp
     params = dict(model.named_parameters())  # the trained parameters, by their original names
 
     optimizer = make_optimizer(plan, model, dp_group)
@@ -117,7 +118,7 @@ def run_plan(index: int, prepared: Prepared, args: argparse.Namespace, rank: int
     after_step = with_step1_hash(after_step, build, params, start_step)
     result = train(
         prepared.handle, plan, wrapped, model, c.dp_index, dp_group, args.steps, device, rank,
-        autocast_dtype(plan), optimizer=optimizer, start_step=start_step, after_step=after_step,
+        autocast_dtype(plan), optimizer=optimizer, start_step=start_step, after_step=after_step, cp=cp,
     )
     gathered = full_parameters(params) if args.save_params else None
     _finish(out, prepared, args, rank, world_size, result, gathered, started, ctx, build)
@@ -164,15 +165,14 @@ def _run_pipeline_plan(
     index: int, out: Path, prepared: Prepared, args: argparse.Namespace, rank: int, world_size: int,
     device: torch.device, started: float,
 ) -> None:
-    """A plan with pp > 1: mesh (pp, dp, tp), the model split into pipeline stages (runtime.pipeline)."""
+    """A plan with pp > 1: mesh (pp, dp, cp, tp), the model split into pipeline stages (runtime.pipeline)."""
     from runtime.pipeline import run_pipeline
 
     plan, p = prepared.plan, prepared.plan.parallel
-    mesh = init_device_mesh(prepared.device_type, (p.pp, p.dp, p.tp), mesh_dim_names=("pp", "dp", "tp"))
-    c = coords(rank, p.dp, p.tp, p.pp)
-    assert (mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()) == (
-        c.pp_index, c.dp_index, c.tp_index
-    ), f"rank {rank}: mesh coordinates differ from the layout {c}"
+    mesh = init_device_mesh(prepared.device_type, (p.pp, p.dp, p.cp, p.tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
+    c = coords(rank, p.dp, p.tp, p.pp, p.cp)
+    found = tuple(mesh[d].get_local_rank() for d in ("pp", "dp", "cp", "tp"))
+    assert found == (c.pp_index, c.dp_index, c.cp_index, c.tp_index), f"rank {rank}: mesh coordinates {found} != layout {c}"
     ctx = _CheckpointContext(index, prepared, args, rank)
     run = run_pipeline(
         prepared.handle, plan, prepared.layers, mesh, c.pp_index, c.dp_index, args.steps, device, rank,

@@ -59,8 +59,10 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
             ratio = dp.step_time_s / pr.step_time_s
             versus = "this plan" if abs(ratio - 1) < 1e-4 else f"{ratio:.2f}x " + ("slower" if ratio > 1 else "the time: faster")
             alt.add_row(f"plain data parallel: {dp.plan}", fmt_seconds(dp.step_time_s), versus, fmt_bytes(dp.peak_memory_bytes))
-        else:
+        elif dp.peak_memory_bytes:
             alt.add_row("plain data parallel", "-", "does not fit", f"needs {fmt_bytes(dp.peak_memory_bytes)}")
+        else:
+            alt.add_row("plain data parallel", "-", "cannot run", dp.note)
     console.print(alt)
 
     console.print("[bold]Why[/bold]")

@@ -171,7 +171,10 @@ def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int
     c = best.cand
     dp_plan = result.data_parallel
     split = c.tp > 1 or c.pp > 1 or c.cp > 1
-    if dp_plan is None:
+    if dp_plan is None and result.data_parallel_need_bytes is None:
+        lines.append(f"Plain data parallelism cannot run: {_no_data_parallel(best, cluster)}; so each sample is "
+                     "split across GPUs.")
+    elif dp_plan is None:
         need = result.data_parallel_need_bytes
         lines.append(
             "Plain data parallelism does not fit: a full replica needs "
@@ -238,6 +241,12 @@ def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int
     return lines
 
 
+def _no_data_parallel(best: Scored, cluster: Cluster) -> str:
+    """Why no plain data-parallel candidate exists (none was even tried)."""
+    batch = best.cand.dp * best.cand.micro_batch * best.cand.num_microbatches
+    return f"a global batch of {batch} does not split over {cluster.num_gpus} GPUs"
+
+
 def _context_parallel_line(best: Scored, profile: ModelProfile) -> str:
     c = best.cand
     where = "across nodes" if best.costs.links.cp_spans_nodes else "inside a node"
@@ -278,9 +287,10 @@ def build_plan(
     best = result.best
     assert best is not None, "build_plan needs a feasible search result"
     dp = result.data_parallel
+    need = result.data_parallel_need_bytes
     dp_alt = _alternative(dp, best) if dp is not None else Alternative(
-        plan="data parallel", step_time_s=0.0, peak_memory_bytes=int(result.data_parallel_need_bytes or 0), fits=False,
-        note=f"does not fit: needs {fmt_bytes(result.data_parallel_need_bytes or 0)} per GPU",
+        plan="data parallel", step_time_s=0.0, peak_memory_bytes=int(need or 0), fits=False,
+        note=f"does not fit: needs {fmt_bytes(need)} per GPU" if need else _no_data_parallel(best, cluster),
     )
     return Plan(
         parallel=parallel_of(best),
@@ -295,6 +305,7 @@ def build_plan(
             num_params=profile.num_params, seq_len=profile.seq_len, layer_names=tuple(l.name for l in profile.layers),
             layers=plan_layers(profile),
             pipeline_split=profile.pipeline_split, pipeline_split_note=profile.pipeline_split_note,
+            cp_blocker=profile.cp_blocker,
         ),
         training=TrainingInfo(precision=precision, optimizer=optimizer, global_batch=global_batch),
         solver=SolverInfo(

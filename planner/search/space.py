@@ -100,6 +100,9 @@ def candidates(
             for pp in divisors(num_gpus // (tp * cp)):
                 if fixed.pp is not None and pp != fixed.pp:
                     continue
+                if pp > 1 and cp > 1 and profile.tracer_splits(tp):
+                    stats.reject("context parallelism on pipeline stages split by the tracer (the runtime does not run it)")
+                    continue
                 if pp > 1 and num_cuts < pp - 1:
                     stats.reject(f"pp={pp} needs more pipeline cuts than the model's {num_cuts}"
                                  + (f" with tp={tp}" if tp > 1 and profile.pipeline_split == "traced" else ""))
