@@ -21,7 +21,7 @@ from planner.profile import ModelProfile, profile_model
 from planner.report.units import fmt_bytes
 from planner.search.explain import build_plan
 from planner.search.search import SearchResult, run_search
-from planner.search.space import Fixed
+from planner.search.space import Fixed, cp_blocker
 
 DEFAULT_GPU = "h100-sxm-80gb"
 
@@ -148,6 +148,7 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
     warnings = _check(request, cluster)
     profile = profile or profile_for(handle, request)
     _check_pipeline_cuts(profile, request)
+    _check_cp_remainder(profile, request)
     result, training = search(profile, request, cluster)
     if result.best is None:
         raise Infeasible(_infeasible_message(profile, request, cluster, result, training))
@@ -182,6 +183,19 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
         result, profile, cluster, request.precision, request.optimizer, training.global_batch,
         training.memory_limit_bytes, str(handle.path), assumptions, warnings + list(profile.warnings),
     )
+
+
+def _check_cp_remainder(profile: ModelProfile, request: PlanRequest) -> None:
+    """--tp, --pp and --dp fixed to a product below --gpus leave the rest to context parallelism:
+    one line when the model cannot run it."""
+    f, n = request.fixed, request.gpus
+    if None in (f.tp, f.pp, f.dp) or f.cp is not None:
+        return
+    prod = f.tp * f.pp * f.dp
+    blocker = cp_blocker(profile)
+    if prod != n and blocker:
+        raise BadInput(f"--tp {f.tp} x --pp {f.pp} x --dp {f.dp} = {prod}, not --gpus {n} (context parallelism "
+                       f"could take the other {n // prod}, but this model cannot run it: {blocker})")
 
 
 def _check_pipeline_cuts(profile: ModelProfile, request: PlanRequest) -> None:

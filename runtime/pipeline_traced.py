@@ -9,6 +9,8 @@ pipeline ranks that hold them after each step (``sum_tied_grads``), so the copie
 
 from __future__ import annotations
 
+import itertools
+
 from typing import Any, Callable
 
 import torch
@@ -159,16 +161,16 @@ def traced_stages(
 
 
 def pipeline_group(mesh: DeviceMesh, pp_ranks: list[int]) -> dist.ProcessGroup:
-    """The group of these pipeline ranks at this rank's (dp, tp) coordinates. Every rank creates
-    every (dp, tp) group, in the same order, as new_group requires."""
-    ranks = mesh.mesh  # (pp, dp, tp) -> global rank
-    here = (mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank())
+    """The group of these pipeline ranks at this rank's other coordinates (dp, cp, tp: the mesh's
+    dims after "pp"). Every rank creates every such group, in the same order, as new_group requires."""
+    ranks = mesh.mesh  # (pp, ...) -> global rank
+    names = mesh.mesh_dim_names[1:]
+    here = tuple(mesh[n].get_local_rank() for n in names)
     mine = None
-    for d in range(ranks.shape[1]):
-        for t in range(ranks.shape[2]):
-            group = dist.new_group([int(ranks[r, d, t]) for r in pp_ranks])
-            if (d, t) == here:
-                mine = group
+    for rest in itertools.product(*(range(n) for n in ranks.shape[1:])):
+        group = dist.new_group([int(ranks[(r, *rest)]) for r in pp_ranks])
+        if rest == here:
+            mine = group
     return mine
 
 

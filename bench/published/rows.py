@@ -80,7 +80,7 @@ class Row:
 
     def config(self) -> str:
         f = self.fixed
-        out = f"tp{f.tp} pp{f.pp} dp{f.dp} mb{f.micro_batch or '?'} z{f.zero}"
+        out = f"tp{f.tp} pp{f.pp} dp{f.dp}" + (f" cp{f.cp}" if f.cp and f.cp > 1 else "") + f" mb{f.micro_batch or '?'} z{f.zero}"
         if f.pp and f.pp > 1:
             out += f" {f.schedule or '?'}" + (f"x{f.virtual_stages}" if f.virtual_stages else "")
         return out + f" rc={f.recompute or '?'}"

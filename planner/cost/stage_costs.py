@@ -164,6 +164,13 @@ def _scale(profile: ModelProfile, micro_batch: int, cp: int = 1) -> float:
 # Bytes per element of the gradients of keys and values a context-parallel ring accumulates and
 # passes on in backward: fp32 (torch's context_parallel, _cp_options.convert_to_f32 default).
 CP_GRAD_ACCUM_BYTES = 4
+# The ring's memory-bound work per ring step, in fp32 passes over the rank's attention output
+# (queries' shape): forward merges each step's partial output into the running one (torch's
+# _SDPAMerger: the block's output cast to fp32, then out - sigmoid(lse - block lse) x (out - block
+# out): 4 passes), backward adds each step's query gradient into the fp32 total (2 passes). With
+# cp steps over 1/cp of the queries, a layer pays this once over the whole sequence's queries,
+# whatever cp is: a fixed price for splitting attention.
+CP_MERGE_PASSES = (4, 2)
 
 
 def _dtype_bytes(profile: ModelProfile) -> int:
@@ -271,6 +278,11 @@ def _layer_costs(
         attn_bwd = bwd * layer.bwd_attention_flops / layer.bwd_flops if layer.bwd_flops else 0.0
         cp_fwd = comm.exposed_after_s(attn_fwd, ag(kv))
         cp_bwd = comm.exposed_after_s(attn_bwd, ag(kv) + rs(dkv))
+        # the partial outputs merged (forward) and query gradients summed (backward) at every step:
+        # the whole sequence's queries (SDPA's FLOPs are 4 x seq per query element) in fp32
+        queries = layer.fwd_attention_flops * _scale(profile, cand.micro_batch) / (4 * profile.seq_len * shard)
+        fwd += memory_bound_s(CP_MERGE_PASSES[0] * 4 * queries, gpu) * compute
+        bwd += memory_bound_s(CP_MERGE_PASSES[1] * 4 * queries, gpu) * compute
     tp_fwd, tp_bwd = tp_fwd * gpu.factor("comm"), tp_bwd * gpu.factor("comm")
     cp_fwd, cp_bwd = cp_fwd * gpu.factor("comm"), cp_bwd * gpu.factor("comm")
     fwd += tp_fwd + cp_fwd

@@ -8,7 +8,10 @@ parallelism), the schedule (GPipe, 1F1B, interleaved 1F1B with v = 2-4 chunks wh
 as Megatron-LM requires), with tp > 1 sequence parallelism on or off (on only where tp divides
 the sequence, as the runtime needs), and for ZeRO-2/3 over dp ranks in several nodes, HSDP (one
 shard group per node, replicas across nodes) or not; cp a degree whose 2 cp load-balanced shards
-split the sequence evenly, on models where context parallelism can run (ModelProfile.cp_blocker).
+split the sequence evenly, on models where context parallelism can run (ModelProfile.cp_blocker),
+with a micro-batch b coprime to it: with g = gcd(cp, b) > 1, cp / g CP ranks and g times the
+data-parallel replicas with micro-batch b / g give every rank the same tokens, FLOPs, activations
+and gradient group with a ring over fewer ranks (unless dp, cp or the micro-batch is fixed).
 
 Bounds, per candidate, from the cost tables alone:
 - memory: the least the fullest rank can hold (memory_lower_bound); above the limit, no
@@ -19,6 +22,7 @@ Bounds, per candidate, from the cost tables alone:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
@@ -86,6 +90,7 @@ def candidates(
     fixed: Fixed,
     stats: SpaceStats,
 ) -> Iterator[Candidate]:
+    check_fixed_cp(profile, fixed)
     for tp in divisors(num_gpus):
         if fixed.tp is not None and tp != fixed.tp:
             continue
@@ -95,7 +100,7 @@ def candidates(
             stats.reject(f"tp={tp} does not divide the heads or features")
             continue
         num_cuts = len(profile.pipeline_cuts(tp))
-        for cp in _context_parallel(profile, num_gpus // tp, fixed, stats):
+        for cp in _context_parallel(profile, num_gpus // tp, fixed):
             sp_choices = _sequence_parallel(profile, tp, fixed, stats, cp)
             for pp in divisors(num_gpus // (tp * cp)):
                 if fixed.pp is not None and pp != fixed.pp:
@@ -120,30 +125,45 @@ def candidates(
                 replicas = _hsdp_replicas(tp, dp, cp, gpus_per_node, fixed, stats)
                 for sp in sp_choices:
                     for b in sizes:
+                        if cp > 1 and math.gcd(cp, b) > 1 and fixed.cp is None and fixed.dp is None and fixed.micro_batch is None:
+                            # dominated: with g = gcd(cp, b), cp / g CP ranks and dp x g replicas of
+                            # micro-batch b / g do the same work per rank, with a smaller ring
+                            continue
                         for cand in _schedules(tp, pp, dp, b, per_replica // b, num_atoms, fixed, stats, cp):
                             for rep in replicas if cand.zero >= 2 else [] if fixed.hsdp else [1]:
                                 yield replace(cand, sequence_parallel=sp, dp_replicate=rep,
                                               tp_overlap=bool(fixed.tp_overlap) and sp)
 
 
-def _context_parallel(profile: ModelProfile, most: int, fixed: Fixed, stats: SpaceStats) -> list[int]:
-    """CP degrees (dividing `most`, the GPUs left beside TP): 1, and where the model lets it
-    (`ModelProfile.cp_blocker`; a profile from before it was recorded reads as blocked) every
-    degree whose 2 cp load-balanced shards split the sequence evenly (torch's context_parallel
-    for causal attention)."""
-    blocker = profile.cp_blocker
-    if blocker is None:
-        blocker = "the profile does not say whether its attention can be split (profile it again)"
-    seq = profile.seq_len or 0
-    if fixed.cp is not None:
-        if fixed.cp > 1 and blocker:
-            raise BadInput(f"--cp {fixed.cp}: context parallelism cannot run on this model: {blocker}")
-        if fixed.cp > 1 and seq % (2 * fixed.cp):
-            raise BadInput(f"--cp {fixed.cp}: the sequence ({seq}) does not split into 2 x {fixed.cp} equal shards "
-                           "(context parallelism balances causal attention over 2 cp chunks)")
-        return [fixed.cp] if most % fixed.cp == 0 else []
+def cp_blocker(profile: ModelProfile) -> str:
+    """Why context parallelism cannot run on this model ("" when it can; a profile from before
+    the profiler looked reads as blocked)."""
+    if profile.cp_blocker is None:
+        return "the profile does not say whether its attention can be split (profile it again)"
+    return profile.cp_blocker
+
+
+def check_fixed_cp(profile: ModelProfile, fixed: Fixed) -> None:
+    """BadInput when --cp asks for a split the model or its sequence cannot take."""
+    if fixed.cp is None or fixed.cp == 1:
+        return
+    blocker, seq = cp_blocker(profile), profile.seq_len or 0
     if blocker:
+        raise BadInput(f"--cp {fixed.cp}: context parallelism cannot run on this model: {blocker}")
+    if seq % (2 * fixed.cp):
+        raise BadInput(f"--cp {fixed.cp}: the sequence ({seq}) does not split into 2 x {fixed.cp} equal shards "
+                       "(context parallelism balances causal attention over 2 cp chunks)")
+
+
+def _context_parallel(profile: ModelProfile, most: int, fixed: Fixed) -> list[int]:
+    """CP degrees (dividing `most`, the GPUs left beside TP): 1, and where the model lets it
+    (`cp_blocker`) every degree whose 2 cp load-balanced shards split the sequence evenly (torch's
+    context_parallel for causal attention)."""
+    if fixed.cp is not None:
+        return [fixed.cp] if most % fixed.cp == 0 else []
+    if cp_blocker(profile):
         return [1]
+    seq = profile.seq_len or 0
     return [c for c in divisors(most) if c == 1 or seq % (2 * c) == 0]
 
 

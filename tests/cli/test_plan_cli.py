@@ -56,7 +56,7 @@ def test_user_configuration_is_evaluated_as_given(capsys):
 def test_70b_on_64_gpus_gets_a_split_that_fits(capsys):
     plan = _plan_json(capsys, str(EXAMPLES / "llama_70b.py"), "--gpus", "64", "--gpu", "a100-80gb")
     par = plan["parallel"]
-    assert par["dp"] * par["tp"] * par["pp"] == 64
+    assert par["dp"] * par["tp"] * par["pp"] * par["cp"] == 64
     assert par["tp"] > 1 or par["pp"] > 1 or par["zero"] == 3  # a replica cannot fit
     limit = plan["cluster"]["memory_limit_bytes"]
     assert all(st["memory_bytes"]["total"] <= limit for st in plan["stages"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from planner.cost import comm
+from planner.cost.compute import memory_bound_s
 from planner.cost.setup import Candidate, Training
 from planner.cost.stage_costs import NONE, atom_table, stage_costs
 from planner.cost.topology import links
@@ -71,7 +72,8 @@ def test_cp_splits_the_tokens_and_adds_the_ring(llama7b):
     """cp = 2 inside an H100 node: every token-proportional figure halves (attention's too: each
     rank's queries meet all keys), the parameters do not, and each attention layer pays the
     ring: forward all-gathers K and V, backward gathers them again and reduce-scatters their fp32
-    gradients (twice the bytes), none of it hidden (OVERLAP_EFFICIENCY 0)."""
+    gradients (twice the bytes), none of it hidden (OVERLAP_EFFICIENCY 0); and merges its partial
+    outputs (4 fp32 passes over the whole sequence's queries) and sums the query gradients (2)."""
     cluster = make_cluster("h100-sxm-80gb", 2)
     training = Training("bf16", "adamw", 4, 80 * GIB)
     one = atom_table(llama7b, cluster, training, 1, 1)
@@ -82,10 +84,13 @@ def test_cp_splits_the_tokens_and_adds_the_ring(llama7b):
         layer = llama7b.layers[a.first]
         assert b.params == a.params
         work = b.fwd_s + b.bwd_s - b.cp_comm_s
+        queries = layer.fwd_attention_flops / (4 * 4096)  # SDPA: 4 x seq FLOPs per query element
+        merge = memory_bound_s((4 + 2) * 4 * queries, cluster.gpu)
         if layer.kind == "Embedding":  # its small backward ops stay near the launch floor: a bit over half
             assert (a.fwd_s + a.bwd_s) / 2 <= work < 0.51 * (a.fwd_s + a.bwd_s)
         else:
-            assert work == pytest.approx((a.fwd_s + a.bwd_s) / 2)
+            assert work == pytest.approx((a.fwd_s + a.bwd_s) / 2 + merge)
+            assert (merge > 0) == (layer.attention_kv_bytes > 0)
         assert b.act_bytes[NONE] == pytest.approx(a.act_bytes[NONE] / 2)
         kv = layer.attention_kv_bytes  # micro-batch 1 as profiled: the whole sequence's K and V
         expect = ag(kv) + ag(kv) + rs(2 * kv) if kv else 0.0
