@@ -51,6 +51,8 @@ CONFIGS = {
     "tp_cp": (4, Fixed(dp=1, tp=2, pp=1, cp=2, zero=0, micro_batch=2, recompute="none", sequence_parallel=False)),
     "tp_cp_sp": (4, Fixed(dp=1, tp=2, pp=1, cp=2, zero=1, micro_batch=2, recompute="selective", sequence_parallel=True)),
     "pp_cp": (4, Fixed(dp=1, tp=1, pp=2, cp=2, zero=0, micro_batch=1, recompute="none", schedule="1f1b")),
+    # HSDP on 2 "nodes" of 2: each node's cp pair is a shard group, the nodes are replicas
+    "hsdp_cp": (4, Fixed(dp=2, tp=1, pp=1, cp=2, zero=3, micro_batch=1, recompute="none", hsdp=True)),
 }
 
 
@@ -69,7 +71,7 @@ def plans(workdir) -> dict[str, Path]:
     out = {}
     for name, (world, fixed) in CONFIGS.items():
         request = PlanRequest(gpus=world, gpu="cpu", global_batch=GLOBAL_BATCH, fixed=fixed, optimizer="sgd",
-                              precision="fp32")
+                              precision="fp32", gpus_per_node=2 if fixed.hsdp else None)
         out[name] = workdir / f"{name}.json"
         out[name].write_text(make_plan(handle, request, profile).to_json())
     return out
@@ -91,7 +93,8 @@ def runs(plans, workdir):
 def test_matches_single_process(name, plans, runs):
     report, params_path = runs[name]
     assert_matches(name, report.measured.losses, params_path, single_process(plans[name], STEPS))
-    assert json.loads(plans[name].read_text())["parallel"]["cp"] == 2
+    parallel = json.loads(plans[name].read_text())["parallel"]
+    assert parallel["cp"] == 2 and parallel["dp_replicate"] == (2 if name == "hsdp_cp" else 1)
 
 
 def test_dry_run_shows_the_sequence_split(plans, capsys):
