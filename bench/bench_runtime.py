@@ -4,6 +4,7 @@ with the rank correlation (Kendall tau) of predicted and measured step times. Ru
 `plan calibrate --gpu cpu` first to plan with this machine's measured figures.
 
     python bench/bench_runtime.py [--steps 6] [--model examples/gpt.py]
+    python bench/bench_runtime.py --refit [--calibrate]   # does refitting from run reports converge?
 
 Each run is a fresh torchrun launch; step times are medians after one warm-up step. CPU timings
 on a shared 2-core machine move 5-10% run to run: read the ratios, not the third digit.
@@ -72,14 +73,82 @@ def kendall_tau(pairs: list[tuple[float, float]]) -> float:
     return score / total if total else 1.0
 
 
+def run_all(handle, args, tmp: Path, tag: str) -> list:
+    """Every plan of PLANS made with this machine's current calibration, each run once: the reports."""
+    reports = []
+    for label, world, fixed in PLANS:
+        path = plan_file(handle, world, fixed, args.global_batch, tmp, f"{tag} {label}")
+        reports.append(launch([path], world, steps=args.steps, run_dir=tmp / path.stem).reports[0])
+    return reports
+
+
+def refit_rounds(handle, args, tmp: Path) -> None:
+    """Does refitting converge? In a calibration of its own (a copy of this machine's, in a
+    temporary cache; with --calibrate, `plan calibrate --gpu cpu` first): round 1 plans and runs
+    every plan, `plan calibrate --from-run` refits the phase factors from those reports; round 2
+    plans them again with the refit factors, runs them, and refits again from both rounds' reports.
+    The second refit's change to round 2's predictions is set against the noise: how much the same
+    plan's measured step moved between the two rounds' launches."""
+    import os
+    import shutil
+
+    cache = tmp / "cache"
+    (cache / "parallel-planner").mkdir(parents=True)
+    mine = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "parallel-planner"
+    for name in ("local_cpu.json", "local_cpu_calibration.json"):
+        if (mine / name).exists():
+            shutil.copy(mine / name, cache / "parallel-planner" / name)
+    os.environ["XDG_CACHE_HOME"] = str(cache)  # the launched ranks and this process read it
+    from planner.local_device import measure_local_cpu, store_phase_factors
+    from runtime.calibrate import refit
+
+    if args.calibrate:
+        subprocess.run([sys.executable, "-m", "planner.cli", "calibrate", "--gpu", "cpu", "--gpus", "4"], check=True,
+                       capture_output=True, cwd=ROOT)
+    factors = dict(measure_local_cpu().phase_factors)
+    rounds, pooled = [], []
+    for n in (1, 2):
+        reports = run_all(handle, args, tmp, f"round{n}")
+        pooled += reports  # a refit takes every run made so far (each freed of its plan's factors)
+        new, fitted = refit(pooled, factors)
+        rounds.append((factors, reports, new, fitted[-len(reports):]))
+        store_phase_factors(new, f"bench_runtime round {n}")
+        factors = new
+    print(f"{'plan':32s} {'round 1: predicted':>18s} {'measured':>9s} | {'round 2: predicted':>18s} {'measured':>9s} "
+          f"{'2nd refit':>9s} | {'refit change':>12s} {'run-to-run':>10s}")
+    changes, noise = [], []
+    for i, (label, _, _) in enumerate(PLANS):
+        r1, r2, (_, p1, _, _), (_, p2, q2, _) = rounds[0][1][i], rounds[1][1][i], rounds[0][3][i], rounds[1][3][i]
+        m1, m2 = r1.measured.step_time_s, r2.measured.step_time_s
+        changes.append(abs(q2 / p2 - 1))
+        noise.append(abs(m2 / m1 - 1))
+        print(f"{label:32s} {p1:17.3f}s {m1:8.3f}s | {p2:17.3f}s {m2:8.3f}s {q2:8.3f}s | {q2 / p2 - 1:+12.1%} {m2 / m1 - 1:+10.1%}")
+    for n, (old, reports, new, _) in enumerate(rounds, 1):
+        pairs = [(r.predicted.step_time_s, r.measured.step_time_s) for r in reports]
+        ratios = sorted(m / p for p, m in pairs)
+        print(f"round {n}: factors {', '.join(f'{k} {v:.2f}' for k, v in sorted(old.items())) or 'none'}; measured / predicted "
+              f"median {statistics.median(ratios):.2f}, range {ratios[0]:.2f}-{ratios[-1]:.2f}, within 15%: "
+              f"{sum(abs(r - 1) <= 0.15 for r in ratios)} of {len(ratios)}; Kendall tau {kendall_tau(pairs):.2f}; "
+              f"refit to {', '.join(f'{k} {v:.2f}' for k, v in sorted(new.items()))}")
+    print(f"second refit's change to the predictions: median {statistics.median(changes):.1%}, largest {max(changes):.1%}; "
+          f"run-to-run noise of the same plans' measured steps: median {statistics.median(noise):.1%}, largest {max(noise):.1%}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--model", default=str(ROOT / "examples" / "gpt.py"))
     ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--refit", action="store_true", help="instead: two rounds of runs and refits (does refitting converge?)")
+    ap.add_argument("--calibrate", action="store_true", help="with --refit: run `plan calibrate --gpu cpu` first (in the copy)")
     args = ap.parse_args()
     handle = load_model_file(args.model)
     start = time.perf_counter()
+    if args.refit:
+        with tempfile.TemporaryDirectory() as d:
+            refit_rounds(handle, args, Path(d))
+        print(f"bench total {time.perf_counter() - start:.0f} s")
+        return
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         print(f"{handle.name}, global batch {args.global_batch}, {args.steps} steps per run, fp32, AdamW, gloo")

@@ -98,6 +98,9 @@ class Predicted:
     breakdown_s: dict[str, float]
     """Where the bottleneck rank's step goes: compute, recompute, tp_comm, cp_comm, pp_comm, dp_comm,
     optimizer, bubble."""
+    phase_factors: dict[str, float] = field(default_factory=dict)
+    """The calibration's phase factors these figures include (plan calibrate --from-run: compute,
+    comm, optimizer), so that a refit from this plan's runs can take them out again; {} when none."""
 
 
 @dataclass(frozen=True)

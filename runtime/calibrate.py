@@ -183,58 +183,66 @@ def main(argv: list[str] | None = None) -> None:
 # --- refitting from run reports ----------------------------------------------------------------
 
 RIDGE = 0.01
-"""Weight of the prior (no change) against each run's squared relative error: a run or two cannot
-move a factor their phases do not show."""
+"""Weight of the prior (the current factors) against each run's squared relative error: a run or
+two cannot move a factor their phases do not show."""
 
 
 def _sums(breakdown: dict[str, float]) -> tuple[float, float]:
     """(compute, communication) seconds of a predicted breakdown: compute, recompute and the bubble
-    (which scales with them); TP, pipeline and data-parallel traffic."""
+    (which scales with them); TP, CP, pipeline and data-parallel traffic."""
     b = breakdown
     return (b.get("compute", 0.0) + b.get("recompute", 0.0) + b.get("bubble", 0.0),
             b.get("tp_comm", 0.0) + b.get("cp_comm", 0.0) + b.get("pp_comm", 0.0) + b.get("dp_comm", 0.0))
 
 
+def _base(report: Any) -> tuple[float, float, float]:
+    """A report's predicted (compute, comm, optimizer) seconds without the factors its plan applied."""
+    b, used = report.predicted.breakdown_s, getattr(report.predicted, "phase_factors", None) or {}
+    pc, pm = _sums(b)
+    return pc / used.get("compute", 1.0), pm / used.get("comm", 1.0), b.get("optimizer", 0.0) / used.get("optimizer", 1.0)
+
+
 def refit(reports: list[Any], old: dict[str, float]) -> tuple[dict[str, float], list[tuple[str, float, float, float]]]:
-    """New phase factors from run reports (runtime.report.RunReport, made with plans that used
-    `old`), and per report (plan, predicted s, refit predicted s, measured s). Each report's step, less its
-    measured optimizer step, is a*compute + b*comm of its prediction (compute: compute, recompute
-    and bubble; comm: TP, pipeline and data-parallel traffic): a and b by least squares on the
-    relative errors with a weak pull to 1 (RIDGE); the optimizer's, the median of measured over
-    predicted. The new factors are the old ones times these corrections."""
+    """Phase factors from run reports (runtime.report.RunReport), and per report (plan, predicted s,
+    refit predicted s, measured s). Each report's figures are first freed of the factors its plan
+    applied (PredictedRun.phase_factors), so reports of plans made with different calibrations
+    pool: every run a user has made on the cluster counts. Each report's step, less its measured
+    optimizer step, is a x compute + b x comm of those bare figures (compute: compute, recompute
+    and bubble; comm: TP, CP, pipeline and data-parallel traffic): a and b by least squares on the
+    relative errors, with a weak pull (RIDGE) to the current factors `old`; the optimizer's factor,
+    the median of measured over bare predicted."""
     rows, opt = [], []
     for r in reports:
-        b = r.predicted.breakdown_s
         phases = {p.name: p for p in r.phases}
-        if not b or "optimizer step" not in phases:
+        if not r.predicted.breakdown_s or "optimizer step" not in phases:
             continue
         measured = r.measured.step_time_s - phases["optimizer step"].measured_s
-        pc, pm = _sums(b)
+        pc, pm, po = _base(r)
         if measured > 0 and pc + pm > 0:
             rows.append((pc / measured, pm / measured))
-        if b.get("optimizer", 0.0) > 0:
-            opt.append(phases["optimizer step"].measured_s / b["optimizer"])
+        if po > 0:
+            opt.append(phases["optimizer step"].measured_s / po)
     if not rows:
         raise BadInput("plan calibrate --from-run: no run report with a predicted breakdown and a measured optimizer "
                        "step (reports of plan run from this version)")
-    # minimise sum (a x + b y - 1)^2 + RIDGE ((a - 1)^2 + (b - 1)^2)
+    # minimise sum (a x + b y - 1)^2 + RIDGE ((a - a0)^2 + (b - b0)^2)
+    a0, b0 = old.get("compute", 1.0), old.get("comm", 1.0)
     sxx = sum(x * x for x, _ in rows) + RIDGE
     syy = sum(y * y for _, y in rows) + RIDGE
     sxy = sum(x * y for x, y in rows)
-    bx = sum(x for x, _ in rows) + RIDGE
-    by = sum(y for _, y in rows) + RIDGE
+    bx = sum(x for x, _ in rows) + RIDGE * a0
+    by = sum(y for _, y in rows) + RIDGE * b0
     det = sxx * syy - sxy * sxy
     a, b_ = (bx * syy - by * sxy) / det, (by * sxx - bx * sxy) / det
     a, b_ = max(a, 0.05), max(b_, 0.05)
-    o = statistics.median(opt) if opt else 1.0
-    new = {"compute": old.get("compute", 1.0) * a, "comm": old.get("comm", 1.0) * b_, "optimizer": old.get("optimizer", 1.0) * o}
+    o = statistics.median(opt) if opt else old.get("optimizer", 1.0)
+    new = {"compute": a, "comm": b_, "optimizer": o}
     fitted = []
     for r in reports:
-        b = r.predicted.breakdown_s
-        if not b:
+        if not r.predicted.breakdown_s:
             continue
-        pc, pm = _sums(b)
-        fitted.append((r.plan, r.predicted.step_time_s, a * pc + b_ * pm + o * b.get("optimizer", 0.0), r.measured.step_time_s))
+        pc, pm, po = _base(r)
+        fitted.append((r.plan, r.predicted.step_time_s, a * pc + b_ * pm + o * po, r.measured.step_time_s))
     return new, fitted
 
 

@@ -28,8 +28,10 @@ class PredictedRun:
     step_time_s: float
     peak_memory_bytes: int
     breakdown_s: dict[str, float] = field(default_factory=dict)
-    """The plan's: where the bottleneck rank's step goes (compute, recompute, tp_comm, pp_comm,
-    dp_comm, optimizer, bubble)."""
+    """The plan's: where the bottleneck rank's step goes (compute, recompute, tp_comm, cp_comm,
+    pp_comm, dp_comm, optimizer, bubble)."""
+    phase_factors: dict[str, float] = field(default_factory=dict)
+    """The plan's calibration factors, included in those figures ({} when none)."""
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,8 @@ def build_report(
     optimizer_s: float | None = None,
 ) -> RunReport:
     world_size = plan.parallel.world_size
-    predicted = PredictedRun(plan.predicted.step_time_s, plan.predicted.peak_memory_bytes, dict(plan.predicted.breakdown_s))
+    predicted = PredictedRun(plan.predicted.step_time_s, plan.predicted.peak_memory_bytes, dict(plan.predicted.breakdown_s),
+                             dict(plan.predicted.phase_factors))
     phases: tuple[PhaseRun, ...] = ()
     if optimizer_s is not None:
         opt = predicted.breakdown_s.get("optimizer", 0.0)

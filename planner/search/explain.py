@@ -114,6 +114,7 @@ def predicted_of(s: Scored, profile: ModelProfile, cluster: Cluster, global_batc
         peak_memory_bytes=int(ev.peak_bytes),
         bubble_s=b["bubble"],
         breakdown_s=b,
+        phase_factors=dict(cluster.gpu.phase_factors),
     )
 
 
