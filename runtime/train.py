@@ -4,19 +4,19 @@ Data: each step draws one global batch with ``sample_batch(global_batch)`` after
 ``torch.manual_seed(DATA_SEED + step)``; data-parallel rank d takes rows
 ``[d * B/dp, (d+1) * B/dp)`` and splits them into ``num_microbatches`` micro-batches of
 ``micro_batch`` rows; the ranks of a tensor-parallel group take the same rows, and those of a
-context-parallel group their own chunks of each row's sequence (runtime.context_parallel). Each micro-batch's
-loss is scaled by ``1/num_microbatches`` so the accumulated gradient is the local batch's mean, and
-data parallelism averages over dp (x cp): the gradient of the global batch's mean loss, as one process
-computing it on the whole batch (the parity tests check it).
+context-parallel group their own chunks of each row's sequence (runtime.context_parallel). Each
+micro-batch's loss is scaled by ``1/num_microbatches`` so the accumulated gradient is the local
+batch's mean, and data parallelism averages over dp (x cp): the gradient of the global batch's
+mean loss, as one process computing it on the whole batch (the parity tests check it).
 """
 
 from __future__ import annotations
 
 import logging
 import resource
-from contextlib import nullcontext
 import statistics
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -210,7 +210,8 @@ def train(
     def forward_backward(batches: list[tuple[Any, Any]]) -> torch.Tensor:
         total = torch.zeros((), device=device)
         for m, batch in enumerate(batches):
-            with set_grad_sync(wrapped, m == num_mb - 1), cp.sharded(*batch) if cp else nullcontext(batch) as (inputs, targets):
+            sharded = cp.sharded(*batch) if cp else nullcontext(batch)
+            with set_grad_sync(wrapped, m == num_mb - 1), sharded as (inputs, targets):
                 with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                     loss = handle.loss(call_model(wrapped, inputs), targets) / num_mb
                 loss.backward()

@@ -3,8 +3,9 @@
 One process group for the whole launch; each ``--plan`` (several share one launch, as the parity
 tests do: a launch costs seconds) gets its own (dp, cp, tp) DeviceMesh, a fresh model built from
 the same seed on every rank, TP -> recompute -> data parallel applied (context parallel around each
-micro-batch), and ``--steps`` steps of training. A plan with pp > 1 gets a (pp, dp, cp, tp) mesh and runs its pipeline stages
-(``runtime.pipeline``). Outputs go to ``RUN_DIR/plan<i>/``: ``rank<r>.json`` per rank, ``report.json`` (the
+micro-batch), and ``--steps`` steps of training. A plan with pp > 1 gets a (pp, dp, cp, tp) mesh
+and runs its pipeline stages (``runtime.pipeline``). Outputs go to ``RUN_DIR/plan<i>/``:
+``rank<r>.json`` per rank, ``report.json`` (the
 RunReport, rank 0) and, with ``--save-params``, ``params.pt`` (every parameter gathered whole).
 A model too large for every rank to build it whole (or ``PLAN_RUNTIME_META=1``) is built on the
 meta device and only this rank's part materialised (``runtime.meta_init``).

@@ -1,14 +1,19 @@
 """What a distributed run is checked against: one process training on the whole global batch
-(same seed, same data), and the comparison every parity test makes."""
+(same seed, same data), and the comparison every parity test makes; the plans of a set of
+configurations, and their runs, one launch per world size."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from planner.model_file import load_model_file
 from planner.plan import Plan
+from planner.planning import PlanRequest, make_plan, profile_for
+from planner.search.space import Fixed
+from runtime.launch import LaunchResult, launch
 from runtime.train import LEARNING_RATE, MODEL_SEED, global_batch
 
 RTOL_LOSS = 1e-5
@@ -59,3 +64,32 @@ def assert_matches(name: str, losses: tuple[float, ...], params_path: Path,
         assert got.shape == want.shape, f"{name}: {pname} shape {tuple(got.shape)} != {tuple(want.shape)}"
         diff = (got - want).abs().max().item()
         assert diff <= ATOL_PARAM, f"{name}: {pname} differs by {diff:.2e}"
+
+
+def make_plans(model: Path, configs: dict[str, tuple[int, Fixed]], workdir: Path, global_batch: int) -> dict[str, Path]:
+    """name -> plan file, for each (world size, fixed choices) of `configs` on `model` (CPU, fp32,
+    SGD; one profile for all; 2 GPUs a "node" for HSDP)."""
+    handle = load_model_file(model)
+    profile = profile_for(handle, PlanRequest(gpus=2, gpu="cpu", global_batch=global_batch, optimizer="sgd", precision="fp32"))
+    out = {}
+    for name, (world, fixed) in configs.items():
+        request = PlanRequest(gpus=world, gpu="cpu", global_batch=global_batch, fixed=fixed, optimizer="sgd",
+                              precision="fp32", gpus_per_node=2 if fixed.hsdp else None)
+        out[name] = workdir / f"{name}.json"
+        out[name].write_text(make_plan(handle, request, profile).to_json())
+    return out
+
+
+def run_by_world(plans: dict[str, Path], configs: dict[str, tuple[int, Fixed]], workdir: Path, steps: int,
+                 check: Callable[[LaunchResult, list[str]], None] | None = None) -> dict[str, tuple[object, Path]]:
+    """name -> (RunReport, params.pt): one launch per world size runs its plans in turn (a launch
+    costs seconds); `check(result, names)` looks at each launch."""
+    out = {}
+    for world in sorted({w for w, _ in configs.values()}):
+        names = [n for n, (w, _) in configs.items() if w == world]
+        result = launch([plans[n] for n in names], world, steps=steps, save_params=True, timeout_s=300,
+                        run_dir=workdir / f"w{world}")
+        if check is not None:
+            check(result, names)
+        out.update({n: (result.reports[i], result.run_dir / f"plan{i}" / "params.pt") for i, n in enumerate(names)})
+    return out

@@ -17,12 +17,9 @@ from pathlib import Path
 import pytest
 
 from planner.cli import main
-from planner.model_file import load_model_file
-from planner.planning import PlanRequest, make_plan, profile_for
 from planner.search.space import Fixed
-from runtime.launch import launch
 from tests.conftest import EXAMPLES
-from tests.distributed.reference import assert_matches, single_process
+from tests.distributed.reference import assert_matches, make_plans, run_by_world, single_process
 
 STEPS = 5
 GLOBAL_BATCH = 4
@@ -65,28 +62,12 @@ def workdir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def plans(workdir) -> dict[str, Path]:
-    handle = load_model_file(workdir / "model.py")
-    base = PlanRequest(gpus=2, gpu="cpu", global_batch=GLOBAL_BATCH, optimizer="sgd", precision="fp32")
-    profile = profile_for(handle, base)
-    out = {}
-    for name, (world, fixed) in CONFIGS.items():
-        request = PlanRequest(gpus=world, gpu="cpu", global_batch=GLOBAL_BATCH, fixed=fixed, optimizer="sgd",
-                              precision="fp32", gpus_per_node=2 if fixed.hsdp else None)
-        out[name] = workdir / f"{name}.json"
-        out[name].write_text(make_plan(handle, request, profile).to_json())
-    return out
+    return make_plans(workdir / "model.py", CONFIGS, workdir, GLOBAL_BATCH)
 
 
 @pytest.fixture(scope="module")
 def runs(plans, workdir):
-    out = {}
-    for world in sorted({w for w, _ in CONFIGS.values()}):
-        names = [n for n, (w, _) in CONFIGS.items() if w == world]
-        result = launch([plans[n] for n in names], world, steps=STEPS, save_params=True, timeout_s=300,
-                        run_dir=workdir / f"w{world}")
-        for i, name in enumerate(names):
-            out[name] = (result.reports[i], result.run_dir / f"plan{i}" / "params.pt")
-    return out
+    return run_by_world(plans, CONFIGS, workdir, STEPS)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

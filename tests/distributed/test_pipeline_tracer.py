@@ -23,11 +23,9 @@ pytest.importorskip("transformers")
 
 from planner.cli import main
 from planner.model_file import load_model_file
-from planner.planning import PlanRequest, make_plan, profile_for
 from planner.profile import profile_model
 from planner.search.space import Fixed
-from runtime.launch import launch
-from tests.distributed.reference import assert_matches, single_process
+from tests.distributed.reference import assert_matches, make_plans, run_by_world, single_process
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -112,15 +110,7 @@ def workdir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def plans(workdir) -> dict[str, Path]:
-    handle = load_model_file(workdir / "hf_tiny.py")
-    base = PlanRequest(gpus=2, gpu="cpu", global_batch=GLOBAL_BATCH, optimizer="sgd", precision="fp32")
-    profile = profile_for(handle, base)
-    out = {}
-    for name, (world, fixed) in CONFIGS.items():
-        request = PlanRequest(gpus=world, gpu="cpu", global_batch=GLOBAL_BATCH, fixed=fixed, optimizer="sgd", precision="fp32")
-        out[name] = workdir / f"{name}.json"
-        out[name].write_text(make_plan(handle, request, profile).to_json())
-    return out
+    return make_plans(workdir / "hf_tiny.py", CONFIGS, workdir, GLOBAL_BATCH)
 
 
 @pytest.fixture(scope="module")
@@ -130,15 +120,11 @@ def reference(plans):
 
 @pytest.fixture(scope="module")
 def runs(plans, workdir):
-    out = {}
-    for world in sorted({w for w, _ in CONFIGS.values()}):
-        names = [n for n, (w, _) in CONFIGS.items() if w == world]
-        result = launch([plans[n] for n in names], world, steps=STEPS, save_params=True, timeout_s=300,
-                        run_dir=workdir / f"w{world}")
+    def traced(result, names):
         log = (result.run_dir / "launch.log").read_text(errors="replace")
         assert log.count("split by the pipelining tracer") == len(names), "the runs did not take the tracer path"
-        out.update({n: (result.reports[i], result.run_dir / f"plan{i}" / "params.pt") for i, n in enumerate(names)})
-    return out
+
+    return run_by_world(plans, CONFIGS, workdir, STEPS, traced)
 
 
 def test_plans_are_pipelined(plans):
