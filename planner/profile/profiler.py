@@ -206,8 +206,8 @@ def profile_model(
     open_cuts = [i for i in range(len(layers) - 1) if not layers[i].cut_after_ok and (in_stack[i] or in_stack[i + 1])]
     # A valid cut followed by glue between later layers (a head slicing the norm's output) needs
     # the tracer too: the runtime splits without it only where the layers run in sequence.
-    start = plain_from(layers)
-    glued = any(layer.cut_after_ok and layer.index < start for layer in layers[:-1])
+    first_plain = plain_from(layers)
+    glued = any(layer.cut_after_ok and layer.index < first_plain for layer in layers[:-1])
     if check_split and (open_cuts or glued):
         layers, split, split_note = _traced_cuts(handle, tdtype, inputs, layers)
     layers = _with_roles(handle, fake, tdtype, layers, seq_len_of(inputs), warnings)

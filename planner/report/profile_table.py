@@ -71,5 +71,11 @@ def render_profile(profile: ModelProfile, console: Console | None = None) -> Non
         console.print("pipeline cuts: split by torch.distributed.pipelining's tracer (cut B counts every tensor crossing)")
     elif profile.pipeline_split_note:
         console.print(f"pipeline cuts: only where one layer's output is all that crosses; {profile.pipeline_split_note}")
+    if profile.cp_blocker:
+        console.print(f"context parallelism: cannot run on this model: {profile.cp_blocker}")
+    elif profile.cp_blocker == "":
+        kv = sum(l.attention_kv_bytes for l in profile.layers)
+        console.print(f"context parallelism: can split the sequence ({profile.seq_len}); its ring passes "
+                      f"{fmt_bytes(kv)} of keys and values per batch (every attention layer's)")
     for w in profile.warnings:
         console.print(f"[yellow]warning:[/yellow] {w}")

@@ -1,6 +1,7 @@
 """The profiler's figures against exact counts, published formulas and independent counters."""
 
 import json
+import time
 
 import pytest
 
@@ -169,7 +170,9 @@ def test_resnet_blocks_are_layers():
 
 
 def test_llama_70b_profiles_on_meta():
+    start = time.perf_counter()
     profile = _profile(EXAMPLES / "llama_70b.py", measure=True)
+    assert 0 < profile.profile_s <= time.perf_counter() - start  # the time it took (the summary prints it)
     assert profile.mode == "meta" and not profile.timed
     assert abs(profile.totals.num_params - 68.98e9) / 68.98e9 < 0.01
     decoder = profile.kinds()[profile.layers[1].kind]
