@@ -44,14 +44,18 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CP_TORCH_VERSION", "ContextParallel", "load_balanced_order", "sequence_sharded", "support_cpu_sdpa"]
 
@@ -359,6 +363,9 @@ class ContextParallel:
                     buf.data = buf.data.index_select(0, rows.to(buf.device))
                     names.append(name)
         support_cpu_sdpa()
+        if dist.get_rank() == 0:  # a buffer of seq_len rows that is not indexed by position would be wrong: say which
+            log.info("context parallel over %d ranks: sequence buffers sharded: %s", cp_mesh.size(),
+                     ", ".join(_patterns(names)) or "none")
         return cls(cp_mesh, seq, tuple(names))
 
     @contextlib.contextmanager
@@ -368,6 +375,13 @@ class ContextParallel:
         tensors = [t for t in _tensors((inputs, targets)) if t.dim() >= 2 and t.shape[1] == self.seq_len]
         with sequence_sharded(self.mesh, tensors, [1] * len(tensors)):
             yield inputs, targets
+
+
+def _patterns(names: list[str]) -> list[str]:
+    """Buffer names with block indices folded (layers.*.self_attn.rope_cos), each once."""
+    import re
+
+    return list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in names))
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

@@ -74,6 +74,8 @@ def runs(plans, workdir):
 def test_matches_single_process(name, plans, runs):
     report, params_path = runs[name]
     assert_matches(name, report.measured.losses, params_path, single_process(plans[name], STEPS))
+    log = (params_path.parent.parent / "launch.log").read_text(errors="replace")
+    assert "sequence buffers sharded: layers.*.self_attn.rope_cos, layers.*.self_attn.rope_sin" in log  # RoPE tables
     parallel = json.loads(plans[name].read_text())["parallel"]
     assert parallel["cp"] == 2 and parallel["dp_replicate"] == (2 if name == "hsdp_cp" else 1)
 

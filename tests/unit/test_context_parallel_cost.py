@@ -134,3 +134,18 @@ def test_search_splits_a_long_sequence_and_refuses_cp_where_the_model_cannot():
     with pytest.raises(BadInput, match="does not split into 2 x 3 equal shards"):
         make_plan(load_model_file(EXAMPLES / "llama.py"),
                   PlanRequest(gpus=6, gpu="a100-80gb", precision="bf16", optimizer="adamw", fixed=Fixed(cp=3)))
+
+
+def test_no_cp_on_pipeline_stages_the_tracer_splits(llama):
+    """The runtime runs CP inside pipeline stages it splits itself, not inside traced ones: the
+    search leaves those out and says why."""
+    from dataclasses import replace
+
+    from planner.search.space import Fixed, SpaceStats, candidates
+
+    traced = replace(llama, pipeline_split="traced")
+    stats = SpaceStats()
+    found = list(candidates(traced, 4, 8, 6, 8, Fixed(tp=1, pp=2, cp=2), stats))
+    assert found == [] and any("split by the tracer" in why for why in stats.rejected)
+    plain = list(candidates(llama, 4, 8, 6, 8, Fixed(tp=1, pp=2, cp=2), SpaceStats()))
+    assert plain and all((c.pp, c.cp) == (2, 2) for c in plain)
