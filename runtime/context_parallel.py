@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
@@ -54,6 +55,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_leaves, tree_map
+
+from planner.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -349,7 +353,7 @@ class ContextParallel:
     """The model buffers sharded at set-up."""
 
     @classmethod
-    def setup(cls, modules: list[torch.nn.Module], plan: Any, mesh: DeviceMesh) -> "ContextParallel":
+    def setup(cls, modules: list[torch.nn.Module], plan: Plan, mesh: DeviceMesh) -> "ContextParallel":
         """Shard the sequence buffers of `modules` (the model, or this rank's pipeline stages: a
         buffer two of them share is sharded once) over `mesh`'s "cp" axis."""
         cp_mesh = mesh["cp"]
@@ -363,7 +367,7 @@ class ContextParallel:
                     buf.data = buf.data.index_select(0, rows.to(buf.device))
                     names.append(name)
         support_cpu_sdpa()
-        if dist.get_rank() == 0:  # a buffer of seq_len rows that is not indexed by position would be wrong: say which
+        if dist.get_rank() == 0:  # a seq_len-row buffer not indexed by position would go wrong: say which
             log.info("context parallel over %d ranks: sequence buffers sharded: %s", cp_mesh.size(),
                      ", ".join(_patterns(names)) or "none")
         return cls(cp_mesh, seq, tuple(names))
@@ -379,20 +383,14 @@ class ContextParallel:
 
 def _patterns(names: list[str]) -> list[str]:
     """Buffer names with block indices folded (layers.*.self_attn.rope_cos), each once."""
-    import re
-
     return list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in names))
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_leaves
-
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 def _cloned(tree: Any) -> Any:
     """Copies that own their storage: the batch's tensors are views of the step's global batch,
     and sharding resizes them in place."""
-    from torch.utils._pytree import tree_map
-
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)
