@@ -131,6 +131,23 @@ def check_context_parallel(plan: Plan, plan_path: Path) -> None:
                        f"2 x {p.cp} equal shards")
 
 
+def _check_sequence_buffers_not_saved(prepared: Prepared) -> None:
+    """Context parallelism keeps each rank's rows of the model buffers with seq_len rows (RoPE
+    tables): one saved with the model's state (persistent) would go into a checkpoint different on
+    every rank under one name, and a resume would load one rank's rows everywhere. Refused, with
+    the remedy."""
+    model = prepared.handle.build_model("meta")
+    seq = prepared.plan.model.seq_len
+    saved = set(model.state_dict())
+    bad = [name for name, buf in model.named_buffers() if buf.dim() >= 1 and buf.shape[0] == seq and name in saved]
+    if bad:
+        raise BadInput(
+            f"{Path(prepared.handle.path).name}: with --checkpoint-dir, context parallelism cannot checkpoint buffer "
+            f"{bad[0]} ({seq} rows, sharded by sequence on each rank, saved with the model's state): register it "
+            "with persistent=False (it is rebuilt, not loaded), or run without checkpoints"
+        )
+
+
 def load_for_worker(plan_path: str | Path, model_path: str | Path | None) -> Prepared:
     """What a worker needs: the same checks (cheap), so every rank shards the same layers."""
     return prepare(plan_path, model_path, on_launcher=False)
@@ -147,6 +164,8 @@ def check_checkpointing(prepared: Prepared, checkpoint_dir: str | Path | None, r
         if resume:
             raise BadInput("plan run: --resume needs --checkpoint-dir DIR")
         return []
+    if prepared.plan.parallel.cp > 1:
+        _check_sequence_buffers_not_saved(prepared)
     if not resume:
         return []
     from runtime.checkpoint import find_latest, plan_sha256, sha256_file

@@ -97,3 +97,26 @@ def test_cp_on_a_model_it_cannot_split_is_refused_before_launch(plans, workdir, 
     assert err.endswith("parallel.cp 2: context parallelism cannot run on this model: blocks.0.attn computes "
                         "attention scores with matmuls, not scaled_dot_product_attention") and "\n" not in err
     assert not (workdir / "blocked.run.d").exists()
+
+
+def test_checkpoints_with_saved_sequence_buffers_refused_before_launch(workdir, capsys):
+    """Each CP rank holds its own rows of the RoPE tables: kept in the model's state (persistent),
+    a checkpoint would hold one rank's rows under that name for all."""
+    saved = workdir / "saved_rope"
+    saved.mkdir()
+    (saved / "model.py").write_text(MODEL + """
+
+_build = build_model
+
+
+def build_model():
+    model = _build()
+    for layer in model.layers:  # the RoPE tables saved with the model's state
+        layer.self_attn._non_persistent_buffers_set.clear()
+    return model
+""")
+    plan = make_plans(saved / "model.py", {"cp": CONFIGS["cp"]}, saved, GLOBAL_BATCH)["cp"]
+    assert main(["run", str(plan), "--checkpoint-dir", str(saved / "ckpt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "context parallelism cannot checkpoint buffer layers.0.self_attn.rope_cos" in err and "\n" not in err
+    assert "persistent=False" in err and not (saved / "cp.run.d").exists()
