@@ -361,8 +361,8 @@ class ContextParallel:
         rows = torch.tensor(load_balanced_order(seq, cp_mesh.size(), cp_mesh.get_local_rank()))
         names, done = [], set()
         for module in modules:
-            for name, buf in module.named_buffers():
-                if buf.dim() >= 1 and buf.shape[0] == seq and id(buf) not in done:
+            for name, buf in sequence_buffers(module, seq):
+                if id(buf) not in done:
                     done.add(id(buf))
                     buf.data = buf.data.index_select(0, rows.to(buf.device))
                     names.append(name)
@@ -379,6 +379,11 @@ class ContextParallel:
         tensors = [t for t in _tensors((inputs, targets)) if t.dim() >= 2 and t.shape[1] == self.seq_len]
         with sequence_sharded(self.mesh, tensors, [1] * len(tensors)):
             yield inputs, targets
+
+
+def sequence_buffers(module: torch.nn.Module, seq_len: int) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a CP rank keeps its own rows of: those with seq_len rows (RoPE tables)."""
+    return [(name, buf) for name, buf in module.named_buffers() if buf.dim() >= 1 and buf.shape[0] == seq_len]
 
 
 def _patterns(names: list[str]) -> list[str]:

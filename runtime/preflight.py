@@ -136,10 +136,12 @@ def _check_sequence_buffers_not_saved(prepared: Prepared) -> None:
     tables): one saved with the model's state (persistent) would go into a checkpoint different on
     every rank under one name, and a resume would load one rank's rows everywhere. Refused, with
     the remedy."""
+    from runtime.context_parallel import sequence_buffers
+
     model = prepared.handle.build_model("meta")
     seq = prepared.plan.model.seq_len
     saved = set(model.state_dict())
-    bad = [name for name, buf in model.named_buffers() if buf.dim() >= 1 and buf.shape[0] == seq and name in saved]
+    bad = [name for name, _ in sequence_buffers(model, seq) if name in saved]
     if bad:
         raise BadInput(
             f"{Path(prepared.handle.path).name}: with --checkpoint-dir, context parallelism cannot checkpoint buffer "

@@ -173,7 +173,7 @@ def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int
     dp_plan = result.data_parallel
     split = c.tp > 1 or c.pp > 1 or c.cp > 1
     if dp_plan is None and result.data_parallel_need_bytes is None:
-        lines.append(f"Plain data parallelism cannot run: {_no_data_parallel(best, cluster)}; so each sample is "
+        lines.append(f"Plain data parallelism cannot run: {_no_data_parallel(best, cluster)}; so the model is "
                      "split across GPUs.")
     elif dp_plan is None:
         need = result.data_parallel_need_bytes
