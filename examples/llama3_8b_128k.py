@@ -6,7 +6,7 @@ One sequence's activations (hundreds of GB at bf16, 67 GB for its fp32 logits al
 GPU: the plan splits each sequence, with context parallelism (attention as a ring over the
 sequence shards), tensor parallelism or both. Profile it on the meta device (``--meta``):
 
-    plan examples/llama3_8b_128k.py --gpus 16 --gpu h100-sxm-80gb --global-batch 16
+    plan examples/llama3_8b_128k.py --gpus 32 --gpu h100-sxm-80gb --global-batch 8
 """
 
 from llama import LlamaConfig, build_llama, llama_batch
