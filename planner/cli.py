@@ -96,6 +96,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp", type=_positive_int, help="fix the data-parallel degree")
     p.add_argument("--cp", type=_positive_int, help="fix the context-parallel degree: each sequence split over this many GPUs, "
                    "attention as a ring (default: searched where the model allows it; 1: none)")
+    p.add_argument("--ep", type=_positive_int, help="fix the expert-parallel degree of a mixture-of-experts model: each "
+                   "block's experts split over this many data-parallel GPUs, tokens sent by all-to-all "
+                   "(default: searched on MoE models; 1: none)")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="fix the ZeRO stage (3 = FSDP)")
     p.add_argument("--recompute", choices=RECOMPUTE, help="fix activation recompute for every layer")
     p.add_argument("--sequence-parallel", choices=("on", "off"),
@@ -141,7 +144,7 @@ def cmd_plan(argv: Sequence[str]) -> int:
         memory_limit_gib=args.memory_limit,
         inter_node_gbps=args.inter_node_gbps,
         fixed=Fixed(
-            tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, micro_batch=args.micro_batch, zero=args.zero,
+            tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep, micro_batch=args.micro_batch, zero=args.zero,
             schedule=args.schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
             sequence_parallel=None if args.sequence_parallel is None else args.sequence_parallel == "on",
             hsdp=None if args.hsdp is None else args.hsdp == "on",

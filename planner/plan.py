@@ -35,6 +35,11 @@ class Parallel:
     """Context parallelism: each sequence split over cp ranks (ranks tp fastest, then cp, dp, pp),
     attention as a ring (torch's context_parallel); gradients averaged and ZeRO sharded over
     dp x cp. 1: none."""
+    ep: int = 1
+    """Expert parallelism (mixture-of-experts models): each MoE block's experts split over ep
+    ranks of the dp axis (ep consecutive dp indices; ep divides dp), tokens sent to the experts
+    they chose and back with two all-to-alls; the experts' gradients are averaged over the dp / ep
+    ranks that hold the same experts. 1: none."""
 
     @property
     def world_size(self) -> int:
@@ -44,7 +49,8 @@ class Parallel:
     def one_line(self) -> str:
         sched = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": f"interleaved 1F1B x{self.virtual_stages}"}
         parts = [
-            f"dp={self.dp} tp={self.tp} pp={self.pp}" + (f" cp={self.cp}" if self.cp > 1 else ""),
+            f"dp={self.dp} tp={self.tp} pp={self.pp}" + (f" cp={self.cp}" if self.cp > 1 else "")
+            + (f" ep={self.ep}" if self.ep > 1 else ""),
             f"micro-batch {self.micro_batch} x {self.num_microbatches}",
         ]
         if self.pp > 1:

@@ -151,7 +151,7 @@ def check_plan(plan: Any) -> None:
     from planner.cost.setup import OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES
 
     p, cluster, training = plan.parallel, plan.cluster, plan.training
-    for name in ("dp", "tp", "pp", "cp", "micro_batch", "num_microbatches", "virtual_stages", "dp_replicate"):
+    for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "num_microbatches", "virtual_stages", "dp_replicate"):
         _at_least(f"parallel.{name}", getattr(p, name))
     _at_least("cluster.num_gpus", cluster.num_gpus)
     _at_least("cluster.gpus_per_node", cluster.gpus_per_node)
@@ -167,6 +167,8 @@ def check_plan(plan: Any) -> None:
             "parallel",
             f"dp {p.dp} x tp {p.tp} x pp {p.pp}{cp} = {p.world_size}, not cluster.num_gpus {cluster.num_gpus}",
         )
+    if p.dp % p.ep:
+        raise _Malformed("parallel", f"ep {p.ep} does not divide dp {p.dp}")
     if p.dp % p.dp_replicate:
         raise _Malformed("parallel", f"dp_replicate {p.dp_replicate} does not divide dp {p.dp}")
     if p.micro_batch * p.num_microbatches * p.dp != training.global_batch:

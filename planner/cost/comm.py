@@ -95,6 +95,13 @@ def reduce_scatter(n: int, link: Link) -> Affine:
     return link.fitted("reduce_scatter", (n - 1) / n) or _coef((n - 1) / n, n, link, ring_steps=n - 1)
 
 
+def all_to_all(n: int, link: Link) -> Affine:
+    """Applied to the bytes each rank holds before the exchange ((n - 1) / n of them leave it)."""
+    if n <= 1:
+        return NONE
+    return link.fitted("all_to_all", (n - 1) / n) or _coef((n - 1) / n, n, link)
+
+
 def p2p(link: Link) -> Affine:
     # measured: a message each way, one after the other (2 x the bytes); one message is half
     fitted = link.fitted("p2p", 2.0)

@@ -36,6 +36,8 @@ class DeviceFigures:
     tp_comm_s: float
     cp_comm_s: float
     """Context-parallel ring exchanges left exposed past attention."""
+    ep_comm_s: float
+    """Expert-parallel all-to-alls (token dispatch and combine)."""
     p2p_s: float
     sync_s: float
     """Exposed gradient sync, parameter all-gather and optimizer step after the pipeline."""
@@ -79,23 +81,22 @@ def evaluate(costs: StageCosts, bounds: list[int], choice: list[int]) -> Evaluat
     devices = []
     for i, atom_ids in enumerate(per_device):
         atoms = [costs.atoms[a] for a in atom_ids]
-        compute = sum(a.fwd_s + a.bwd_s - a.tp_comm_s - a.cp_comm_s for a in atoms)
+        compute = sum(a.fwd_s + a.bwd_s - a.tp_comm_s - a.cp_comm_s - a.ep_comm_s for a in atoms)
         recompute = sum(a.extra_s[choice[k]] for a, k in zip(atoms, atom_ids))
         tp_comm = sum(a.tp_comm_s for a in atoms)
         cp_comm = sum(a.cp_comm_s for a in atoms)
+        ep_comm = sum(a.ep_comm_s for a in atoms)
         p2p = costs.p2p_s * stages_per_device
-        t = compute + recompute + tp_comm + cp_comm + p2p
+        t = compute + recompute + tp_comm + cp_comm + ep_comm + p2p
         params = sum(a.params for a in atoms)
-        g = costs.grad_bytes
+        experts = sum(a.expert_params for a in atoms)
         # data-parallel traffic every micro-batch (ZeRO-2/3): bytes overlap compute, latency does not
-        t = overlapped_s(t, costs.mb_comm_param_s * params) + costs.mb_comm_atom_s * len(atoms)
+        t = overlapped_s(t, costs.mb_comm_s(params, experts)) + costs.mb_comm_atom_s * len(atoms)
         one_backward = sum(a.bwd_s for a in atoms)
-        exposed = max(costs.tail_s, exposed_after_s(one_backward, costs.grad_sync(params * g))) if ranks > 1 else 0.0
-        sync = exposed + (costs.after_step_param_s + costs.optimizer_s_per_param) * params + costs.after_step_atom_s * len(atoms)
-        w_dev, g_dev, o_dev = costs.state_bytes_per_param()
-        weights = params * w_dev + costs.zero3_gather_bytes
-        grads = params * g_dev
-        optim = params * o_dev
+        exposed = max(costs.tail_s, exposed_after_s(one_backward, costs.grad_sync_s(params, experts))) if ranks > 1 else 0.0
+        sync = exposed + costs.after_step_s(params, experts) + costs.after_step_atom_s * len(atoms)
+        weights, grads, optim = costs.state_bytes(params, experts)
+        weights += costs.zero3_gather_bytes
         kept = sum(a.act_bytes[choice[k]] for a, k in zip(atoms, atom_ids))
         activations = costs.inflight[i] * kept + costs.working_bytes
         reserve = costs.reserve_fixed_bytes + FRAGMENTATION * (weights + grads + optim + activations)
@@ -108,6 +109,7 @@ def evaluate(costs: StageCosts, bounds: list[int], choice: list[int]) -> Evaluat
                 recompute_s=recompute,
                 tp_comm_s=tp_comm,
                 cp_comm_s=cp_comm,
+                ep_comm_s=ep_comm,
                 p2p_s=p2p,
                 sync_s=sync,
                 weights_bytes=weights,

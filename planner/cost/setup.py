@@ -85,6 +85,12 @@ class Candidate:
     and values (torch's context_parallel, load-balanced for causal attention). The cp ranks hold
     the same weights: gradients are averaged, and ZeRO shards, over dp x cp ranks (torchtitan's
     dp_shard_cp mesh). The batch is split over dp only."""
+    ep: int = 1
+    """Expert parallelism (mixture-of-experts models): each MoE block's experts split over ep
+    consecutive dp ranks (ep divides dp; with tp = cp = 1 and no HSDP, as the runtime runs it),
+    tokens sent to their experts and back with two all-to-alls per block in forward and two in
+    backward. An expert's weights are held by dp / ep ranks (`expert_replicas`), which average
+    its gradients and over which ZeRO shards its state."""
 
     @property
     def grad_ranks(self) -> int:
@@ -95,6 +101,11 @@ class Candidate:
     def dp_shard(self) -> int:
         """The ranks ZeRO shards over: dp x cp, or one HSDP group of them."""
         return self.grad_ranks // self.dp_replicate
+
+    @property
+    def expert_replicas(self) -> int:
+        """The ranks that hold the same experts (ZeRO's group for their state): dp_shard / ep."""
+        return self.dp_shard // self.ep
 
     @property
     def num_stages(self) -> int:
@@ -108,7 +119,7 @@ class Candidate:
             sched += " · SP" if self.sequence_parallel else " · no SP"
             sched += " · TP overlap" if self.tp_overlap else ""
         hsdp = f" · HSDP {self.dp_replicate} x {self.dp_shard}" if self.dp_replicate > 1 else ""
-        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        cp = (f" cp={self.cp}" if self.cp > 1 else "") + (f" ep={self.ep}" if self.ep > 1 else "")
         return (
             f"dp={self.dp} tp={self.tp} pp={self.pp}{cp} · micro-batch {self.micro_batch} x "
             f"{self.num_microbatches} · {sched} · ZeRO-{self.zero}{hsdp}"

@@ -56,18 +56,23 @@ class AtomCost:
     """Part of fwd_s + bwd_s spent in tensor-parallel collectives."""
     cp_comm_s: float
     """Part of fwd_s + bwd_s spent in context-parallel ring exchanges (exposed past attention)."""
+    ep_comm_s: float
+    """Part of fwd_s + bwd_s spent in expert-parallel all-to-alls (dispatch and combine)."""
     extra_s: tuple[float, ...]
     """Recompute time added per micro-batch, by choice (none, selective, alternate, full)."""
     act_bytes: tuple[float, ...]
     """Activation bytes kept per micro-batch, by choice."""
     params: float
-    """Parameters on the device before ZeRO sharding (after tensor parallelism)."""
+    """Parameters on the device before ZeRO sharding (after tensor and expert parallelism)."""
     out_bytes: float
     """Bytes a pipeline cut after this atom sends per micro-batch, per device."""
     cut_ok: bool
+    expert_params: float = 0.0
+    """Of params, experts split by expert parallelism (0 without it): their state is sharded over
+    the expert replicas, not the whole dp group (StageCosts.state_bytes)."""
 
     def signature(self) -> tuple:
-        return (self.fwd_s, self.bwd_s, self.extra_s, self.act_bytes, self.params, self.out_bytes)
+        return (self.fwd_s, self.bwd_s, self.extra_s, self.act_bytes, self.params, self.out_bytes, self.expert_params)
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,14 @@ class StageCosts:
     links: Links
     model_flops_per_step: float
     """Model FLOPs (forward + backward, no recompute) of one step over the whole cluster."""
+    expert_state_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """With expert parallelism: (weights, gradients, optimizer state) bytes per expert parameter
+    on a device, ZeRO sharding over the expert replicas (Candidate.expert_replicas) in place of
+    dp_shard; the expert_* figures below likewise replace their dense counterparts for experts."""
+    expert_mb_comm_param_s: float = 0.0
+    expert_grad_sync_per_byte_s: float = 0.0
+    expert_after_step_param_s: float = 0.0
+    """ZeRO-1/2's all-gather after the step, plus the optimizer, per expert parameter."""
 
     @property
     def num_devices(self) -> int:
@@ -138,14 +151,38 @@ class StageCosts:
         sharding over the dp replicas: stage 1 shards the optimizer state, 2 also the gradients,
         3 also the weights. Under a pipeline (`pipelined_fsdp`) ZeRO-2/3 hold the stage's 16-bit
         weights and its gradients whole, the gradients accumulated in FSDP2's reduce dtype (fp32)."""
-        dp, zero = self.cand.dp_shard, self.cand.zero
-        if self.pipelined_fsdp:
-            return float(self.weight_bytes), float(max(self.grad_bytes, ACCUMULATE_BYTES)), self.optim_bytes / dp
-        return (
-            self.weight_bytes / (dp if zero >= 3 else 1),
-            self.grad_bytes / (dp if zero >= 2 else 1),
-            self.optim_bytes / (dp if zero >= 1 else 1),
-        )
+        return _sharded_state(self.cand, self.cand.dp_shard, self.weight_bytes, self.grad_bytes, self.optim_bytes)
+
+    # -- figures over a device's parameters, `experts` of them split by expert parallelism ------
+    # (linear in both: the ILP calls them with its expressions)
+    def state_bytes(self, params, experts=0.0) -> tuple:
+        """(weights, gradients, optimizer state) bytes on a device holding `params` parameters."""
+        dense = self.state_bytes_per_param()
+        return tuple(params * d + experts * (e - d) for d, e in zip(dense, self.expert_state_bytes)) if self.cand.ep > 1 \
+            else tuple(params * d for d in dense)
+
+    def mb_comm_s(self, params, experts=0.0):
+        """ZeRO-2/3's data-parallel bytes every micro-batch, in seconds (mb_comm_param_s)."""
+        return self.mb_comm_param_s * params + (self.expert_mb_comm_param_s - self.mb_comm_param_s) * experts
+
+    def grad_sync_s(self, params, experts=0.0):
+        """The once-per-step gradient sync (grad_sync) of a device's gradients."""
+        g = self.grad_bytes
+        return self.grad_sync.fixed_s + self.grad_sync.per_byte_s * g * params + (
+            self.expert_grad_sync_per_byte_s - self.grad_sync.per_byte_s) * g * experts
+
+    def after_step_s(self, params, experts=0.0):
+        """ZeRO-1/2's weight all-gather and the optimizer step, without the per-atom latencies."""
+        dense = self.after_step_param_s + self.optimizer_s_per_param
+        return dense * params + (self.expert_after_step_param_s - dense) * experts
+
+
+def _sharded_state(cand: Candidate, ranks: int, w: int, g: int, o: int) -> tuple[float, float, float]:
+    """StageCosts.state_bytes_per_param with ZeRO sharding over `ranks`."""
+    zero = cand.zero
+    if pipelined_fsdp(cand):
+        return float(w), float(max(g, ACCUMULATE_BYTES)), o / ranks
+    return w / (ranks if zero >= 3 else 1), g / (ranks if zero >= 2 else 1), o / (ranks if zero >= 1 else 1)
 
 
 def pipelined_fsdp(cand: Candidate) -> bool:
@@ -209,8 +246,9 @@ def _layer_costs(
     cand: Candidate,
     lk: Links,
     cpu_factor: float | None,
-) -> tuple[float, float, float, float, tuple[float, ...], tuple[float, ...], float]:
-    """(fwd_s, bwd_s, tp_comm_s, cp_comm_s, extra_s, act_bytes, params) of one layer, per micro-batch."""
+) -> tuple:
+    """(fwd_s, bwd_s, tp_comm_s, cp_comm_s, ep_comm_s, extra_s, act_bytes, params, expert params)
+    of one layer, per micro-batch."""
     scale = _scale(profile, cand.micro_batch, cand.cp)
     shard = _shard(layer, cand.tp)
     gpu = cluster.gpu
@@ -284,9 +322,16 @@ def _layer_costs(
         fwd += memory_bound_s(CP_MERGE_PASSES[0] * 4 * queries, gpu) * compute
         bwd += memory_bound_s(CP_MERGE_PASSES[1] * 4 * queries, gpu) * compute
     tp_fwd, tp_bwd = tp_fwd * gpu.factor("comm"), tp_bwd * gpu.factor("comm")
+    ep_fwd = ep_bwd = 0.0
+    if cand.ep > 1 and layer.moe_dispatch_bytes:
+        # Expert parallelism: forward sends each token's rows to the ranks of the experts it chose
+        # and brings their outputs back (two all-to-alls); backward the same for their gradients.
+        # Not overlapped with compute (the experts wait for their tokens), as torchtitan runs it.
+        ep_fwd = ep_bwd = 2 * comm.all_to_all(cand.ep, lk.ep)(layer.moe_dispatch_bytes * scale)
     cp_fwd, cp_bwd = cp_fwd * gpu.factor("comm"), cp_bwd * gpu.factor("comm")
-    fwd += tp_fwd + cp_fwd
-    bwd += tp_bwd + cp_bwd
+    ep_fwd, ep_bwd = ep_fwd * gpu.factor("comm"), ep_bwd * gpu.factor("comm")
+    fwd += tp_fwd + cp_fwd + ep_fwd
+    bwd += tp_bwd + cp_bwd + ep_bwd
 
     def split(total: int, tp_part: int) -> float:
         """Bytes per device of `total`, of which `tp_part` TP splits even without SP."""
@@ -301,8 +346,10 @@ def _layer_costs(
     act_alt = min(act_sel, split(alt_bytes, alt_tp_bytes or 0) + kept_inputs)
     act_full = min(act, kept_inputs)
     sharded = layer.tp.sharded_params if shard > 1 and layer.tp is not None else 0
-    params = layer.num_params - sharded + sharded / shard
-    return fwd, bwd, tp_fwd + tp_bwd, cp_fwd + cp_bwd, (0.0, sel_extra, alt_extra, fwd), (act, act_sel, act_alt, act_full), params
+    experts = layer.expert_params / cand.ep if cand.ep > 1 else 0.0
+    params = layer.num_params - sharded + sharded / shard - (layer.expert_params - experts if cand.ep > 1 else 0.0)
+    return (fwd, bwd, tp_fwd + tp_bwd, cp_fwd + cp_bwd, ep_fwd + ep_bwd, (0.0, sel_extra, alt_extra, fwd),
+            (act, act_sel, act_alt, act_full), params, experts)
 
 
 _NAMES = ("index", "name", "modules", "kind")
@@ -345,11 +392,12 @@ def atom_table(
     sequence_parallel: bool = True,
     tp_overlap: bool = False,
     cp: int = 1,
+    ep: int = 1,
 ) -> tuple[AtomCost, ...]:
-    """Per-atom costs for a TP degree, micro-batch, sequence-parallel, TP-overlap and CP choice
+    """Per-atom costs for a TP degree, micro-batch, sequence-parallel, TP-overlap, CP and EP choice
     (what the other choices do not change). `cpu_factor`: use the profile's measured seconds, times this."""
-    probe = Candidate(tp, 1, 1, micro_batch, 1, 0, "1f1b", sequence_parallel=sequence_parallel, tp_overlap=tp_overlap,
-                      cp=cp)
+    probe = Candidate(tp, 1, ep, micro_batch, 1, 0, "1f1b", sequence_parallel=sequence_parallel, tp_overlap=tp_overlap,
+                      cp=cp, ep=ep)
     lk = links(cluster, probe)
     layers = profile.layers
     per_layer = []
@@ -365,9 +413,9 @@ def atom_table(
     atoms = []
     for first, last in atoms_of(profile):
         rows = per_layer[first : last + 1]
-        act = tuple(sum(r[5][k] for r in rows) for k in KINDS)
+        act = tuple(sum(r[6][k] for r in rows) for k in KINDS)
         # Recomputing an atom keeps its own input only (the first layer's), not each layer's.
-        act = (*act[:FULL], rows[0][5][FULL])
+        act = (*act[:FULL], rows[0][6][FULL])
         last_layer = layers[last]
         out_shard = tp if tp > 1 and last_layer.tp is not None else 1
         atoms.append(
@@ -378,11 +426,13 @@ def atom_table(
                 bwd_s=sum(r[1] for r in rows),
                 tp_comm_s=sum(r[2] for r in rows),
                 cp_comm_s=sum(r[3] for r in rows),
-                extra_s=tuple(sum(r[4][k] for r in rows) for k in KINDS),
+                ep_comm_s=sum(r[4] for r in rows),
+                extra_s=tuple(sum(r[5][k] for r in rows) for k in KINDS),
                 act_bytes=act,
-                params=sum(r[6] for r in rows),
+                params=sum(r[7] for r in rows),
                 out_bytes=last_layer.output_bytes * scale / out_shard,
                 cut_ok=last_layer.cut_after_ok,
+                expert_params=sum(r[8] for r in rows),
             )
         )
     return tuple(atoms)
@@ -408,7 +458,7 @@ def stage_costs(
     layers = profile.layers
     if atoms is None:
         atoms = atom_table(profile, cluster, training, cand.tp, cand.micro_batch, cpu_factor, cand.sequence_parallel,
-                           cand.tp_overlap, cand.cp)
+                           cand.tp_overlap, cand.cp, cand.ep)
     w, g, o = training.bytes_per_param()
     max_act = max(a.act_bytes[NONE] for a in atoms)
     max_params = sorted((a.params for a in atoms), reverse=True)[:2]
@@ -416,29 +466,21 @@ def stage_costs(
     on_gpu = cluster.gpu.origin != "measured"
     ranks, zero, shard = cand.grad_ranks, cand.zero, cand.dp_shard
     grads_per_rank = sum(a.params for a in atoms) / cand.pp * g  # a model smaller than a bucket
-    ag, rs = comm.allgather(shard, lk.dp), comm.reduce_scatter(shard, lk.dp)
-    if lk.dp_replicate is not None:
-        # HSDP: each shard group's reduce-scatter, then the replicas all-reduce their 1/shard
-        ar = comm.allreduce(cand.dp_replicate, lk.dp_replicate)
-        rs = comm.Affine(rs.fixed_s + ar.fixed_s, rs.per_byte_s + ar.per_byte_s / shard)
     comm_factor = cluster.gpu.factor("comm")  # refit from this cluster's runs (1 without)
-    ag, rs = ag.scaled(comm_factor), rs.scaled(comm_factor)
-    rs_or_ar = comm.allreduce(ranks, lk.dp).scaled(comm_factor) if zero <= 1 else rs
-    grad_sync = rs_or_ar if zero <= 1 and ranks > 1 else comm.NONE
-    per_atom = per_param = 0.0
+    dense = _dp_traffic(cand, shard, ranks, lk, w, g, comm_factor, hsdp=True)
     in_pipeline = pipelined_fsdp(cand)
-    if in_pipeline:
-        # Once per step: the first forward gathers the stage's weights, the last backward
-        # reduce-scatters its gradients (an all-reduce's volume), overlapped like DDP's sync.
-        # ZeRO-3 also frees the weights after each forward, so each backward gathers them again.
-        grad_sync = comm.Affine(ag.fixed_s + rs.fixed_s, ag.per_byte_s * w / g + rs.per_byte_s)
-        if zero == 3:
-            per_atom, per_param = ag.fixed_s, ag.per_byte_s * w
-    elif zero == 3 and ranks > 1:
-        per_atom = 2 * ag.fixed_s + rs.fixed_s
-        per_param = 2 * ag.per_byte_s * w + rs.per_byte_s * g
-    elif zero == 2 and ranks > 1:
-        per_atom, per_param = rs.fixed_s, rs.per_byte_s * g
+    optimizer_s = memory_bound_s(training.optimizer_traffic_per_param(), cluster.gpu) * cluster.gpu.factor("optimizer")
+    experts = {}
+    if cand.ep > 1:
+        # the experts' own group: the dp / ep ranks that hold the same experts
+        replicas = cand.expert_replicas
+        ex = _dp_traffic(cand, replicas, replicas, lk, w, g, comm_factor, hsdp=False)
+        experts = dict(
+            expert_state_bytes=_sharded_state(cand, replicas, w, g, o),
+            expert_mb_comm_param_s=ex.per_param,
+            expert_grad_sync_per_byte_s=ex.grad_sync.per_byte_s,
+            expert_after_step_param_s=ex.after_step_param_s + optimizer_s / (replicas if zero >= 1 else 1),
+        )
     model_flops = sum(l.fwd_flops + l.bwd_flops for l in layers) * training.global_batch / profile.batch_size
     first_atoms = 1
     if cand.pp > 1 and not profile.tracer_splits(cand.tp):
@@ -458,15 +500,59 @@ def stage_costs(
         limit_bytes=training.memory_limit_bytes,
         p2p_s=2 * comm.p2p(lk.pp)(cut_bytes) * comm_factor if cand.pp > 1 else 0.0,
         min_first_atoms=first_atoms,
-        mb_comm_atom_s=per_atom,
-        mb_comm_param_s=per_param,
-        grad_sync=grad_sync,
-        tail_s=rs_or_ar(min(DDP_BUCKET_BYTES, grads_per_rank)) if ranks > 1 else 0.0,
-        after_step_param_s=ag.per_byte_s * w if cand.zero in (1, 2) and not in_pipeline else 0.0,
-        after_step_atom_s=ag.fixed_s if cand.zero in (1, 2) and not in_pipeline else 0.0,
-        optimizer_s_per_param=memory_bound_s(training.optimizer_traffic_per_param(), cluster.gpu)
-        * cluster.gpu.factor("optimizer") / (shard if cand.zero >= 1 else 1),
+        mb_comm_atom_s=dense.per_atom,
+        mb_comm_param_s=dense.per_param,
+        grad_sync=dense.grad_sync,
+        tail_s=dense.sync_or_reduce(min(DDP_BUCKET_BYTES, grads_per_rank)) if ranks > 1 else 0.0,
+        after_step_param_s=dense.after_step_param_s,
+        after_step_atom_s=dense.after_step_atom_s,
+        optimizer_s_per_param=optimizer_s / (shard if cand.zero >= 1 else 1),
         links=lk,
         model_flops_per_step=model_flops,
+        **experts,
     )
+
+
+@dataclass(frozen=True)
+class _DPTraffic:
+    grad_sync: comm.Affine
+    sync_or_reduce: comm.Affine
+    """The gradient collective of a DDP bucket (all-reduce) or of ZeRO-2/3 (reduce-scatter)."""
+    per_atom: float
+    per_param: float
+    after_step_param_s: float
+    after_step_atom_s: float
+
+
+def _dp_traffic(cand: Candidate, shard: int, ranks: int, lk: Links, w: int, g: int, comm_factor: float,
+                hsdp: bool) -> _DPTraffic:
+    """The data-parallel collectives (StageCosts: mb_comm_*, grad_sync, after_step_*) of
+    parameters sharded by ZeRO over `shard` ranks of the `ranks` that average their gradients
+    (HSDP: replicas of the shard groups, when `hsdp`)."""
+    zero = cand.zero
+    ag, rs = comm.allgather(shard, lk.dp), comm.reduce_scatter(shard, lk.dp)
+    if hsdp and lk.dp_replicate is not None:
+        # HSDP: each shard group's reduce-scatter, then the replicas all-reduce their 1/shard
+        ar = comm.allreduce(cand.dp_replicate, lk.dp_replicate)
+        rs = comm.Affine(rs.fixed_s + ar.fixed_s, rs.per_byte_s + ar.per_byte_s / shard)
+    ag, rs = ag.scaled(comm_factor), rs.scaled(comm_factor)
+    rs_or_ar = comm.allreduce(ranks, lk.dp).scaled(comm_factor) if zero <= 1 else rs
+    grad_sync = rs_or_ar if zero <= 1 and ranks > 1 else comm.NONE
+    per_atom = per_param = 0.0
+    in_pipeline = pipelined_fsdp(cand)
+    if in_pipeline:
+        # Once per step: the first forward gathers the stage's weights, the last backward
+        # reduce-scatters its gradients (an all-reduce's volume), overlapped like DDP's sync.
+        # ZeRO-3 also frees the weights after each forward, so each backward gathers them again.
+        grad_sync = comm.Affine(ag.fixed_s + rs.fixed_s, ag.per_byte_s * w / g + rs.per_byte_s)
+        if zero == 3:
+            per_atom, per_param = ag.fixed_s, ag.per_byte_s * w
+    elif zero == 3 and ranks > 1:
+        per_atom = 2 * ag.fixed_s + rs.fixed_s
+        per_param = 2 * ag.per_byte_s * w + rs.per_byte_s * g
+    elif zero == 2 and ranks > 1:
+        per_atom, per_param = rs.fixed_s, rs.per_byte_s * g
+    after = zero in (1, 2) and not in_pipeline
+    return _DPTraffic(grad_sync, rs_or_ar, per_atom, per_param, ag.per_byte_s * w if after else 0.0,
+                      ag.fixed_s if after else 0.0)
 

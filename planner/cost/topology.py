@@ -2,7 +2,7 @@
 
 Ranks are laid out tensor-parallel first, then context-parallel, then data-parallel, then
 pipeline (Megatron-LM's and torchtitan's order, tp fastest): a TP group is `tp` consecutive ranks,
-a CP group strides by `tp`, the dp x cp ranks that hold the same weights (ZeRO's and the gradient
+a CP group strides by `tp`, an EP group is `ep` consecutive dp ranks (inside a node first), the dp x cp ranks that hold the same weights (ZeRO's and the gradient
 average's group) are `tp`-strided too, pipeline neighbours are `tp * cp * dp` ranks apart. A group
 that cannot stay inside one node uses the inter-node network: each of its members in a node
 sends through its own port (one NIC per GPU), so the group's bandwidth is the per-GPU figure
@@ -32,6 +32,9 @@ class Links:
     cp: Link | None = None
     """A context-parallel group (cp ranks strided by tp), None without CP."""
     cp_spans_nodes: bool = False
+    ep: Link | None = None
+    """An expert-parallel group's all-to-all (ep dp ranks strided by tp x cp), None without EP."""
+    ep_spans_nodes: bool = False
 
 
 def _link(cluster: Cluster, group_size: int, spans: bool, members_per_node: int = 1) -> Link:
@@ -43,12 +46,25 @@ def _link(cluster: Cluster, group_size: int, spans: bool, members_per_node: int 
                 measured)
 
 
+def _all_to_all_link(cluster: Cluster, n: int, spans: bool, members_per_node: int) -> Link:
+    """An all-to-all over n GPUs, `members_per_node` of them in each node: each GPU sends 1/n of
+    its data to every other; the (members - 1) / n inside its node go over the node's links, the
+    (n - members) / n to other nodes through its own port (one NIC per GPU, all of them busy at
+    once). Expressed as the one bandwidth that moves (n - 1) / n of the data in that time."""
+    if not spans:
+        return _link(cluster, n, False)
+    m = members_per_node
+    per_byte = (m - 1) / n / cluster.gpu.intra_node_bandwidth_Bps + (n - m) / n / cluster.gpu.inter_node_bandwidth_Bps
+    return Link((n - 1) / n / per_byte, cluster.latency_s(n, True), 0.0)
+
+
 def links(cluster: Cluster, cand: Candidate) -> Links:
     per_node = cluster.gpus_per_node
     shard, rep = cand.dp_shard, cand.dp_replicate
     tp_spans = cand.tp > per_node
     dp_spans = cand.tp * shard > per_node
     cp_spans = cand.cp > 1 and cand.tp * cand.cp > per_node
+    ep_spans = cand.ep > 1 and cand.tp * cand.cp * cand.ep > per_node
     pp_spans = cand.pp > 1 and cand.tp * cand.grad_ranks >= per_node
     # members of one group in a node, whose network ports it uses at once: a TP group fills its
     # nodes; a DP group strides by tp, so a node holds per_node / tp of it (at least one); an
@@ -66,4 +82,7 @@ def links(cluster: Cluster, cand: Candidate) -> Links:
         dp_replicate=_link(cluster, rep, cand.tp * cand.grad_ranks > per_node) if rep > 1 else None,
         cp=_link(cluster, cand.cp, cp_spans, min(cand.cp, max(1, per_node // cand.tp))) if cand.cp > 1 else None,
         cp_spans_nodes=cp_spans,
+        ep=_all_to_all_link(cluster, cand.ep, ep_spans, min(cand.ep, max(1, per_node // (cand.tp * cand.cp))))
+        if cand.ep > 1 else None,
+        ep_spans_nodes=ep_spans,
     )

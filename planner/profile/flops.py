@@ -9,6 +9,8 @@ masking not discounted, as in Megatron's and PaLM's MFU accounting).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils.flop_counter import (
     flop_registry,
@@ -36,6 +38,17 @@ def _register_missing() -> None:
             return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
+    grouped = getattr(aten, "_grouped_mm", None)
+    if grouped is not None and grouped not in flop_registry:
+
+        @register_flop_formula(grouped)
+        def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+            # Mixture-of-experts GEMMs (one weight per group of rows). Every row of `a` meets one
+            # group's (K, N) matrix, whatever the groups: 2 x numel(a) x N, for each layout
+            # (2-D x 3-D, 3-D x 3-D, and the weight gradient's 2-D x 2-D split along the rows).
+            return 2 * math.prod(a_shape) * b_shape[-1]
+
+
 _register_missing()
 
 # Ops without a formula that are cheap by nature (memory-bound: elementwise, normalisation,
@@ -59,7 +72,7 @@ _CHEAP_PREFIXES = (
     "minimum", "lerp", "addcmul", "addcdiv", "_unsafe_index", "im2col", "col2im", "unfold",
     "_foreach", "linalg_vector_norm", "norm", "erf", "logsumexp", "_safe_softmax", "_log_softmax",
     "masked_scatter", "index_put", "polar", "view_as_real", "view_as_complex", "complex",
-    "_efficientzerotensor", "device", "layout", "dim", "size", "stride", "numel", "is_", "ones_like", "zeros_like", "empty_like", "full_like", "new_zeros",
+    "_efficientzerotensor", "nonzero", "histc", "bincount", "one_hot", "argsort", "searchsorted", "device", "layout", "dim", "size", "stride", "numel", "is_", "ones_like", "zeros_like", "empty_like", "full_like", "new_zeros",
 )
 
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -27,6 +28,7 @@ from planner.errors import BadInput
 from planner.model_file import ModelHandle
 import planner.profile.materialize as mat
 from planner.profile.layers import Unit, find_units, group_units, has_params
+from planner.profile.moe import balanced_dispatch, find_moe
 from planner.profile.repeats import MIN_BLOCKS, find_stacks, trace_with_repeats
 from planner.profile.split import meta_trace_split
 from planner.profile.timing import time_units
@@ -62,6 +64,7 @@ def _trace_fake(handle: ModelHandle, dtype: torch.dtype, inputs: Any, targets: A
     of identical ones when that is shown to give the whole trace (repeats.py), else every block."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = mat.build_meta(handle, dtype)
+    balanced_dispatch(model)
     units = find_units(model)
     stacks = find_stacks(model, units, reuse_min_blocks) if reuse_min_blocks is not None else []
     # blocks that no run of the shortcut calls keep their meta tensors (shapes are all it reads)
@@ -79,7 +82,9 @@ def _trace_fake(handle: ModelHandle, dtype: torch.dtype, inputs: Any, targets: A
             if stacks:  # the runs may have changed the model's Python state: start afresh
                 stacks = []
                 fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-                model = mat.build_fake(handle, dtype, fake_mode)
+                model = mat.build_meta(handle, dtype)
+                balanced_dispatch(model)
+                model = mat.make_fake(model, fake_mode)
                 units = find_units(model)
             with fake_mode:
                 f_inputs, f_targets = mat.fake_batch(inputs, fake_mode), mat.fake_batch(targets, fake_mode)
@@ -417,10 +422,48 @@ def _assemble(
             )
         )
     edges = [Edge(src=s, dst=d, num_bytes=b) for (s, d), b in sorted(edge_bytes.items())]
+    for li, figures in _moe_figures(model, [layer.modules for layer in layers], trace.io_bytes).items():
+        layers[li] = replace(layers[li], **figures)
     for li, pos in enumerate(mains):
         is_head = li == num_layers - 1
         layers[li] = replace(layers[li], tp=_tp_info(model, ordered[pos], layers[li].num_params, trace.io_bytes, is_head))
     return layers, edges
+
+
+def _moe_figures(model: torch.nn.Module, layer_modules: list[tuple[str, ...]],
+                 io_bytes: dict[int, tuple[int, int]]) -> dict[int, dict[str, int]]:
+    """Layer index -> its mixture-of-experts fields (LayerProfile.moe_*, expert_params), for the
+    layers holding a block (moe.py). The rows sent to the experts are what the trace's hooks saw
+    enter them (trace.linear_io); top-k is the block's attribute, else those rows over the tokens
+    that entered a Linear router."""
+    out: dict[int, dict[str, int]] = {}
+
+    def layer_of(name: str) -> int | None:
+        """The layer holding module `name`, or the first holding a part of it (its units may be
+        the experts themselves)."""
+        for li, modules in enumerate(layer_modules):
+            if any(m == "" or name == m or name.startswith(m + ".") or m.startswith(name + ".") for m in modules):
+                return li
+        return None
+
+    for block in find_moe(model):
+        li = layer_of(block.experts)
+        if li is None:
+            continue
+        experts = model.get_submodule(block.experts)
+        members = [experts] if block.stacked else list(experts)
+        rows = sum(io_bytes.get(id(m), (0, 0))[0] for m in members)
+        top_k = block.top_k
+        router = model.get_submodule(block.router)
+        routed = io_bytes.get(id(router), (0, 0))[0] if isinstance(router, torch.nn.Linear) else 0
+        if top_k is None and routed:
+            top_k = round(rows / routed)
+        figures = out.setdefault(li, {"moe_experts": 0, "moe_top_k": 0, "expert_params": 0, "moe_dispatch_bytes": 0})
+        figures["moe_experts"] = math.gcd(figures["moe_experts"], block.num_experts)
+        figures["moe_top_k"] = max(figures["moe_top_k"], top_k or 0)
+        figures["expert_params"] += sum(p.numel() for p in experts.parameters())
+        figures["moe_dispatch_bytes"] += rows
+    return out
 
 
 def _tp_info(

@@ -349,7 +349,7 @@ def _grow_io(io_bytes: dict[int, tuple[int, int]], grows: list[_Grow], units: li
         for c in g.clones:
             clone = dict(units[c].module.named_modules())
             for name, m in rep.named_modules():
-                if isinstance(m, _WEIGHTED) and id(m) in io_bytes:
+                if id(m) in io_bytes:
                     out[id(clone[name])] = io_bytes[id(m)]
     return out
 

@@ -40,6 +40,7 @@ from planner.profile.flops import (
     op_name,
 )
 from planner.profile.layers import Unit
+from planner.profile.moe import find_moe
 from planner.profile.tp_plan import find_tp_plan
 
 BEFORE_ANY = -1  # segment of glue that runs before the first unit
@@ -428,7 +429,9 @@ def watch_regions(recorder: _Recorder, colwise: list[torch.nn.Module], rowwise: 
 @contextmanager
 def linear_io(model: torch.nn.Module) -> Iterator[dict[int, tuple[int, int]]]:
     """id(module) -> (input bytes, output bytes), summed over the forward calls of every
-    nn.Linear and nn.Embedding: what tensor parallelism would communicate around them."""
+    nn.Linear and nn.Embedding: what tensor parallelism would communicate around them; and of
+    every mixture-of-experts expert (moe.py: each expert of a list, or a stacked experts module,
+    whose input counts each token once per expert it chose): the rows expert parallelism sends."""
     io_bytes: dict[int, tuple[int, int]] = {}
 
     def record(module, args, output) -> None:
@@ -437,11 +440,24 @@ def linear_io(model: torch.nn.Module) -> Iterator[dict[int, tuple[int, int]]]:
         a, b = io_bytes.get(id(module), (0, 0))
         io_bytes[id(module)] = (a + ins, b + outs)
 
+    def routed(module, args, output) -> None:
+        # a stacked experts module gets each token once with its top-k choices: k rows each
+        rows = tensors_in(args)
+        ins = _nbytes(rows[0]) * (rows[1].shape[-1] if len(rows) > 1 and rows[1].dim() > 1 else 1)
+        a, b = io_bytes.get(id(module), (0, 0))
+        io_bytes[id(module)] = (a + ins, b + sum(_nbytes(t) for t in tensors_in(output)))
+
     handles = [
         m.register_forward_hook(record)
         for m in model.modules()
         if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))
     ]
+    for block in find_moe(model):
+        experts = model.get_submodule(block.experts)
+        if block.stacked:
+            handles.append(experts.register_forward_hook(routed))
+        else:  # an expert that is itself a Linear has its hook already
+            handles += [e.register_forward_hook(record) for e in experts if not isinstance(e, (torch.nn.Linear, torch.nn.Embedding))]
     try:
         yield io_bytes
     finally:

@@ -98,6 +98,18 @@ class LayerProfile:
     attention_kv_bytes: int = 0
     """Bytes of the keys and values those kernels read in forward: what a context-parallel ring
     passes around (each rank's shard to every other rank of the group)."""
+    # -- what expert parallelism splits (mixture-of-experts blocks: moe.py) ----------------------
+    moe_experts: int = 0
+    """Experts of each mixture-of-experts block in this layer (the gcd when its blocks differ;
+    0: none): the expert-parallel degree must divide it."""
+    moe_top_k: int = 0
+    """Experts each token is sent to (the block's top-k: its attribute, else rows / tokens
+    measured); 0 when unknown or no MoE."""
+    expert_params: int = 0
+    """Of num_params, those of the experts: what expert parallelism divides."""
+    moe_dispatch_bytes: int = 0
+    """Bytes of the rows the forward sends into the experts (each token once per expert it
+    chose), for the profiled batch: what each of expert parallelism's all-to-alls moves."""
 
 
 @dataclass(frozen=True)

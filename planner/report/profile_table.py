@@ -77,5 +77,18 @@ def render_profile(profile: ModelProfile, console: Console | None = None) -> Non
         kv = sum(l.attention_kv_bytes for l in profile.layers)
         console.print(f"context parallelism: can split the sequence ({profile.seq_len}); its ring passes "
                       f"{fmt_bytes(kv)} of keys and values per batch (every attention layer's)")
+    moe = [l for l in profile.layers if l.moe_experts]
+    if moe:
+        experts = sum(l.expert_params for l in moe)
+        top_k = max(l.moe_top_k for l in moe)
+        per_expert = sum(l.moe_dispatch_bytes for l in moe) / len(moe) / moe[0].moe_experts
+        tokens = profile.batch_size * profile.seq_len * top_k / moe[0].moe_experts if profile.seq_len and top_k else None
+        console.print(
+            f"mixture of experts: {len(moe)} layers of {moe[0].moe_experts} experts"
+            + (f", top {top_k} per token" if top_k else "")
+            + f"; the experts hold {short(experts)} parameters ({experts / max(t.num_params, 1):.0%}), "
+            f"{short(experts / len(moe) / moe[0].moe_experts)} each; each expert receives "
+            + (f"{tokens:,.0f} tokens ({fmt_bytes(per_expert)})" if tokens else fmt_bytes(per_expert))
+            + " per batch on average (what expert parallelism's all-to-alls move)")
     for w in profile.warnings:
         console.print(f"[yellow]warning:[/yellow] {w}")

@@ -24,7 +24,7 @@ def compact_plan(p: Point) -> str:
     if not p.fits or p.detail is None:
         return p.plan
     par = p.detail.parallel
-    cp = f" cp={par.cp}" if par.cp > 1 else ""
+    cp = (f" cp={par.cp}" if par.cp > 1 else "") + (f" ep={par.ep}" if par.ep > 1 else "")
     text = f"dp={par.dp} tp={par.tp} pp={par.pp}{cp} mb {par.micro_batch}x{par.num_microbatches} ZeRO-{par.zero}"
     if par.pp > 1:
         text += " " + {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": f"interleaved x{par.virtual_stages}"}[par.schedule]

@@ -37,7 +37,7 @@ def parallel_of(s: Scored) -> Parallel:
         dp=c.dp, tp=c.tp, pp=c.pp, micro_batch=c.micro_batch, num_microbatches=c.num_microbatches,
         zero=c.zero, schedule=c.schedule, virtual_stages=c.virtual_stages,
         recompute=recompute_label(s.partition.choice), sequence_parallel=c.sequence_parallel, dp_replicate=c.dp_replicate,
-        tp_overlap=c.tp_overlap, cp=c.cp,
+        tp_overlap=c.tp_overlap, cp=c.cp, ep=c.ep,
     )
 
 
@@ -45,12 +45,13 @@ def breakdown(s: Scored) -> dict[str, float]:
     """Seconds per step on the slowest rank, by cause."""
     ev, m = s.evaluation, s.cand.num_microbatches
     d = max(ev.devices, key=lambda x: x.time_per_microbatch_s)
-    busy = d.compute_s + d.recompute_s + d.tp_comm_s + d.cp_comm_s + d.p2p_s
+    busy = d.compute_s + d.recompute_s + d.tp_comm_s + d.cp_comm_s + d.ep_comm_s + d.p2p_s
     return {
         "compute": m * d.compute_s,
         "recompute": m * d.recompute_s,
         "tp_comm": m * d.tp_comm_s,
         "cp_comm": m * d.cp_comm_s,
+        "ep_comm": m * d.ep_comm_s,
         "pp_comm": m * d.p2p_s,
         "dp_comm": m * max(0.0, d.time_per_microbatch_s - busy) + max(x.sync_s for x in ev.devices) - _optimizer_s(s),
         "optimizer": _optimizer_s(s),
@@ -123,14 +124,14 @@ def binding_of(s: Scored, limit: int) -> str:
     d = max(ev.devices, key=lambda x: x.total_bytes)
     b = breakdown(s)
     step = ev.step_time_s
-    comm = b["tp_comm"] + b["cp_comm"] + b["pp_comm"] + b["dp_comm"]
+    comm = b["tp_comm"] + b["cp_comm"] + b["ep_comm"] + b["pp_comm"] + b["dp_comm"]
     if d.total_bytes > 0.9 * limit:
         where = f"rank {d.rank}" if s.cand.pp > 1 else "each GPU"
         return f"memory: {where} holds {fmt_bytes(d.total_bytes)} of {fmt_bytes(limit)}"
     if b["bubble"] > 0.15 * step:
         return f"the pipeline bubble: {b['bubble'] / step:.0%} of the step idle"
     if comm > 0.25 * step:
-        parts = ", ".join(f"{k} {fmt_seconds(b[key])}" for k, key in (("TP", "tp_comm"), ("CP", "cp_comm"), ("PP", "pp_comm"), ("DP", "dp_comm")) if b[key] > 0)
+        parts = ", ".join(f"{k} {fmt_seconds(b[key])}" for k, key in (("TP", "tp_comm"), ("CP", "cp_comm"), ("EP", "ep_comm"), ("PP", "pp_comm"), ("DP", "dp_comm")) if b[key] > 0)
         return f"communication: {comm / step:.0%} of the step ({parts})"
     return f"compute: {(b['compute'] + b['recompute']) / step:.0%} of the step is math"
 
@@ -144,6 +145,7 @@ def _why_slower(alt: Scored, best: Scored) -> str:
         "recompute": "recomputing activations to fit",
         "tp_comm": "tensor-parallel all-reduces",
         "cp_comm": "context-parallel key/value exchanges",
+        "ep_comm": "expert-parallel token all-to-alls",
         "pp_comm": "pipeline sends",
         "dp_comm": "data-parallel gradient and parameter traffic",
         "optimizer": "a larger optimizer step per GPU",
@@ -171,7 +173,7 @@ def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int
     lines = []
     c = best.cand
     dp_plan = result.data_parallel
-    split = c.tp > 1 or c.pp > 1 or c.cp > 1
+    split = c.tp > 1 or c.pp > 1 or c.cp > 1 or c.ep > 1
     if dp_plan is None and result.data_parallel_need_bytes is None:
         lines.append(f"Plain data parallelism cannot run: {_no_data_parallel(best, cluster)}; so the model is "
                      "split across GPUs.")
@@ -217,6 +219,10 @@ def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int
         lines.append(_context_parallel_line(best, profile))
     elif profile.cp_blocker and profile.seq_len and split:
         lines.append(f"Context parallelism was not considered: this model cannot run it, {profile.cp_blocker}.")
+    if c.ep > 1:
+        lines.append(_expert_parallel_line(best, profile))
+    elif profile_experts(profile) and c.dp > 1:
+        lines.append(_no_expert_parallel_line(result, best, profile))
     if c.pp > 1:
         lines.append(
             f"The pipeline has {c.pp} stages and {c.num_microbatches} micro-batches"
@@ -256,6 +262,39 @@ def _context_parallel_line(best: Scored, profile: ModelProfile) -> str:
             f"the tokens and their activations, and attention passes keys and values around a ring; the exchange "
             f"not hidden behind attention costs {fmt_seconds(breakdown(best)['cp_comm'])} per step. Gradients are "
             f"averaged over dp x cp = {c.grad_ranks} GPUs.")
+
+
+def profile_experts(profile: ModelProfile) -> tuple[int, int, int, int]:
+    """(MoE layers, experts per block, top-k, expert parameters) of the profile; zeros without MoE."""
+    moe = [l for l in profile.layers if l.moe_experts]
+    if not moe:
+        return ()  # type: ignore[return-value]
+    return len(moe), moe[0].moe_experts, max(l.moe_top_k for l in moe), sum(l.expert_params for l in moe)
+
+
+def _expert_parallel_line(best: Scored, profile: ModelProfile) -> str:
+    c = best.cand
+    layers, experts, top_k, params = profile_experts(profile)
+    where = "across nodes" if best.costs.links.ep_spans_nodes else "inside a node"
+    share = params / profile.num_params if profile.num_params else 0.0
+    k = f"its top {top_k}" if top_k else "the experts it chose"
+    return (f"Expert parallelism over {c.ep} GPUs {where}: each GPU holds {experts // c.ep} of the {experts} experts of "
+            f"each of the {layers} mixture-of-experts layers ({share:.0%} of the parameters, 1/{c.ep} of them per GPU), "
+            f"and each token goes to {k} and back by two all-to-alls per layer in forward and two in backward, "
+            f"{fmt_seconds(breakdown(best)['ep_comm'])} per step. Each expert's gradients are averaged over the "
+            f"{c.expert_replicas} GPUs that hold it" + (f", and ZeRO-{c.zero} shards its state over them" if c.zero else "") + ".")
+
+
+def _no_expert_parallel_line(result: SearchResult, best: Scored, profile: ModelProfile) -> str:
+    """Why a mixture-of-experts model runs without EP: the best plan with it, and what it loses on."""
+    with_ep = [s for s in result.ranked if s.cand.ep > 1]
+    if with_ep:
+        alt = with_ep[0]
+        return (f"Expert parallelism ({parallel_of(alt).one_line()}) is predicted {fmt_seconds(alt.step_time_s)} per "
+                f"step: it loses on {_why_slower(alt, best)}" if alt.step_time_s >= best.step_time_s else
+                f"Expert parallelism ({parallel_of(alt).one_line()}) would gain {1 - alt.step_time_s / best.step_time_s:.1%}, "
+                "less than the margin a more complex plan must gain") + "; every GPU holds all the experts."
+    return "Expert parallelism was not chosen: every GPU holds all the experts (no plan with it ranked among the best)."
 
 
 def _what_would_change(best: Scored, limit: int) -> list[str]:

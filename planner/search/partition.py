@@ -193,24 +193,24 @@ def solve_partition(
     step_time = lambda atom, k: (atom.fwd_s + atom.bwd_s + atom.extra_s[k]) * sc  # noqa: E731
     backward = lambda atom, k: atom.bwd_s * sc  # noqa: E731
     params_of = lambda atom, k: atom.params  # noqa: E731
+    experts_of = lambda atom, k: atom.expert_params  # noqa: E731
     kept = lambda atom, k: atom.act_bytes[k]  # noqa: E731
     one = lambda atom, k: 1  # noqa: E731
 
     M = _var(prob, "M", 0)
     U = _var(prob, "U", 0)
     T = {}
-    g_b = costs.grad_bytes
     dp = cand.dp
     e = comm.OVERLAP_EFFICIENCY
-    per_param_bytes = sum(costs.state_bytes_per_param())
     for i in range(p):
         T[i] = _var(prob, f"T_{i}", 0)
         params = rank_sum(i, params_of)
+        experts = rank_sum(i, experts_of) if cand.ep > 1 else 0.0
         # [Time]
         latency = costs.mb_comm_atom_s * sc * rank_sum(i, one) if costs.mb_comm_atom_s else 0
         busy = rank_sum(i, step_time) + costs.p2p_s * sc * (S // p)
         if costs.mb_comm_param_s:  # ZeRO-2/3 bytes per micro-batch, overlapped with compute (comm.overlapped_s)
-            dp_bytes = costs.mb_comm_param_s * sc * params
+            dp_bytes = costs.mb_comm_s(params, experts) * sc
             prob += T[i] >= busy + (1 - e) * dp_bytes + latency, f"time_{i}"
             prob += T[i] >= dp_bytes + (1 - e) * busy + latency, f"dp_mb_{i}"
         else:
@@ -218,7 +218,7 @@ def solve_partition(
         prob += M >= T[i]
         # [Memory]
         memory = (
-            params * per_param_bytes
+            sum(costs.state_bytes(params, experts))
             + costs.inflight[i] * rank_sum(i, kept)
             + costs.working_bytes
             + costs.zero3_gather_bytes
@@ -226,14 +226,14 @@ def solve_partition(
         # in GiB: byte-sized coefficients next to time-sized ones hurt the solver's tolerances
         prob += ((1 + FRAGMENTATION) * memory + costs.reserve_fixed_bytes) * (1 / GIB) <= costs.limit_bytes / GIB, f"memory_{i}"
         # [Sync]
-        sync = (costs.after_step_param_s + costs.optimizer_s_per_param) * sc * params
+        sync = costs.after_step_s(params, experts) * sc
         if costs.after_step_atom_s:
             sync = sync + costs.after_step_atom_s * sc * rank_sum(i, one)
         if dp > 1:
             X = _var(prob, f"X_{i}", 0)
             prob += X >= costs.tail_s * sc
             if costs.grad_sync.per_byte_s:  # comm.exposed_after_s over one micro-batch's backward
-                sync_s = (costs.grad_sync.fixed_s + costs.grad_sync.per_byte_s * g_b * params) * sc
+                sync_s = costs.grad_sync_s(params, experts) * sc
                 prob += X >= sync_s - e * rank_sum(i, backward)
                 prob += X >= (1 - e) * sync_s
             sync = sync + X

@@ -51,7 +51,7 @@ SCHEDULE_ORDER = ("1f1b", "gpipe", "interleaved")
 
 def margin(c: Candidate) -> float:
     """The share of its step time a plan must save to beat plain data parallelism."""
-    split = SPLIT_MARGIN if c.tp * c.pp * c.cp > 1 else 0.0
+    split = SPLIT_MARGIN if c.tp * c.pp * c.cp * c.ep > 1 else 0.0
     chunks = c.virtual_stages - 1 if c.schedule == "interleaved" and c.pp > 1 else 0
     return split + (CP_MARGIN if c.cp > 1 else 0.0) + ZERO_MARGIN * c.zero + CHUNK_MARGIN * chunks
 
@@ -85,11 +85,11 @@ class Scored:
 
 
 def _shape(c: Candidate) -> tuple:
-    return (c.dp, c.tp, c.pp, c.cp, c.schedule if c.pp > 1 else "")
+    return (c.dp, c.tp, c.pp, c.cp, c.ep, c.schedule if c.pp > 1 else "")
 
 
 def _simplicity(c: Candidate) -> tuple:
-    return (c.tp * c.pp * c.cp, c.zero, c.virtual_stages, -c.micro_batch, c.pp, SCHEDULE_ORDER.index(c.schedule),
+    return (c.tp * c.pp * c.cp * c.ep, c.zero, c.virtual_stages, -c.micro_batch, c.pp, SCHEDULE_ORDER.index(c.schedule),
             not c.sequence_parallel, c.dp_replicate)
 
 
@@ -189,7 +189,7 @@ def run_search(
     tables: dict[tuple[int, int, bool], tuple] = {}
 
     def costs_of(cand: Candidate) -> StageCosts:
-        key = (cand.tp, cand.micro_batch, cand.sequence_parallel, cand.tp_overlap, cand.cp)
+        key = (cand.tp, cand.micro_batch, cand.sequence_parallel, cand.tp_overlap, cand.cp, cand.ep)
         if key not in tables:
             tables[key] = atom_table(profile, cluster, training, *key[:2], cpu_factor, *key[2:])
         return stage_costs(profile, cluster, training, cand, cpu_factor, atoms=tables[key])
@@ -252,9 +252,9 @@ def _min_need(result: SearchResult, survivors: list[tuple[float, StageCosts]], l
 
 def _data_parallel_baseline(result, profile, cluster, training, costs_of, solver, num_atoms) -> None:
     """The best plain data-parallel plan (tp = pp = 1, ZeRO-0), or the memory it would need."""
-    dp_only = Fixed(tp=1, pp=1, zero=0, cp=1)
+    dp_only = Fixed(tp=1, pp=1, zero=0, cp=1, ep=1)
     for s in result.ranked:
-        if (s.cand.tp, s.cand.pp, s.cand.cp, s.cand.zero) == (1, 1, 1, 0):
+        if (s.cand.tp, s.cand.pp, s.cand.cp, s.cand.ep, s.cand.zero) == (1, 1, 1, 1, 0):
             result.data_parallel = s
             return
     best: Scored | None = None

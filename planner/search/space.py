@@ -41,6 +41,7 @@ class Fixed:
     pp: int | None = None
     dp: int | None = None
     cp: int | None = None
+    ep: int | None = None
     micro_batch: int | None = None
     zero: int | None = None
     schedule: str | None = None
@@ -91,6 +92,7 @@ def candidates(
     stats: SpaceStats,
 ) -> Iterator[Candidate]:
     check_fixed_cp(profile, fixed)
+    check_fixed_ep(profile, fixed)
     for tp in divisors(num_gpus):
         if fixed.tp is not None and tp != fixed.tp:
             continue
@@ -123,6 +125,7 @@ def candidates(
                 if fixed.micro_batch is not None:  # a non-power-of-two the user asked for, too
                     sizes = [fixed.micro_batch] if per_replica % fixed.micro_batch == 0 else []
                 replicas = _hsdp_replicas(tp, dp, cp, gpus_per_node, fixed, stats)
+                eps = _expert_parallel(profile, tp, cp, dp, fixed, stats)
                 for sp in sp_choices:
                     for b in sizes:
                         if cp > 1 and math.gcd(cp, b) > 1 and fixed.cp is None and fixed.dp is None and fixed.micro_batch is None:
@@ -131,8 +134,9 @@ def candidates(
                             continue
                         for cand in _schedules(tp, pp, dp, b, per_replica // b, num_atoms, fixed, stats, cp):
                             for rep in replicas if cand.zero >= 2 else [] if fixed.hsdp else [1]:
-                                yield replace(cand, sequence_parallel=sp, dp_replicate=rep,
-                                              tp_overlap=bool(fixed.tp_overlap) and sp)
+                                for ep in eps if rep == 1 else [1]:
+                                    yield replace(cand, sequence_parallel=sp, dp_replicate=rep,
+                                                  tp_overlap=bool(fixed.tp_overlap) and sp, ep=ep)
 
 
 def cp_blocker(profile: ModelProfile) -> str:
@@ -165,6 +169,45 @@ def _context_parallel(profile: ModelProfile, most: int, fixed: Fixed) -> list[in
         return [1]
     seq = profile.seq_len or 0
     return [c for c in divisors(most) if c == 1 or seq % (2 * c) == 0]
+
+
+def moe_experts(profile: ModelProfile) -> int:
+    """The experts of the model's mixture-of-experts blocks (their gcd when they differ; 0: none)."""
+    return math.gcd(*(layer.moe_experts for layer in profile.layers))
+
+
+def check_fixed_ep(profile: ModelProfile, fixed: Fixed) -> None:
+    """BadInput when --ep asks for a split the model cannot take."""
+    if fixed.ep is None or fixed.ep == 1:
+        return
+    experts = moe_experts(profile)
+    if not experts:
+        raise BadInput(f"--ep {fixed.ep}: expert parallelism needs mixture-of-experts blocks and this model has none "
+                       "(a router and a list of identical experts, or stacked expert weights)")
+    if experts % fixed.ep:
+        raise BadInput(f"--ep {fixed.ep}: the {experts} experts of each mixture-of-experts block do not split evenly "
+                       f"over {fixed.ep} ranks")
+    for flag, value in (("--tp", fixed.tp), ("--cp", fixed.cp)):
+        if value is not None and value > 1:
+            raise BadInput(f"--ep {fixed.ep} with {flag} {value}: expert parallelism runs with data and pipeline "
+                           "parallelism only (tp = cp = 1)")
+
+
+def _expert_parallel(profile: ModelProfile, tp: int, cp: int, dp: int, fixed: Fixed, stats: SpaceStats) -> list[int]:
+    """EP degrees: 1, and on a model with mixture-of-experts blocks each divisor of their experts
+    that divides dp, without TP or CP (as the runtime runs it)."""
+    experts = moe_experts(profile)
+    wanted = [fixed.ep] if fixed.ep is not None else divisors(experts) if experts else [1]
+    out = []
+    for ep in wanted:
+        if ep > 1 and dp % ep:
+            if fixed.ep is not None:
+                stats.reject(f"ep={ep} must divide dp={dp}")
+        elif ep > 1 and (tp > 1 or cp > 1):
+            stats.reject("expert parallelism with tensor or context parallelism (the runtime does not run it)")
+        else:
+            out.append(ep)
+    return out
 
 
 def _hsdp_replicas(tp: int, dp: int, cp: int, gpus_per_node: int, fixed: Fixed, stats: SpaceStats) -> list[int]:
@@ -245,8 +288,7 @@ def memory_lower_bound(costs: StageCosts, recompute: str | None = None) -> float
     """
     cand = costs.cand
     k = FULL if recompute is None else KIND_OF[recompute]
-    per_param = sum(costs.state_bytes_per_param())
-    state = sum(a.params for a in costs.atoms) * per_param
+    state = sum(costs.state_bytes(sum(a.params for a in costs.atoms), sum(a.expert_params for a in costs.atoms)))
     act = sum(min(a.act_bytes[k], a.act_bytes[NONE]) for a in costs.atoms)
     infl = costs.inflight
     h = sum(1 / x for x in infl)
@@ -269,6 +311,7 @@ def time_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
     p, v = cand.pp, cand.virtual_stages if cand.schedule == "interleaved" else 1
     atoms_per_rank = len(costs.atoms) / p
     params = sum(a.params for a in costs.atoms) / p
+    experts = sum(a.expert_params for a in costs.atoms) / p
     latency = costs.mb_comm_atom_s * atoms_per_rank
     sends = costs.p2p_s * (cand.num_stages // p)
     # the slowest rank: at least the average, and (without interleaving) at least the best
@@ -276,9 +319,9 @@ def time_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
     slowest = total / p + latency
     if v == 1 and p > 1:  # the collectives' latency goes with each atom, wherever it lands
         slowest = max(slowest, min_max_split([t + costs.mb_comm_atom_s for t in times], p))
-    slowest = max(slowest + sends, costs.mb_comm_param_s * params + latency)
+    slowest = max(slowest + sends, costs.mb_comm_s(params, experts) + latency)
     pipeline = (cand.num_microbatches - 1 / v) * slowest + (total + p * (sends + latency)) / v
-    sync = (costs.tail_s if cand.grad_ranks > 1 else 0.0) + (costs.after_step_param_s + costs.optimizer_s_per_param) * params
+    sync = (costs.tail_s if cand.grad_ranks > 1 else 0.0) + costs.after_step_s(params, experts)
     sync += costs.after_step_atom_s * atoms_per_rank
     return pipeline + sync
 

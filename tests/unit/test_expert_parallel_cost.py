@@ -1,0 +1,225 @@
+"""Mixture-of-experts models in the profile, the cost model and the search, each figure on a case
+computed by hand: which blocks are found (a router and a list of identical experts, or stacked
+expert weights), the rows sent to the experts, expert parallelism's all-to-alls, the experts'
+weights divided by ep and their state sharded over the ranks that hold the same experts, and
+the search's choices and refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import planner.profile.flops  # noqa: F401  (registers the formulas)
+from planner.cli import main
+from planner.cost import comm
+from planner.cost.setup import Candidate, Training
+from planner.cost.stage_costs import atom_table, stage_costs
+from planner.cost.topology import links
+from planner.hardware import make_cluster
+from planner.model_file import load_model_file
+from planner.profile.moe import find_moe
+from planner.profile.profiler import profile_model
+from tests.conftest import EXAMPLES
+
+GIB = 2**30
+DIM, FFN, EXPERTS, SEQ = 64, 128, 8, 64  # examples/moe.py's CONFIG
+
+
+@pytest.fixture(scope="module")
+def moe():
+    """examples/moe.py (2 layers of 8 SwiGLU experts, top 2), batch 4, on fake tensors."""
+    return profile_model(load_model_file(EXAMPLES / "moe.py"), batch_size=4, dtype="bf16", measure=False)
+
+
+def test_blocks_are_found_by_structure():
+    import sys
+
+    sys.path.insert(0, str(EXAMPLES))
+    import llama
+    import moe as moe_example
+
+    blocks = find_moe(moe_example.build_model())
+    assert [(b.name, b.experts, b.router, b.num_experts, b.stacked, b.top_k) for b in blocks] == [
+        (f"layers.{i}.moe", f"layers.{i}.moe.experts", f"layers.{i}.moe.gate", 8, False, 2) for i in range(2)]
+    assert find_moe(llama.build_model()) == []
+
+
+def test_hugging_face_stacked_experts_are_found():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2)
+    blocks = find_moe(transformers.MixtralForCausalLM(cfg))
+    assert [(b.experts, b.router, b.num_experts, b.stacked, b.top_k) for b in blocks] == [
+        (f"model.layers.{i}.mlp.experts", f"model.layers.{i}.mlp.gate", 4, True, 2) for i in range(2)]
+
+
+def test_profile_records_experts_and_the_rows_they_receive(moe):
+    layers = [l for l in moe.layers if l.moe_experts]
+    assert len(layers) == 2
+    layer = layers[0]
+    assert (layer.moe_experts, layer.moe_top_k) == (EXPERTS, 2)
+    assert layer.expert_params == EXPERTS * 3 * DIM * FFN
+    # 4 sequences x 64 tokens, each sent to 2 experts: rows of 64 bf16 values
+    assert layer.moe_dispatch_bytes == 4 * SEQ * 2 * DIM * 2
+
+
+def test_fake_and_real_traces_count_the_same_expert_work(moe):
+    """On fake tensors the experts get an even share of the tokens x top-k rows (the user's
+    routing reads values); any routing sends that many rows, so the FLOPs are the real trace's."""
+    real = profile_model(load_model_file(EXAMPLES / "moe.py"), batch_size=4, dtype="bf16", measure=True, repeats=1)
+    assert moe.mode == "meta" and real.mode == "materialized"
+    for a, b in zip(moe.layers, real.layers):
+        assert (a.fwd_flops, a.bwd_flops, a.moe_dispatch_bytes) == (b.fwd_flops, b.bwd_flops, b.moe_dispatch_bytes)
+        assert a.activation_bytes == pytest.approx(b.activation_bytes, rel=0.05)
+
+
+def test_top_k_is_measured_when_no_attribute_names_it(model_file):
+    path = model_file("""
+        import torch, torch.nn as nn, torch.nn.functional as F
+        class MoE(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.router = nn.Linear(16, 4, bias=False)
+                self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+            def forward(self, x):
+                h = x.reshape(-1, 16)
+                w, idx = torch.topk(F.softmax(self.router(h), -1), 3, -1)
+                out = torch.zeros_like(h)
+                for e, ex in enumerate(self.experts):
+                    tok, slot = torch.where(idx == e)
+                    out.index_add_(0, tok, ex(h[tok]) * w[tok, slot, None])
+                return out.reshape(x.shape)
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(32, 16)
+                self.moe = MoE()
+                self.head = nn.Linear(16, 32)
+            def forward(self, x):
+                return self.head(self.moe(self.emb(x)))
+        def build_model():
+            return M()
+        def sample_batch(n):
+            ids = torch.randint(0, 32, (n, 9))
+            return ids[:, :-1], ids[:, 1:]
+    """)
+    profile = profile_model(load_model_file(path), batch_size=2, dtype="fp32", measure=False)
+    layer = next(l for l in profile.layers if l.moe_experts)
+    assert (layer.moe_experts, layer.moe_top_k) == (4, 3)
+    assert layer.moe_dispatch_bytes == 2 * 8 * 3 * 16 * 4
+
+
+def test_grouped_mm_flops():
+    """Every row meets one group's (K, N) matrix: 2 x rows x K x N, however the rows are grouped."""
+    x, w = torch.randn(10, 16), torch.randn(4, 16, 32)
+    offs = torch.tensor([3, 5, 5, 10], dtype=torch.int32)
+    with FlopCounterMode(display=False) as counter:
+        torch._grouped_mm(x, w, offs=offs)
+    assert counter.get_total_flops() == 2 * 10 * 16 * 32
+
+
+def test_ep_adds_four_all_to_alls_and_divides_the_experts(moe):
+    """ep = 4 on 4 GPUs of a node: each MoE layer sends its rows to the experts and back (two
+    all-to-alls of moe_dispatch_bytes per micro-batch, 3/4 of them leaving the GPU), and again
+    for the gradients in backward; nothing else changes per micro-batch; the device holds 1/4 of
+    the experts and all the rest."""
+    cluster = make_cluster("h100-sxm-80gb", 4)
+    training = Training("bf16", "adamw", 16, 80 * GIB)
+    one = atom_table(moe, cluster, training, 1, 2)
+    four = atom_table(moe, cluster, training, 1, 2, ep=4)
+    link = links(cluster, Candidate(1, 1, 4, 2, 1, 0, "1f1b", ep=4)).ep
+    a2a = comm.all_to_all(4, link)
+    for a, b in zip(one, four):
+        layer = moe.layers[a.first]
+        rows = layer.moe_dispatch_bytes * 2 / moe.batch_size
+        expect = 4 * a2a(rows) if layer.moe_experts else 0.0
+        assert b.ep_comm_s == pytest.approx(expect)
+        assert b.fwd_s + b.bwd_s == pytest.approx(a.fwd_s + a.bwd_s + expect)
+        assert b.act_bytes == a.act_bytes
+        assert b.params == pytest.approx(layer.num_params - layer.expert_params * 3 / 4)
+        assert b.expert_params == pytest.approx(layer.expert_params / 4)
+    # the all-to-all: (n - 1) / n of the bytes over the node's links
+    assert a2a(1e9) == pytest.approx(a2a.fixed_s + 0.75e9 / (cluster.gpu.intra_node_bandwidth_Bps * comm.LINK_EFFICIENCY))
+
+
+def test_an_ep_group_across_nodes_uses_each_gpu_s_port():
+    """ep = 8 with 4 GPUs a node: 3/8 of each GPU's rows stay in its node, 4/8 cross the network
+    through its own port."""
+    cluster = make_cluster("h100-sxm-80gb", 8, gpus_per_node=4)
+    lk = links(cluster, Candidate(1, 1, 8, 1, 1, 0, "1f1b", ep=8))
+    assert lk.ep_spans_nodes
+    gpu = cluster.gpu
+    seconds = 3 / 8 / gpu.intra_node_bandwidth_Bps + 4 / 8 / gpu.inter_node_bandwidth_Bps
+    assert lk.ep.bandwidth_Bps == pytest.approx((7 / 8) / seconds)
+
+
+def test_expert_state_is_sharded_over_the_ranks_that_hold_the_same_experts(moe):
+    """dp = 4, ep = 2, ZeRO-1: the dense parameters' optimizer state over 4 ranks, the experts'
+    (half of them on each GPU) over the 2 that hold the same experts; weights and gradients whole."""
+    cluster = make_cluster("h100-sxm-80gb", 4)
+    training = Training("bf16", "adamw", 16, 80 * GIB)
+    cand = Candidate(1, 1, 4, 2, 2, 1, "1f1b", ep=2)
+    costs = stage_costs(moe, cluster, training, cand)
+    experts = sum(l.expert_params for l in moe.layers)
+    dense = moe.num_params - experts
+    w, g, o = costs.state_bytes(sum(a.params for a in costs.atoms), sum(a.expert_params for a in costs.atoms))
+    assert w == pytest.approx(2 * (dense + experts / 2))
+    assert g == pytest.approx(2 * (dense + experts / 2))
+    assert o == pytest.approx(12 * (dense / 4 + experts / 2 / 2))
+    # ZeRO-0: the experts' gradients are all-reduced over 2 ranks, the rest over 4
+    ddp = stage_costs(moe, cluster, training, Candidate(1, 1, 4, 2, 2, 0, "1f1b", ep=2))
+    dp_link = ddp.links.dp
+    assert ddp.expert_grad_sync_per_byte_s == pytest.approx(comm.allreduce(2, dp_link).per_byte_s)
+    assert ddp.grad_sync.per_byte_s == pytest.approx(comm.allreduce(4, dp_link).per_byte_s)
+
+
+def test_plan_runs_ep_where_asked_and_explains_it(tmp_path):
+    out = tmp_path / "plan.json"
+    assert main([str(EXAMPLES / "moe.py"), "--gpu", "cpu", "--gpus", "4", "--global-batch", "8", "--ep", "2",
+                 "-o", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["parallel"]["ep"] == 2 and plan["parallel"]["dp"] == 4
+    assert plan["predicted"]["breakdown_s"]["ep_comm"] > 0
+    assert any(line.startswith("Expert parallelism over 2 GPUs") for line in plan["explanation"])
+
+
+@pytest.mark.parametrize("args,message", [
+    (["llama.py", "--ep", "2"], "--ep 2: expert parallelism needs mixture-of-experts blocks and this model has none"),
+    (["moe.py", "--ep", "3"], "--ep 3: the 8 experts of each mixture-of-experts block do not split evenly over 3 ranks"),
+    (["moe.py", "--ep", "2", "--tp", "2"], "expert parallelism runs with data and pipeline parallelism only"),
+    (["moe.py", "--ep", "4", "--dp", "2"], "--ep 4: expert parallelism splits the experts over data-parallel ranks"),
+])
+def test_bad_ep_is_refused_in_one_line(args, message, capsys):
+    name, *flags = args
+    code = main([str(EXAMPLES / name), "--gpu", "cpu", "--gpus", "4", "--global-batch", "8", *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_search_picks_ep_for_a_large_moe_model(model_file, tmp_path):
+    """Mixtral 8x7B's layers (4 of them) on 16 H100s: without EP every GPU holds (or gathers, under
+    ZeRO-3) all 8 experts; with it, 1/ep of them, their tokens sent by all-to-all inside a node."""
+    pytest.importorskip("transformers")
+    path = model_file("""
+        import torch
+        from transformers import MixtralConfig, MixtralForCausalLM
+        CONFIG = MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
+                               num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                               num_experts_per_tok=2, use_cache=False)
+        def build_model():
+            return MixtralForCausalLM(CONFIG)
+        def sample_batch(n):
+            ids = torch.randint(0, 32000, (n, 4097))
+            return ids[:, :-1], ids[:, 1:]
+    """)
+    out = tmp_path / "plan.json"
+    assert main([str(path), "--gpu", "h100-sxm-80gb", "--gpus", "16", "--global-batch", "64", "--memory-limit", "40",
+                 "-o", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["parallel"]["ep"] > 1
+    assert any(line.startswith(f"Expert parallelism over {plan['parallel']['ep']} GPUs inside a node")
+               for line in plan["explanation"])
