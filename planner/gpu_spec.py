@@ -31,6 +31,10 @@ def _loglog(points: list[tuple[int, float]], x: int) -> float:
     return float(x)
 
 
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+"""What `plan calibrate` measures between processes, in its tables' order (comm.py costs each)."""
+
+
 @dataclass(frozen=True)
 class GPUSpec:
     """One accelerator: peaks, memory and links, all in SI units (FLOP/s, bytes, B/s, s)."""
@@ -69,8 +73,8 @@ class GPUSpec:
     the threads, than in one process with all of them), measured; empty: assumed proportional."""
     collectives: tuple[tuple[int, str, float, float], ...] = ()
     """The local CPU after `plan calibrate --gpu cpu`: (processes, kind, latency s, bus bandwidth
-    B/s) of gloo's all_reduce, all_gather, reduce_scatter and p2p among that many local processes,
-    fitted over message sizes; empty: the intra/inter-node figures for every group."""
+    B/s) of gloo's collectives (COLLECTIVE_KINDS) among that many local processes, fitted over
+    message sizes; empty: the intra/inter-node figures for every group."""
 
     phase_factors: tuple[tuple[str, float], ...] = ()
     """Refit from run reports (`plan calibrate --from-run`): (phase, measured / predicted) for

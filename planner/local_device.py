@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from planner.errors import PlanError
-from planner.gpu_spec import GPUSpec
+from planner.gpu_spec import COLLECTIVE_KINDS, GPUSpec
 
 CACHE_VERSION = 1
 MATMUL_SIZES = (1024, 2048)
@@ -329,7 +329,7 @@ def store_calibration(results: list[dict[str, Any]]) -> GPUSpec:
     for r in results:
         entry: dict[str, Any] = {"step_s": r["step_s"], "slowdown": r["step_s"] / single["step_s"], "collectives": {
             kind: {k: r[kind][k] for k in ("latency_s", "busbw_Bps")}
-            for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p") if kind in r
+            for kind in COLLECTIVE_KINDS if kind in r
         }}
         counts[str(r["processes"])] = entry
     # phase factors refit against the old figures are dropped: refit again from new runs

@@ -121,6 +121,7 @@ def measure(device: torch.device) -> dict[str, Any]:
                     "all_reduce": lambda: dist.all_reduce(whole),
                     "all_gather": lambda: dist.all_gather_into_tensor(whole, part),
                     "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole),
+                    "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(whole), whole),
                     "p2p": lambda: _exchange(whole, rank, peer),
                 }[kind]
                 seconds.append(_median_s(op, sync=sync))
@@ -143,6 +144,7 @@ COLLECTIVES: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,  # nccl-tests' bus bandwidth: bytes x this / seconds
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,  # each rank keeps 1/n of its buffer
     "p2p": lambda n: 2.0,  # a message each way, one after the other
 }
 

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from planner.cli_args import _Parser, _positive_float, _positive_int
 from planner.errors import BadInput
+from planner.gpu_spec import COLLECTIVE_KINDS
 
 
 def _run_parser() -> argparse.ArgumentParser:
@@ -122,11 +123,11 @@ def cmd_calibrate(argv: Sequence[str]) -> int:
         spec = store_calibration(results)
         print(f"local CPU ({spec.display_name}), {len(results)} process counts; kept in {calibration_path()}:")
         print(f"{'processes':>9s} {'step s':>8s} {'slowdown':>9s} {'assumed':>8s}   "
-              + "  ".join(f"{k:>22s}" for k in ("all-reduce", "all-gather", "reduce-scatter", "send/recv")))
+              + "  ".join(f"{k.replace('_', '-').replace('p2p', 'send/recv'):>22s}" for k in COLLECTIVE_KINDS))
         for r in results:
             n = r["processes"]
             cells = []
-            for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
+            for kind in COLLECTIVE_KINDS:
                 f = r.get(kind)
                 cells.append(f"{'-':>22s}" if f is None else f"{f['latency_s'] * 1e6:7.0f} us {f['busbw_Bps'] / 1e9:6.2f} GB/s")
             print(f"{n:9d} {r['step_s']:8.3f} {spec.slowdown(n):9.2f} {float(n):8.2f}   " + "  ".join(cells))

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from planner.plan import Plan
+from runtime.expert_parallel import ExpertParallel
 from runtime.types import LayerSplit
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ def autocast_dtype(plan: Plan) -> torch.dtype | None:
 
 def apply_dp(
     model: nn.Module, plan: Plan, layers: tuple[LayerSplit, ...], dp_mesh: DeviceMesh, device: torch.device,
-    ignore: list[str] | tuple[str, ...] = (), pipeline: bool = False,
+    ignore: list[str] | tuple[str, ...] = (), pipeline: bool = False, experts: ExpertParallel | None = None,
 ) -> nn.Module:
     """Wrap the (TP-sharded, checkpointed) model for data parallelism over `dp_mesh`.
 
@@ -143,12 +144,16 @@ def apply_dp(
     otherwise. With dp == 1 nothing is wrapped, except a 16-bit plan's FSDP2 over that one rank
     (``uses_fsdp``). `ignore`: names of parameters the forward never
     uses (a pipeline stage's parameters outside its layers), left out of DDP's buckets; `pipeline`:
-    the module is a ``PipelineStage``'s (DDP without bucket rebuild, below)."""
+    the module is a ``PipelineStage``'s (DDP without bucket rebuild, below). `experts`: expert
+    parallelism's split (runtime.expert_parallel): this rank's experts are left out of DDP (their
+    gradients are synchronised over their replicas by ``ExpertParallel.sync_grads``) or, under
+    FSDP2, sharded over their replicas first, their gradients divided by dp."""
     zero = plan.parallel.zero
     if dp_mesh.size() == 1 and not uses_fsdp(plan):
         return model
     if not uses_fsdp(plan):
         localize_tp_for_ddp(model)
+        ignore = [*ignore, *(experts.names if experts is not None else ())]
         if ignore:
             DDP._set_params_and_buffers_to_ignore_for_model(model, list(ignore))
         ids = [device.index] if device.type == "cuda" else None
@@ -166,12 +171,32 @@ def apply_dp(
     reshard = zero == 3 or dp_mesh.size() == 1
     mp = mixed_precision(plan) or MixedPrecisionPolicy()
     shard_mesh = hsdp_mesh(device.type, plan) if plan.parallel.dp_replicate > 1 else dp_mesh
+    if experts is not None:
+        shard_experts(experts, reshard, mp)
     for name in _separately_shardable(model, layers):
         fully_shard(model.get_submodule(name), mesh=shard_mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=shard_mesh, reshard_after_forward=reshard, mp_policy=mp)
     how = f"HSDP {plan.parallel.dp_replicate} replicas x {shard_mesh.shape[-1]} shards" if shard_mesh.ndim == 2 else f"over {dp_mesh.size()} rank(s)"
     log.info("data parallel: FSDP2 (ZeRO-%d) %s, parameters %s in compute", zero, how, plan.training.precision)
     return model
+
+
+def shard_experts(experts: ExpertParallel, reshard: bool, mp: MixedPrecisionPolicy) -> None:
+    """ZeRO-2/3 with expert parallelism: each module holding this rank's experts is its own FSDP2
+    unit on the expert-replica mesh (the dp / ep ranks holding the same experts), before the layers
+    (which then leave its parameters to it), as torchtitan shards experts. Its reduce-scatter sums
+    over the replicas and divides by dp: each replica's gradient is already the sum over its EP
+    group's ranks (runtime.expert_parallel). With one replica there is nothing to reduce: FSDP2
+    divides by the factor alone; with more, the sum is forced (gloo has no pre-multiplied sum) and
+    divided after. The unit's inputs are not cast (a stacked module's routing weights stay as the
+    router made them, as without expert parallelism, where the experts are inside their layer's unit)."""
+    mp = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype, cast_forward_inputs=False)
+    for unit in experts.units:
+        fully_shard(unit, mesh=experts.replica_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        unit.set_gradient_divide_factor(float(experts.dp))
+        if experts.replicas > 1:
+            unit.set_force_sum_reduction_for_comms(True)
+    experts.fsdp = True
 
 
 @functools.lru_cache(maxsize=None)

@@ -223,17 +223,22 @@ def describe(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
         out.append(f"context parallel: each sequence of {plan.model.seq_len} in 2 x {p.cp} chunks, rank c of a "
                    f"group holding chunks c and {2 * p.cp - 1}-c (torch's context_parallel, load-balanced causal "
                    "attention as a ring); model buffers of seq_len rows sharded alike; gradients averaged over dp x cp")
+    if p.ep > 1:
+        out.append(f"expert parallel: each mixture-of-experts block's experts split over {p.ep} ranks ({p.ep} consecutive "
+                   f"dp ranks; ep rank j holds the j-th 1/{p.ep} of them), tokens dispatched and combined by all-to-all; "
+                   f"{p.dp // p.ep} replica(s) of each expert, their gradients summed and divided by dp")
     for rank in range(p.world_size):
         c = coords(rank, p.dp, p.tp, p.pp, p.cp)
+        ep = f", ep {c.dp_index % p.ep}/{p.ep}" if p.ep > 1 else ""
         if p.pp > 1:
             stage = plan.stages[c.pp_index]
             mine = tuple(l for l in layers if l.name in set(stage.layers))
             chunks = " | ".join(f"{ch[0]}..{ch[-1]}" if len(ch) > 1 else ch[0] for ch in stage.chunks if ch)
-            head = f"rank {rank}: pp {c.pp_index}/{p.pp}, dp {c.dp_index}/{p.dp}, tp {c.tp_index}/{p.tp}; layers {chunks} ({len(mine)})"
+            head = f"rank {rank}: pp {c.pp_index}/{p.pp}, dp {c.dp_index}/{p.dp}{ep}, tp {c.tp_index}/{p.tp}; layers {chunks} ({len(mine)})"
         else:
             mine = layers
             cp = f", cp {c.cp_index}/{p.cp}" if p.cp > 1 else ""
-            head = (f"rank {rank}: dp {c.dp_index}/{p.dp}{cp}, tp {c.tp_index}/{p.tp}; "
+            head = (f"rank {rank}: dp {c.dp_index}/{p.dp}{cp}{ep}, tp {c.tp_index}/{p.tp}; "
                     f"layers {layers[0].name}..{layers[-1].name} ({len(layers)})")
         out.append(head)
         out += [f"    {line}" for line in shard_lines(mine, p.tp, c.tp_index, p.sequence_parallel, layers)]

@@ -1,6 +1,7 @@
-"""One way to parallelise a module, whether it is the whole model or one pipeline stage: tensor
-parallelism, then recompute, then data parallelism (torchtitan's ``parallelize_llama`` order: TP
-shards the Linears, checkpointing wraps the sharded layers, FSDP2 or DDP wraps the result).
+"""One way to parallelise a module, whether it is the whole model or one pipeline stage: expert
+parallelism, tensor parallelism, then recompute, then data parallelism (torchtitan's
+``parallelize_llama`` order: EP splits the experts, TP shards the Linears, checkpointing wraps the
+sharded layers, FSDP2 or DDP wraps the result).
 
 The worker (no pipeline), the sequential pipeline stages and the traced pipeline stages all call
 ``parallelize``; only what each hands it differs (the module, its layers, its recompute choices).
@@ -16,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from planner.plan import Plan
 from runtime.data_parallel import apply_dp, data_mesh, uses_fsdp
+from runtime.expert_parallel import apply_expert_parallel
 from runtime.recompute import apply_recompute_layers
 from runtime.tensor_parallel import apply_tp
 from runtime.types import LayerSplit
@@ -35,20 +37,24 @@ def parallelize(
 ) -> nn.Module:
     """Apply the plan to `module` (holding `layers`) on `mesh` (dims "dp" and "tp", and "cp" with
     context parallelism: data parallelism then spans dp x cp); the module to call (the DDP wrapper,
-    or `module` itself).
+    or `module` itself). With expert parallelism, `module` carries its ExpertParallel
+    (``runtime.expert_parallel.expert_parallel_of``).
 
     `recompute`: layer name -> full | selective | alternate (runtime.recompute.recompute_of).
     `pipeline`, `ignore`: as ``apply_dp`` (a PipelineStage's module; parameters its forward never
     uses). `materialize`: a module built on the meta device allocates its real tensors here: before
     DDP (which wraps real tensors), after FSDP2 (so only this rank's shards are allocated)."""
     p = plan.parallel
+    # Expert parallelism first: DP must see this rank's experts only (and the placeholders of the others).
+    experts = apply_expert_parallel(module, plan, device.type)
     if p.tp > 1:
         apply_tp(module, layers, mesh["tp"], p.sequence_parallel)
     apply_recompute_layers(module, recompute)
     fsdp = uses_fsdp(plan)
     if materialize is not None and not fsdp:
         materialize()
-    wrapped = apply_dp(module, plan, layers, data_mesh(mesh, plan), device, ignore=ignore, pipeline=pipeline)
+    wrapped = apply_dp(module, plan, layers, data_mesh(mesh, plan), device, ignore=ignore, pipeline=pipeline,
+                       experts=experts)
     if materialize is not None and fsdp:
         materialize()
     return wrapped

@@ -61,6 +61,7 @@ from planner.model_file import ModelHandle
 from planner.plan import Plan
 from runtime.context_parallel import ContextParallel
 from runtime.data_parallel import data_mesh, full_parameters
+from runtime.expert_parallel import META_REFUSAL as META_EP_REFUSAL, expert_parallel_of
 from runtime.meta_init import BuildInfo, materialize_sharded, use_meta
 from runtime.pipeline_traced import pipeline_group, sum_tied_grads, traced_stages
 from runtime.types import LayerSplit
@@ -249,6 +250,8 @@ def run_pipeline(
 
     meta_full = handle.build_model("meta")
     on_meta = use_meta(meta_full, device)
+    if on_meta and p.ep > 1:
+        raise BadInput(META_EP_REFUSAL)
     if on_meta:  # too large to build whole on every rank (or PLAN_RUNTIME_META=1): stubs, TP and FSDP
         full = meta_full.to(dtype=torch.float32)  # on meta, then only this rank's shards (meta_init)
     else:
@@ -318,7 +321,11 @@ def run_pipeline(
     data = data_mesh(mesh, plan)  # the dp (x cp) ranks that average gradients and the loss
     dp_group = data.get_group() if data.size() > 1 else None
     # Only the parameters the stages use (the others never get a gradient): what a checkpoint holds.
-    optimizer = make_optimizer_for(plan, list(owned.values()), dp_group)
+    # With expert parallelism, each stage module's experts (runtime.expert_parallel).
+    experts = [e for e in map(expert_parallel_of, modules) if e is not None]
+    expert_params = [q for e in experts for q in e.parameters()]
+    optimizer = make_optimizer_for(plan, list(owned.values()), dp_group, expert_params,
+                                   experts[0].replica_mesh.get_group() if experts else None)
     start_step, after_step = 0, None
     if checkpoint is not None:
         from runtime.checkpoint import StateView
@@ -351,6 +358,8 @@ def run_pipeline(
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             schedule.step(*args, target=targets if has_last else None, losses=micro if has_last else None, **kwargs)
         sum_tied_grads(copies)
+        for e in experts:
+            e.sync_grads()
         if has_last:  # the last stage's mean micro-batch loss; the other stages add nothing
             return torch.stack([m.detach().float() for m in micro]).mean()
         return torch.zeros((), device=device)
@@ -362,6 +371,8 @@ def run_pipeline(
     gathered = None
     if save_params:
         mine_full = full_parameters(params)
+        for e in experts:  # the other EP ranks' experts (list names, stacked slices)
+            mine_full = e.gather(mine_full)
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine_full)
         gathered = {}

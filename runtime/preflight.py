@@ -97,6 +97,8 @@ def prepare(plan_path: str | Path, model_path: str | Path | None = None, *, on_l
         raise BadInput(f"{path.name} changed since the plan was made: re-plan")
     handle = load_model_file(path)
     layers = check_layers(handle, plan)
+    if p.ep > 1:
+        check_expert_parallel(plan, plan_path, handle)
     if p.pp > 1:
         from runtime.pipeline import check_pipeline, traced_reason
 
@@ -106,6 +108,11 @@ def prepare(plan_path: str | Path, model_path: str | Path | None = None, *, on_l
             raise BadInput(
                 f"{plan_path}: context parallelism on pipeline stages split by the tracer is not supported yet "
                 f"(the split is traced because {why}): re-plan with --cp 1 or --pp 1"
+            )
+        if why is not None and p.ep > 1:
+            raise BadInput(
+                f"{plan_path}: expert parallelism on pipeline stages split by the tracer is not supported yet "
+                f"(the split is traced because {why}): re-plan with --ep 1 or --pp 1"
             )
         if why is not None and p.tp > 1:
             raise BadInput(
@@ -129,6 +136,48 @@ def check_context_parallel(plan: Plan, plan_path: Path) -> None:
     if not model.seq_len or model.seq_len % (2 * p.cp):
         raise BadInput(f"{plan_path}: parallel.cp {p.cp}: the sequence ({model.seq_len}) does not split into "
                        f"2 x {p.cp} equal shards")
+
+
+def check_expert_parallel(plan: Plan, plan_path: Path, handle: ModelHandle) -> None:
+    """A plan with ep > 1 runs on a model with mixture-of-experts blocks (found as the profiler and
+    the runtime find them: planner.profile.moe), ep dividing dp and every block's experts, without
+    tensor, context or hybrid-sharded data parallelism (not yet), on a model built whole (not the
+    meta-device build); BadInput otherwise."""
+    import os
+
+    from planner.profile.moe import find_moe
+    from runtime.expert_parallel import META_REFUSAL, NO_MOE
+    from runtime.meta_init import ENV as META_ENV
+
+    p = plan.parallel
+    if p.tp > 1 or p.cp > 1:
+        raise BadInput(f"{plan_path}: parallel.ep {p.ep}: expert parallelism runs with tp 1 and cp 1 for now (this plan "
+                       f"has tp {p.tp}, cp {p.cp}): re-plan with --tp 1 --cp 1")
+    if p.dp % p.ep:
+        raise BadInput(f"{plan_path}: parallel.ep {p.ep} does not divide dp {p.dp} (an expert-parallel group is ep of "
+                       "the data-parallel ranks): re-plan")
+    if p.dp_replicate > 1:
+        raise BadInput(f"{plan_path}: parallel.ep {p.ep} with HSDP (parallel.dp_replicate {p.dp_replicate}) is not "
+                       "supported yet: re-plan with --hsdp off")
+    if os.environ.get(META_ENV) == "1":
+        raise BadInput(META_REFUSAL)
+    blocks = find_moe(handle.build_model("meta"))
+    if not blocks:
+        raise BadInput(f"{plan_path}: parallel.ep {p.ep}: {Path(handle.path).name} {NO_MOE}")
+    for block in blocks:
+        if block.num_experts % p.ep:
+            raise BadInput(f"{plan_path}: parallel.ep {p.ep} does not divide the {block.num_experts} experts of "
+                           f"{block.experts}: re-plan with an ep that divides it")
+
+
+def refuse_expert_checkpoints(prepared: Prepared) -> None:
+    """Checkpoints with expert parallelism: not yet (each rank's experts would need saving as its
+    shard of the whole model's, as TP shards are; the stacked ones share one name on every rank)."""
+    if prepared.plan.parallel.ep > 1:
+        raise BadInput(
+            f"{prepared.plan_path}: checkpoints with expert parallelism are not supported yet (each rank holds its own "
+            "experts): run without --checkpoint-dir, or re-plan without --ep"
+        )
 
 
 def _check_sequence_buffers_not_saved(prepared: Prepared) -> None:
@@ -168,6 +217,7 @@ def check_checkpointing(prepared: Prepared, checkpoint_dir: str | Path | None, r
         return []
     if prepared.plan.parallel.cp > 1:
         _check_sequence_buffers_not_saved(prepared)
+    refuse_expert_checkpoints(prepared)
     if not resume:
         return []
     from runtime.checkpoint import find_latest, plan_sha256, sha256_file

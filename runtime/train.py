@@ -30,6 +30,7 @@ from runtime.data_parallel import set_grad_sync
 
 if TYPE_CHECKING:
     from runtime.context_parallel import ContextParallel
+    from runtime.expert_parallel import ExpertParallel
 
 log = logging.getLogger(__name__)
 MODEL_SEED = 1234
@@ -52,25 +53,65 @@ class RankResult:
     communication)."""
 
 
-def make_optimizer(plan: Plan, model: nn.Module, dp_group: dist.ProcessGroup | None = None) -> torch.optim.Optimizer:
-    return make_optimizer_for(plan, list(model.parameters()), dp_group)
+def make_optimizer(
+    plan: Plan, model: nn.Module, dp_group: dist.ProcessGroup | None = None, experts: "ExpertParallel | None" = None,
+) -> "torch.optim.Optimizer | Optimizers":
+    """The plan's optimizer over `model`'s parameters (`experts`: expert parallelism's split of it)."""
+    return make_optimizer_for(plan, list(model.parameters()), dp_group,
+                              experts.parameters() if experts is not None else (),
+                              experts.replica_mesh.get_group() if experts is not None else None)
+
+
+def _optimizer(plan: Plan, params: list[nn.Parameter], group: dist.ProcessGroup | None, what: str) -> torch.optim.Optimizer:
+    name = plan.training.optimizer
+    lr = LEARNING_RATE[name]
+    cls = torch.optim.SGD if name == "sgd" else torch.optim.AdamW
+    if plan.parallel.zero == 1 and group is not None and dist.get_world_size(group) > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        log.info("optimizer: ZeroRedundancyOptimizer(%s) over %d %s", cls.__name__, dist.get_world_size(group), what)
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=group, lr=lr)
+    return cls(params, lr=lr)
 
 
 def make_optimizer_for(
     plan: Plan, params: list[nn.Parameter], dp_group: dist.ProcessGroup | None = None,
-) -> torch.optim.Optimizer:
+    experts: list[nn.Parameter] | tuple[nn.Parameter, ...] = (), expert_group: dist.ProcessGroup | None = None,
+) -> "torch.optim.Optimizer | Optimizers":
     """The plan's optimizer over `params`. ZeRO-1 with a dp group (dp > 1): wrapped in
     ``ZeroRedundancyOptimizer`` over that group, so each rank holds and updates the optimizer state
-    of its shard of the parameters and broadcasts the updated ones after the step."""
-    name = plan.training.optimizer
-    lr = LEARNING_RATE[name]
-    cls = torch.optim.SGD if name == "sgd" else torch.optim.AdamW
-    if plan.parallel.zero == 1 and dp_group is not None and dist.get_world_size(dp_group) > 1:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
+    of its shard of the parameters and broadcasts the updated ones after the step.
 
-        log.info("optimizer: ZeroRedundancyOptimizer(%s) over %d dp ranks", cls.__name__, dist.get_world_size(dp_group))
-        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=dp_group, lr=lr)
-    return cls(params, lr=lr)
+    With expert parallelism, `experts` (of `params`: this rank's experts, different on every rank
+    of an EP group) get an optimizer of their own, sharded under ZeRO-1 over `expert_group` (the
+    ranks holding the same experts), never over dp (a ZeroRedundancyOptimizer broadcasts each
+    parameter from the rank that updated it); both are stepped as one (``Optimizers``)."""
+    mine = {id(q) for q in experts}
+    dense = _optimizer(plan, [q for q in params if id(q) not in mine], dp_group, "dp ranks")
+    if not mine:
+        return dense
+    return Optimizers(dense, _optimizer(plan, [q for q in params if id(q) in mine], expert_group, "expert replicas"))
+
+
+class Optimizers:
+    """Several optimizers stepped as one: the dense parameters' and the experts' (a
+    ZeroRedundancyOptimizer holds one process group for all its parameters, and the two are
+    sharded over different ranks)."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -196,10 +237,12 @@ def train(
     start_step: int = 0,
     after_step: Callable[[int], None] | None = None,
     cp: "ContextParallel | None" = None,
+    experts: "ExpertParallel | None" = None,
 ) -> RankResult:
     """A run without a pipeline: each step, this dp rank's micro-batches through `wrapped`, the
     gradients synchronised on the last (``run_steps``). With context parallelism (`cp`) each
-    micro-batch runs on this rank's share of its sequences, and `dp_group` is the dp x cp ranks."""
+    micro-batch runs on this rank's share of its sequences, and `dp_group` is the dp x cp ranks.
+    With expert parallelism (`experts`) the experts' gradients are synchronised after the last."""
     if optimizer is None:
         optimizer = make_optimizer(plan, model)
     num_mb = plan.parallel.num_microbatches
@@ -216,6 +259,8 @@ def train(
                     loss = handle.loss(call_model(wrapped, inputs), targets) / num_mb
                 loss.backward()
             total += loss.detach()
+        if experts is not None:
+            experts.sync_grads()
         return total
 
     groups = ((dp_group, dist.get_world_size(dp_group)),) if dp_group is not None else ()

@@ -39,9 +39,10 @@ from runtime.layout import coords, runtime_warnings
 from runtime.meta_init import WARNING as META_WARNING, BuildInfo, materialize_sharded, use_meta
 from runtime.context_parallel import ContextParallel
 from runtime.data_parallel import autocast_dtype, data_mesh, full_parameters
+from runtime.expert_parallel import META_REFUSAL as META_EP_REFUSAL, expert_parallel_of
 from runtime.parallelize import parallelize
 from runtime.recompute import recompute_of
-from runtime.preflight import Prepared, load_for_worker
+from runtime.preflight import Prepared, load_for_worker, refuse_expert_checkpoints
 from runtime.report import build_report
 from runtime.train import MODEL_SEED, RankResult, make_optimizer, median_step_time, train, with_step1_hash
 
@@ -90,6 +91,8 @@ def run_plan(index: int, prepared: Prepared, args: argparse.Namespace, rank: int
 
     meta = prepared.handle.build_model("meta")
     on_meta = use_meta(meta, device)
+    if on_meta and p.ep > 1:
+        raise BadInput(META_EP_REFUSAL)
     if on_meta:
         # Too large for every rank to build it whole (or PLAN_RUNTIME_META=1): TP, recompute and
         # FSDP2 apply on the meta device, then only this rank's shards are allocated and filled.
@@ -112,16 +115,19 @@ def run_plan(index: int, prepared: Prepared, args: argparse.Namespace, rank: int
     data = data_mesh(mesh, plan)
     dp_group = data.get_group() if data.size() > 1 else None  # gradients (and the loss) average over dp x cp
     params = dict(model.named_parameters())  # the trained parameters, by their original names
+    experts = expert_parallel_of(model)
 
-    optimizer = make_optimizer(plan, model, dp_group)
+    optimizer = make_optimizer(plan, model, dp_group, experts)
     ctx = _CheckpointContext(index, prepared, args, rank)
     start_step, after_step = ctx.setup(model, optimizer) if ctx.enabled else (0, None)
     after_step = with_step1_hash(after_step, build, params, start_step)
     result = train(
         prepared.handle, plan, wrapped, model, c.dp_index, dp_group, args.steps, device, rank,
-        autocast_dtype(plan), optimizer=optimizer, start_step=start_step, after_step=after_step, cp=cp,
+        autocast_dtype(plan), optimizer=optimizer, start_step=start_step, after_step=after_step, cp=cp, experts=experts,
     )
     gathered = full_parameters(params) if args.save_params else None
+    if gathered is not None and experts is not None:
+        gathered = experts.gather(gathered)
     _finish(out, prepared, args, rank, world_size, result, gathered, started, ctx, build)
 
 
@@ -134,6 +140,7 @@ class _CheckpointContext:
         self.start_step = 0
         self.notes: list[str] = []
         if self.enabled:
+            refuse_expert_checkpoints(prepared)
             root = Path(args.checkpoint_dir)
             self.root = root if len(args.plan) == 1 else root / f"plan{index}"
 

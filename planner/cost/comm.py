@@ -28,7 +28,7 @@ class Link:
     """Mean latency one step of a ring over the group adds (GPU links: `ring_step_s`)."""
     measured: tuple[tuple[str, float, float], ...] = ()
     """(kind, latency s, bus bandwidth B/s) that `plan calibrate` measured for this group's size:
-    all_reduce, all_gather, reduce_scatter, p2p; each costs exactly that (no efficiency applied)."""
+    all_reduce, all_gather, reduce_scatter, all_to_all, p2p; each costs exactly that (no efficiency applied)."""
 
     def fitted(self, kind: str, volume: float) -> "Affine | None":
         for k, latency, busbw in self.measured:

@@ -330,6 +330,8 @@ def _layer_costs(
         ep_fwd = ep_bwd = 2 * comm.all_to_all(cand.ep, lk.ep)(layer.moe_dispatch_bytes * scale)
     cp_fwd, cp_bwd = cp_fwd * gpu.factor("comm"), cp_bwd * gpu.factor("comm")
     ep_fwd, ep_bwd = ep_fwd * gpu.factor("comm"), ep_bwd * gpu.factor("comm")
+    # a recomputed layer exchanges its tokens again (checkpointing keeps matmul outputs at most)
+    sel_extra, alt_extra = sel_extra + ep_fwd, alt_extra + ep_fwd
     fwd += tp_fwd + cp_fwd + ep_fwd
     bwd += tp_bwd + cp_bwd + ep_bwd
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
+import traceback
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -120,11 +122,27 @@ def _with_roles(handle: ModelHandle, fake: _FakeModel | None, dtype: torch.dtype
 
 
 def _is_fake_failure(exc: BaseException) -> bool:
+    """Whether the fake trace failed for want of real tensors: an op whose output depends on
+    values, or a meta kernel stricter than the real one (torch's meta _grouped_mm takes bf16 only,
+    its CPU kernel fp32 too: a Hugging Face MoE profiled in fp32). A real trace then decides."""
     while exc is not None:
         if isinstance(exc, FAKE_ERRORS):
             return True
+        if any(frame.filename.endswith(META_KERNELS) for frame in traceback.extract_tb(exc.__traceback__)):
+            return True
         exc = exc.__cause__
     return False
+
+
+META_KERNELS = os.path.join("torch", "_meta_registrations.py")
+
+
+def _one_line(exc: BaseException) -> str:
+    """The innermost cause of `exc`, on one line."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
 
 
 def profile_model(
@@ -170,12 +188,14 @@ def profile_model(
     fits = need < mat.RAM_SHARE * avail
     if fake_error is not None and (force_meta or not fits):
         raise BadInput(
-            f"{handle.path}: cannot profile on fake tensors (the forward depends on tensor values: "
+            f"{handle.path}: cannot profile on fake tensors (the forward depends on tensor values, or an op's fake "
+            f"kernel refuses it: "
             f"{fake_error.__cause__}) and the model is too large to run for real"
         ) from fake_error
     mode, device = "meta", "fake"
     if fake_error is not None:
-        warnings.append("the forward depends on tensor values; profiled on real tensors instead of fake ones")
+        warnings.append("the forward cannot run on fake tensors (it depends on tensor values, or an op's fake kernel "
+                        f"refuses it: {_one_line(fake_error)}); profiled on real tensors instead")
     # Materialise only to measure time (a real trace gives the same FLOPs and bytes as the fake
     # one, tests/unit check it) or when the fake trace failed.
     if not force_meta and fits and (measure or fake_error is not None):

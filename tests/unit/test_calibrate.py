@@ -84,7 +84,7 @@ def test_plan_calibrate_cpu_keeps_the_figures_for_cpu_plans(capsys, tmp_path, mo
 
     spec = measure_local_cpu()
     assert [n for n, _ in spec.process_slowdown] == [1, 2] and spec.process_slowdown[0][1] == 1.0
-    assert {(n, kind) for n, kind, _, _ in spec.collectives} == {(2, k) for k in ("all_reduce", "all_gather", "reduce_scatter", "p2p")}
+    assert {(n, kind) for n, kind, _, _ in spec.collectives} == {(2, k) for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}
     assert "plan calibrate" in spec.sources["process_slowdown"]
     import json
 

@@ -1,0 +1,187 @@
+"""Expert parallelism run against one process: each mixture-of-experts block's experts split over
+ep ranks of the dp axis, tokens dispatched to them and combined back by all-to-all (CPU/gloo, fp32,
+SGD), with DDP, ZeRO-1 and FSDP2 (ZeRO-2/3) over one and two expert replicas, full and selective
+recompute (the all-to-alls run again in backward) and a pipeline.
+
+Two models: examples/moe.py's decoder, small (a ModuleList of experts that the block's own loop
+calls: record / replay), and a tiny Hugging Face Mixtral built from a config (stacked expert
+weights, ``MixtralExperts``). Each configuration trains 5 steps from the same weights and data;
+every step's loss and the final parameters (each rank's experts gathered) must match one process
+training on the whole global batch. One launch per world size. Also: a plan with ep on a model
+without experts, with ep not dividing the experts or dp, and with checkpoints is refused before
+launch, in one line (plan files edited: the planner does not make them); ``--dry-run`` shows the
+split.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from planner.cli import main
+from planner.search.space import Fixed
+from tests.conftest import EXAMPLES
+from tests.distributed.reference import assert_matches, make_plans, run_by_world, single_process
+
+STEPS = 5
+GLOBAL_BATCH = 4
+NUM_EXPERTS = 6  # 3 a rank with ep 2; ep 4 does not divide them
+
+MOE_MODEL = f"""
+import sys
+sys.path.insert(0, {str(EXAMPLES)!r})
+import torch
+from moe import MoEConfig, build_moe
+from llama import llama_batch
+
+CFG = MoEConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab=64, seq_len=16,
+                n_experts={NUM_EXPERTS}, top_k=2)
+
+
+def build_model():
+    return build_moe(CFG)
+
+
+def sample_batch(batch_size):
+    # new data each step: the runtime seeds torch before each call
+    return llama_batch(CFG, batch_size, seed=int(torch.randint(0, 2**31 - 1, ())))
+"""
+
+DENSE_MODEL = f"""
+import sys
+sys.path.insert(0, {str(EXAMPLES)!r})
+import torch
+from llama import LlamaConfig, build_llama, llama_batch
+
+CFG = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab=64, seq_len=16)
+
+
+def build_model():
+    return build_llama(CFG)
+
+
+def sample_batch(batch_size):
+    return llama_batch(CFG, batch_size, seed=int(torch.randint(0, 2**31 - 1, ())))
+"""
+
+HF_MODEL = """
+import torch
+from transformers import MixtralConfig, MixtralForCausalLM
+
+CFG = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                    max_position_embeddings=16, use_cache=False, experts_implementation="eager")
+SEQ = 16
+
+
+def build_model():
+    return MixtralForCausalLM(CFG)
+
+
+def sample_batch(batch_size):
+    ids = torch.randint(0, CFG.vocab_size, (batch_size, SEQ + 1))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def loss_fn(outputs, targets):
+    logits = outputs.logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+"""
+
+# name -> (world size, fixed choices)
+MOE_CONFIGS = {
+    "ddp": (2, Fixed(dp=2, tp=1, pp=1, zero=0, micro_batch=1, recompute="none", ep=2)),
+    "fsdp": (2, Fixed(dp=2, tp=1, pp=1, zero=3, micro_batch=2, recompute="none", ep=2)),
+    "recompute": (2, Fixed(dp=2, tp=1, pp=1, zero=1, micro_batch=1, recompute="full", ep=2)),
+    "replicas_zero1": (4, Fixed(dp=4, tp=1, pp=1, zero=1, micro_batch=1, recompute="none", ep=2)),
+    "replicas_fsdp": (4, Fixed(dp=4, tp=1, pp=1, zero=3, micro_batch=1, recompute="full", ep=2)),
+    "pp": (4, Fixed(dp=2, tp=1, pp=2, zero=1, micro_batch=1, recompute="none", schedule="1f1b", ep=2)),
+}
+HF_CONFIGS = {
+    "hf_ddp_selective": (2, Fixed(dp=2, tp=1, pp=1, zero=0, micro_batch=1, recompute="selective", ep=2)),
+    "hf_fsdp_recompute": (2, Fixed(dp=2, tp=1, pp=1, zero=3, micro_batch=1, recompute="full", ep=2)),
+    "hf_replicas_zero2": (4, Fixed(dp=4, tp=1, pp=1, zero=2, micro_batch=1, recompute="none", ep=2)),
+}
+CONFIGS = {**MOE_CONFIGS, **HF_CONFIGS}
+
+
+def with_ep(plan: Path, ep: int, out: Path | None = None) -> Path:
+    """The plan with parallel.ep set (in place, or into `out`): what the planner would not make."""
+    data = json.loads(plan.read_text())
+    data["parallel"]["ep"] = ep
+    out = out or plan
+    out.write_text(json.dumps(data))
+    return out
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("ep")
+    (path / "moe_model.py").write_text(MOE_MODEL)
+    (path / "hf_model.py").write_text(HF_MODEL)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plans(workdir) -> dict[str, Path]:
+    return {
+        **make_plans(workdir / "moe_model.py", MOE_CONFIGS, workdir, GLOBAL_BATCH),
+        **make_plans(workdir / "hf_model.py", HF_CONFIGS, workdir, GLOBAL_BATCH),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(plans, workdir):
+    return run_by_world(plans, CONFIGS, workdir, STEPS)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_single_process(name, plans, runs):
+    report, params_path = runs[name]
+    assert_matches(name, report.measured.losses, params_path, single_process(plans[name], STEPS))
+    assert json.loads(plans[name].read_text())["parallel"]["ep"] == 2  # as planned (--ep 2)
+    log = (params_path.parent.parent / "launch.log").read_text(errors="replace")
+    blocks, experts, each = ("1 block", 6, 3) if name == "pp" else ("2 blocks", *((4, 2) if name.startswith("hf") else (6, 3)))
+    assert f"expert parallel: {blocks}, {experts} experts over 2 ranks ({each} each), dispatch by all-to-all" in log
+
+
+def test_dry_run_shows_the_expert_split(plans, capsys):
+    assert main(["run", str(plans["replicas_zero1"]), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "expert parallel: each mixture-of-experts block's experts split over 2 ranks" in out
+    assert "rank 3: dp 3/4, ep 1/2, tp 0/1" in out
+
+
+def _refused(argv: list[str], capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err, err
+    return err
+
+
+def test_ep_on_a_model_without_experts_is_refused_before_launch(workdir, capsys):
+    dense = workdir / "dense"
+    dense.mkdir()
+    (dense / "model.py").write_text(DENSE_MODEL)
+    plan = make_plans(dense / "model.py", {"ddp": (2, Fixed(dp=2, tp=1, pp=1, zero=0, micro_batch=1))}, dense, GLOBAL_BATCH)["ddp"]
+    err = _refused(["run", str(with_ep(plan, 2))], capsys)
+    assert err.endswith("parallel.ep 2: model.py has no mixture-of-experts block (a router and a list of identical "
+                        "experts, or stacked expert weights)")
+    assert not (dense / "ddp.run.d").exists()
+
+
+def test_ep_not_dividing_the_experts_or_dp_is_refused_before_launch(plans, workdir, capsys):
+    err = _refused(["run", str(with_ep(plans["replicas_zero1"], 4, workdir / "ep4.json"))], capsys)
+    assert err.endswith(f"parallel.ep 4 does not divide the {NUM_EXPERTS} experts of layers.0.moe.experts: re-plan "
+                        "with an ep that divides it")
+    err = _refused(["run", str(with_ep(plans["ddp"], 4, workdir / "ep4_dp2.json"))], capsys)
+    assert "ep 4 does not divide dp 2" in err  # planner.schema refuses it on load
+    assert not (workdir / "ep4.run.d").exists() and not (workdir / "ep4_dp2.run.d").exists()
+
+
+def test_checkpoints_with_ep_are_refused_before_launch(plans, workdir, capsys):
+    err = _refused(["run", str(plans["ddp"]), "--checkpoint-dir", str(workdir / "ckpt")], capsys)
+    assert "checkpoints with expert parallelism are not supported yet" in err
+    assert not (workdir / "ckpt").exists()
