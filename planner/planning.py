@@ -179,6 +179,13 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
         if getattr(gpu, field_name):  # plan calibrate's figures: say which were used, and from where
             what = (", ".join(f"{k} x{v:.2f}" for k, v in gpu.phase_factors) + ": ") if field_name == "phase_factors" else ""
             assumptions.append(f"calibration: {field_name} {what}{gpu.sources.get(field_name, gpu.origin)}")
+    best = result.best.cand
+    if any(l.moe_experts for l in profile.layers):
+        assumptions.append("mixture-of-experts routing balanced (every expert gets its share of the tokens x top-k, "
+                           "what a load-balancing loss aims at); expert-parallel all-to-alls not overlapped with compute")
+    if best.ep > 1 and best.pp > 1 and profile.tracer_splits(best.tp):
+        warnings.append("plan run does not run expert parallelism on pipeline stages split by the pipelining tracer "
+                        "(this model's): planned because --ep and --pp were both fixed")
     _, basis = global_batch_of(profile, request, cluster)
     if basis is not None:
         assumptions.append(f"{basis} (set --global-batch)")

@@ -125,7 +125,7 @@ def candidates(
                 if fixed.micro_batch is not None:  # a non-power-of-two the user asked for, too
                     sizes = [fixed.micro_batch] if per_replica % fixed.micro_batch == 0 else []
                 replicas = _hsdp_replicas(tp, dp, cp, gpus_per_node, fixed, stats)
-                eps = _expert_parallel(profile, tp, cp, dp, fixed, stats)
+                eps = _expert_parallel(profile, tp, cp, dp, pp, fixed, stats)
                 for sp in sp_choices:
                     for b in sizes:
                         if cp > 1 and math.gcd(cp, b) > 1 and fixed.cp is None and fixed.dp is None and fixed.micro_batch is None:
@@ -193,9 +193,12 @@ def check_fixed_ep(profile: ModelProfile, fixed: Fixed) -> None:
                            "parallelism only (tp = cp = 1)")
 
 
-def _expert_parallel(profile: ModelProfile, tp: int, cp: int, dp: int, fixed: Fixed, stats: SpaceStats) -> list[int]:
+def _expert_parallel(profile: ModelProfile, tp: int, cp: int, dp: int, pp: int, fixed: Fixed,
+                     stats: SpaceStats) -> list[int]:
     """EP degrees: 1, and on a model with mixture-of-experts blocks each divisor of their experts
-    that divides dp, without TP or CP (as the runtime runs it)."""
+    that divides dp, without TP or CP (as the runtime runs it). On pipeline stages the pipelining
+    tracer splits, only when --ep and --pp are both asked for (a published configuration, say):
+    the runtime does not run that, and `plan run` says so before launching."""
     experts = moe_experts(profile)
     wanted = [fixed.ep] if fixed.ep is not None else divisors(experts) if experts else [1]
     out = []
@@ -205,6 +208,9 @@ def _expert_parallel(profile: ModelProfile, tp: int, cp: int, dp: int, fixed: Fi
                 stats.reject(f"ep={ep} must divide dp={dp}")
         elif ep > 1 and (tp > 1 or cp > 1):
             stats.reject("expert parallelism with tensor or context parallelism (the runtime does not run it)")
+        elif ep > 1 and pp > 1 and profile.tracer_splits(tp) and (fixed.ep is None or fixed.pp is None):
+            stats.reject("expert parallelism on pipeline stages split by the tracer (the runtime does not run it; "
+                         "fix --ep and --pp to plan it anyway)")
         else:
             out.append(ep)
     return out

@@ -223,3 +223,34 @@ def test_search_picks_ep_for_a_large_moe_model(model_file, tmp_path):
     assert plan["parallel"]["ep"] > 1
     assert any(line.startswith(f"Expert parallelism over {plan['parallel']['ep']} GPUs inside a node")
                for line in plan["explanation"])
+
+
+def test_ep_on_traced_pipeline_stages_only_when_both_are_fixed(tmp_path):
+    """A Hugging Face Mixtral is split into pipeline stages by the pipelining tracer, where the
+    runtime does not run expert parallelism: the search leaves EP out there unless --ep and --pp
+    are both given, and then the plan warns that plan run will refuse it."""
+    pytest.importorskip("transformers")
+    model = tmp_path / "hf_moe.py"
+    model.write_text(
+        "import torch\n"
+        "from transformers import MixtralConfig, MixtralForCausalLM\n"
+        "CFG = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,\n"
+        "                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,\n"
+        "                    max_position_embeddings=16, use_cache=False)\n"
+        "def build_model():\n"
+        "    return MixtralForCausalLM(CFG)\n"
+        "def sample_batch(n):\n"
+        "    ids = torch.randint(0, 64, (n, 17))\n"
+        "    return ids[:, :-1], ids[:, 1:]\n"
+        "def loss_fn(outputs, targets):\n"
+        "    return torch.nn.functional.cross_entropy(outputs.logits.reshape(-1, 64), targets.reshape(-1))\n")
+    free, fixed = tmp_path / "free.json", tmp_path / "fixed.json"
+    base = [str(model), "--gpu", "cpu", "--gpus", "4", "--global-batch", "8", "--pp", "2", "--top", "20"]
+    assert main([*base, "-o", str(free)]) == 0
+    plan = json.loads(free.read_text())
+    assert plan["parallel"]["ep"] == 1 and "ep=" not in " ".join(a["plan"] for a in plan["alternatives"])
+    assert "expert parallelism on pipeline stages split by the tracer" in " ".join(plan["solver"]["skipped"])
+    assert main([*base, "--ep", "2", "-o", str(fixed)]) == 0
+    plan = json.loads(fixed.read_text())
+    assert plan["parallel"]["ep"] == 2
+    assert any("plan run does not run expert parallelism on pipeline stages" in w for w in plan["warnings"])
