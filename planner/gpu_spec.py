@@ -78,8 +78,10 @@ class GPUSpec:
 
     phase_factors: tuple[tuple[str, float], ...] = ()
     """Refit from run reports (`plan calibrate --from-run`): (phase, measured / predicted) for
-    "compute" (forward, backward, recompute), "comm" (TP, pipeline and data-parallel traffic) and
-    "optimizer"; each multiplies the cost model's seconds for that phase. Empty: 1."""
+    "compute" (forward, backward, recompute), "comm" (TP, CP, EP, pipeline and data-parallel
+    traffic), "optimizer", and "tp_compute" (compute again, in plans with tensor parallelism: what
+    the sharded layers lose or gain on this stack: smaller GEMMs, DTensor's per-op work); each
+    multiplies the cost model's seconds for that phase. Empty: 1."""
 
     def factor(self, phase: str) -> float:
         return next((f for name, f in self.phase_factors if name == phase), 1.0)

@@ -76,7 +76,7 @@ def _to_si(key: str, value: float) -> float:
 
 
 _TEXTS = ("name", "display_name", "vendor")
-PHASES = ("compute", "comm", "optimizer")
+PHASES = ("compute", "comm", "optimizer", "tp_compute")
 KNOWN_KEYS = (*_TEXTS, "peak_tflops", *_SCALARS, "phase_factors", "sources", "uncertain")
 
 

@@ -102,7 +102,7 @@ class Predicted:
     peak_memory_bytes: int
     bubble_s: float
     breakdown_s: dict[str, float]
-    """Where the bottleneck rank's step goes: compute, recompute, tp_comm, cp_comm, pp_comm, dp_comm,
+    """Where the bottleneck rank's step goes: compute, recompute, tp_comm, cp_comm, ep_comm, pp_comm, dp_comm,
     optimizer, bubble."""
     phase_factors: dict[str, float] = field(default_factory=dict)
     """The calibration's phase factors these figures include (plan calibrate --from-run: compute,

@@ -5,9 +5,9 @@ runtime.calibrate``), every rank measuring at once, so that what the ranks share
 a node's power and memory system) is measured as training meets it:
 
 - one training step (forward, backward) of a fixed model (a ``torch.nn.TransformerEncoderLayer``,
-  d_model 256, 4 heads, 1,024 wide, batch 8 x 128 tokens, fp32): the fastest of 9 per rank (other
-  load on the machine comes in bursts; the processes' own sharing is in every repeat), the median
-  over the ranks. Calibrate an otherwise idle machine. On
+  d_model 256, 4 heads, 1,024 wide, batch 8 x 128 tokens, fp32): 9 steps back to back on every
+  rank at once (from a barrier, as training's ranks run in lockstep), the fastest of 3 such rounds
+  (other load on the machine comes in bursts), the median over the ranks. Calibrate an otherwise idle machine. On
   the CPU, the step's time with N processes over its time in one process with every core is
   ``GPUSpec.process_slowdown``, which the planner uses instead of assuming that N processes on C
   cores each run at C/N of the whole (they do not: two threads are not twice one);
@@ -35,6 +35,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -62,7 +63,12 @@ def _median_s(fn: Callable[[], Any], repeats: int = REPEATS, sync: Callable[[], 
 
 
 def step_seconds(device: torch.device, sync: Callable[[], None]) -> float:
-    """Median seconds of one forward and backward of the fixed model."""
+    """Seconds of one forward and backward of the fixed model while every rank runs them: the
+    ranks start together (a barrier) and run REPEATS steps back to back, as training's ranks do
+    in lockstep. The fastest of 3 such rounds (other load on the machine comes in bursts). Timing
+    steps one by one, each rank on its own, measured less sharing than training meets: a rank's
+    fastest step was one where others happened to wait (4 processes on 2 cores measured 1.2x
+    the time of 2, where lockstep training takes 2x)."""
     torch.manual_seed(0)
     b, t, d = STEP_SHAPE
     layer = torch.nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True).to(device)
@@ -71,8 +77,18 @@ def step_seconds(device: torch.device, sync: Callable[[], None]) -> float:
     def step() -> None:
         layer(x).square().mean().backward()
 
-    # the fastest of the repeats: what the processes' own sharing costs, less other load's bursts
-    return min(_times_s(step, sync=sync))
+    step()
+    rounds = []
+    for _ in range(3):
+        if dist.is_initialized():
+            dist.barrier()
+        sync()
+        start = time.perf_counter()
+        for _ in range(REPEATS):
+            step()
+        sync()
+        rounds.append((time.perf_counter() - start) / REPEATS)
+    return min(rounds)
 
 
 def fit_alpha_beta(sizes: tuple[int, ...], seconds: list[float], volume: float) -> tuple[float, float]:
@@ -191,17 +207,20 @@ two cannot move a factor their phases do not show."""
 
 def _sums(breakdown: dict[str, float]) -> tuple[float, float]:
     """(compute, communication) seconds of a predicted breakdown: compute, recompute and the bubble
-    (which scales with them); TP, CP, pipeline and data-parallel traffic."""
+    (which scales with them); TP, CP, EP, pipeline and data-parallel traffic."""
     b = breakdown
     return (b.get("compute", 0.0) + b.get("recompute", 0.0) + b.get("bubble", 0.0),
-            b.get("tp_comm", 0.0) + b.get("cp_comm", 0.0) + b.get("pp_comm", 0.0) + b.get("dp_comm", 0.0))
+            sum(b.get(k, 0.0) for k in ("tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm")))
 
 
-def _base(report: Any) -> tuple[float, float, float]:
-    """A report's predicted (compute, comm, optimizer) seconds without the factors its plan applied."""
+def _base(report: Any) -> tuple[float, float, float, bool]:
+    """A report's predicted (compute, comm, optimizer) seconds without the factors its plan applied,
+    and whether its plan has tensor parallelism (its compute also carried "tp_compute")."""
     b, used = report.predicted.breakdown_s, getattr(report.predicted, "phase_factors", None) or {}
+    tp = getattr(report.predicted, "tp", 1) > 1
     pc, pm = _sums(b)
-    return pc / used.get("compute", 1.0), pm / used.get("comm", 1.0), b.get("optimizer", 0.0) / used.get("optimizer", 1.0)
+    compute = used.get("compute", 1.0) * (used.get("tp_compute", 1.0) if tp else 1.0)
+    return pc / compute, pm / used.get("comm", 1.0), b.get("optimizer", 0.0) / used.get("optimizer", 1.0), tp
 
 
 def refit(reports: list[Any], old: dict[str, float]) -> tuple[dict[str, float], list[tuple[str, float, float, float]]]:
@@ -209,42 +228,44 @@ def refit(reports: list[Any], old: dict[str, float]) -> tuple[dict[str, float], 
     refit predicted s, measured s). Each report's figures are first freed of the factors its plan
     applied (PredictedRun.phase_factors), so reports of plans made with different calibrations
     pool: every run a user has made on the cluster counts. Each report's step, less its measured
-    optimizer step, is a x compute + b x comm of those bare figures (compute: compute, recompute
-    and bubble; comm: TP, CP, pipeline and data-parallel traffic): a and b by least squares on the
-    relative errors, with a weak pull (RIDGE) to the current factors `old`; the optimizer's factor,
-    the median of measured over bare predicted."""
+    optimizer step, is a x compute + b x comm + d x (compute again in a plan with tensor
+    parallelism) of those bare figures (compute: compute, recompute and bubble; comm: TP, CP, EP,
+    pipeline and data-parallel traffic): a, b and d by least squares on the relative errors, with a
+    weak pull (RIDGE) to the current factors `old`; then "compute" is a and "tp_compute" (a + d) / a
+    (kept as it was without a run of a TP plan); the optimizer's factor, the median of measured over
+    bare predicted."""
     rows, opt = [], []
     for r in reports:
         phases = {p.name: p for p in r.phases}
         if not r.predicted.breakdown_s or "optimizer step" not in phases:
             continue
         measured = r.measured.step_time_s - phases["optimizer step"].measured_s
-        pc, pm, po = _base(r)
+        pc, pm, po, tp = _base(r)
         if measured > 0 and pc + pm > 0:
-            rows.append((pc / measured, pm / measured))
+            rows.append((pc / measured, pm / measured, pc / measured if tp else 0.0))
         if po > 0:
             opt.append(phases["optimizer step"].measured_s / po)
     if not rows:
         raise BadInput("plan calibrate --from-run: no run report with a predicted breakdown and a measured optimizer "
                        "step (reports of plan run from this version)")
-    # minimise sum (a x + b y - 1)^2 + RIDGE ((a - a0)^2 + (b - b0)^2)
+    # minimise sum (a x + b y + d z - 1)^2 + RIDGE |(a, b, d) - (a0, b0, d0)|^2
     a0, b0 = old.get("compute", 1.0), old.get("comm", 1.0)
-    sxx = sum(x * x for x, _ in rows) + RIDGE
-    syy = sum(y * y for _, y in rows) + RIDGE
-    sxy = sum(x * y for x, y in rows)
-    bx = sum(x for x, _ in rows) + RIDGE * a0
-    by = sum(y for _, y in rows) + RIDGE * b0
-    det = sxx * syy - sxy * sxy
-    a, b_ = (bx * syy - by * sxy) / det, (by * sxx - bx * sxy) / det
-    a, b_ = max(a, 0.05), max(b_, 0.05)
+    d0 = a0 * (old.get("tp_compute", 1.0) - 1.0)
+    x = np.array(rows)
+    prior = np.array([a0, b0, d0])
+    a, b_, d = np.linalg.solve(x.T @ x + RIDGE * np.eye(3), x.T @ np.ones(len(rows)) + RIDGE * prior)
+    a, b_ = max(float(a), 0.05), max(float(b_), 0.05)
     o = statistics.median(opt) if opt else old.get("optimizer", 1.0)
     new = {"compute": a, "comm": b_, "optimizer": o}
+    if any(z for _, _, z in rows) or "tp_compute" in old:
+        new["tp_compute"] = max((a + float(d)) / a, 0.05)
     fitted = []
     for r in reports:
         if not r.predicted.breakdown_s:
             continue
-        pc, pm, po = _base(r)
-        fitted.append((r.plan, r.predicted.step_time_s, a * pc + b_ * pm + o * po, r.measured.step_time_s))
+        pc, pm, po, tp = _base(r)
+        compute = a * (new.get("tp_compute", 1.0) if tp else 1.0)
+        fitted.append((r.plan, r.predicted.step_time_s, compute * pc + b_ * pm + o * po, r.measured.step_time_s))
     return new, fitted
 
 

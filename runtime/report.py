@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from planner import schema
@@ -28,10 +29,12 @@ class PredictedRun:
     step_time_s: float
     peak_memory_bytes: int
     breakdown_s: dict[str, float] = field(default_factory=dict)
-    """The plan's: where the bottleneck rank's step goes (compute, recompute, tp_comm, cp_comm,
+    """The plan's: where the bottleneck rank's step goes (compute, recompute, tp_comm, cp_comm, ep_comm,
     pp_comm, dp_comm, optimizer, bubble)."""
     phase_factors: dict[str, float] = field(default_factory=dict)
     """The plan's calibration factors, included in those figures ({} when none)."""
+    tp: int = 1
+    """The plan's tensor-parallel degree (its compute carries the "tp_compute" factor when > 1)."""
 
 
 @dataclass(frozen=True)
@@ -136,7 +139,7 @@ def build_report(
 ) -> RunReport:
     world_size = plan.parallel.world_size
     predicted = PredictedRun(plan.predicted.step_time_s, plan.predicted.peak_memory_bytes, dict(plan.predicted.breakdown_s),
-                             dict(plan.predicted.phase_factors))
+                             dict(plan.predicted.phase_factors), plan.parallel.tp)
     phases: tuple[PhaseRun, ...] = ()
     if optimizer_s is not None:
         opt = predicted.breakdown_s.get("optimizer", 0.0)
@@ -204,6 +207,6 @@ def render_report(report: RunReport, console: Console | None = None) -> None:
     losses = ", ".join(f"{x:.4f}" for x in report.measured.losses)
     console.print(f"losses over {report.steps} step(s): {losses}")
     for w in report.warnings:
-        console.print(f"[yellow]warning:[/] {w}")
+        console.print(f"[yellow]warning:[/] {escape(w)}")
     for n in report.notes:
-        console.print(f"note: {n}")
+        console.print(f"note: {escape(n)}")

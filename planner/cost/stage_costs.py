@@ -289,7 +289,7 @@ def _layer_costs(
         sel_extra = memory_bound_s(fwd_work.other_bytes, gpu)
         alt_extra = sel_extra + roofline_s(alt_work, gpu, training.precision)
     # refit from this cluster's runs (plan calibrate --from-run): measured / predicted per phase
-    compute = gpu.factor("compute")
+    compute = gpu.factor("compute") * (gpu.factor("tp_compute") if cand.tp > 1 else 1.0)
     fwd, bwd, sel_extra, alt_extra = fwd * compute, bwd * compute, sel_extra * compute, alt_extra * compute
     tp_fwd = tp_bwd = 0.0
     if shard > 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from planner.plan import Plan
@@ -32,7 +33,7 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
         + (f" · {_rate(pr.tokens_per_s, 'tokens/s')}" if pr.tokens_per_s else "")
         + f" · {pr.model_tflops_per_gpu:,.1f} model TFLOP/s per GPU · MFU {pr.mfu:.1%}"
     )
-    console.print(f"  binds: {plan.binding}")
+    console.print(f"  binds: {escape(plan.binding)}")
 
     mem = Table(title=f"Memory per GPU (limit {fmt_bytes(c.memory_limit_bytes)})", title_justify="left")
     for col in ("rank", "layers", "weights", "grads", "optimizer", "activations", "reserve", "total", "time/micro-batch"):
@@ -67,13 +68,13 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
 
     console.print("[bold]Why[/bold]")
     for line in plan.explanation:
-        console.print(f"  - {line}")
+        console.print(f"  - {escape(line)}")
     s = plan.solver
     console.print(
         f"solver: {s.status}, {s.seconds:.2f} s; {s.candidates} candidates, {s.pruned} pruned by bounds, {s.ilps_solved} ILPs (HiGHS)"
         + ("; skipped: " + "; ".join(f"{n} x {why}" for why, n in s.skipped.items()) if s.skipped else "")
     )
     for a in plan.assumptions:
-        console.print(f"[dim]assumes: {a}[/dim]")
+        console.print(f"[dim]assumes: {escape(a)}[/dim]")
     for w in plan.warnings:
-        console.print(f"[yellow]warning:[/yellow] {w}")
+        console.print(f"[yellow]warning:[/yellow] {escape(w)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from planner.profile.types import LayerProfile, ModelProfile
@@ -91,4 +92,4 @@ def render_profile(profile: ModelProfile, console: Console | None = None) -> Non
             + (f"{tokens:,.0f} tokens ({fmt_bytes(per_expert)})" if tokens else fmt_bytes(per_expert))
             + " per batch on average (what expert parallelism's all-to-alls move)")
     for w in profile.warnings:
-        console.print(f"[yellow]warning:[/yellow] {w}")
+        console.print(f"[yellow]warning:[/yellow] {escape(w)}")
