@@ -222,7 +222,7 @@ def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int
     if c.ep > 1:
         lines.append(_expert_parallel_line(best, profile))
     elif profile_experts(profile) and c.dp > 1:
-        lines.append(_no_expert_parallel_line(result, best, profile))
+        lines.append(_no_expert_parallel_line(result, best))
     if c.pp > 1:
         lines.append(
             f"The pipeline has {c.pp} stages and {c.num_microbatches} micro-batches"
@@ -264,17 +264,17 @@ def _context_parallel_line(best: Scored, profile: ModelProfile) -> str:
             f"averaged over dp x cp = {c.grad_ranks} GPUs.")
 
 
-def profile_experts(profile: ModelProfile) -> tuple[int, int, int, int]:
-    """(MoE layers, experts per block, top-k, expert parameters) of the profile; zeros without MoE."""
+def profile_experts(profile: ModelProfile) -> tuple[int, int, int, int] | None:
+    """(MoE layers, experts per block, top-k, expert parameters) of the profile; None without MoE."""
     moe = [l for l in profile.layers if l.moe_experts]
     if not moe:
-        return ()  # type: ignore[return-value]
+        return None
     return len(moe), moe[0].moe_experts, max(l.moe_top_k for l in moe), sum(l.expert_params for l in moe)
 
 
 def _expert_parallel_line(best: Scored, profile: ModelProfile) -> str:
     c = best.cand
-    layers, experts, top_k, params = profile_experts(profile)
+    layers, experts, top_k, params = profile_experts(profile)  # type: ignore[misc]
     where = "across nodes" if best.costs.links.ep_spans_nodes else "inside a node"
     share = params / profile.num_params if profile.num_params else 0.0
     k = f"its top {top_k}" if top_k else "the experts it chose"
@@ -285,7 +285,7 @@ def _expert_parallel_line(best: Scored, profile: ModelProfile) -> str:
             f"{c.expert_replicas} GPUs that hold it" + (f", and ZeRO-{c.zero} shards its state over them" if c.zero else "") + ".")
 
 
-def _no_expert_parallel_line(result: SearchResult, best: Scored, profile: ModelProfile) -> str:
+def _no_expert_parallel_line(result: SearchResult, best: Scored) -> str:
     """Why a mixture-of-experts model runs without EP: the best plan with it, and what it loses on."""
     with_ep = [s for s in result.ranked if s.cand.ep > 1]
     if with_ep:
