@@ -174,7 +174,7 @@ def test_ep_on_a_model_without_experts_is_refused_before_launch(workdir, capsys)
 
 def test_ep_not_dividing_the_experts_or_dp_is_refused_before_launch(plans, workdir, capsys):
     err = _refused(["run", str(with_ep(plans["replicas_zero1"], 4, workdir / "ep4.json"))], capsys)
-    assert err.endswith(f"parallel.ep 4 does not divide the {NUM_EXPERTS} experts of layers.0.moe.experts: re-plan "
+    assert err.endswith(f"parallel.ep 4 does not divide the {NUM_EXPERTS} experts of layers.0.mlp.experts: re-plan "
                         "with an ep that divides it")
     err = _refused(["run", str(with_ep(plans["ddp"], 4, workdir / "ep4_dp2.json"))], capsys)
     assert "ep 4 does not divide dp 2" in err  # planner.schema refuses it on load

@@ -43,7 +43,7 @@ def test_blocks_are_found_by_structure():
 
     blocks = find_moe(moe_example.build_model())
     assert [(b.name, b.experts, b.router, b.num_experts, b.stacked, b.top_k) for b in blocks] == [
-        (f"layers.{i}.moe", f"layers.{i}.moe.experts", f"layers.{i}.moe.gate", 8, False, 2) for i in range(2)]
+        (f"layers.{i}.mlp", f"layers.{i}.mlp.experts", f"layers.{i}.mlp.gate", 8, False, 2) for i in range(2)]
     assert find_moe(llama.build_model()) == []
 
 
