@@ -22,6 +22,7 @@ al. 2022: sbh(34/t + 5as/ht) with it, sbh(10 + 24/t + 5as/ht) without).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, fields, replace
 
@@ -133,6 +134,11 @@ class StageCosts:
     expert_grad_sync_per_byte_s: float = 0.0
     expert_after_step_param_s: float = 0.0
     """ZeRO-1/2's all-gather after the step, plus the optimizer, per expert parameter."""
+
+    @functools.cached_property
+    def param_totals(self) -> tuple[float, float]:
+        """(parameters, of them experts) over all atoms: what the search's bounds ask of every candidate."""
+        return sum(a.params for a in self.atoms), sum(a.expert_params for a in self.atoms)
 
     @property
     def num_devices(self) -> int:

@@ -294,7 +294,7 @@ def memory_lower_bound(costs: StageCosts, recompute: str | None = None) -> float
     """
     cand = costs.cand
     k = FULL if recompute is None else KIND_OF[recompute]
-    state = sum(costs.state_bytes(sum(a.params for a in costs.atoms), sum(a.expert_params for a in costs.atoms)))
+    state = sum(costs.state_bytes(*costs.param_totals))
     act = sum(min(a.act_bytes[k], a.act_bytes[NONE]) for a in costs.atoms)
     infl = costs.inflight
     h = sum(1 / x for x in infl)
@@ -316,8 +316,7 @@ def time_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
     total = sum(times) + (_least_recompute_s(costs) if recompute is None else 0.0)
     p, v = cand.pp, cand.virtual_stages if cand.schedule == "interleaved" else 1
     atoms_per_rank = len(costs.atoms) / p
-    params = sum(a.params for a in costs.atoms) / p
-    experts = sum(a.expert_params for a in costs.atoms) / p
+    params, experts = (x / p for x in costs.param_totals)
     latency = costs.mb_comm_atom_s * atoms_per_rank
     sends = costs.p2p_s * (cand.num_stages // p)
     # the slowest rank: at least the average, and (without interleaving) at least the best
