@@ -4,9 +4,11 @@ paper, Table 3; ``llama.py``'s model, imported from the file next to this one). 
 
 One sequence's activations (hundreds of GB at bf16, 67 GB for its fp32 logits alone) fit no single
 GPU: the plan splits each sequence, with context parallelism (attention as a ring over the
-sequence shards), tensor parallelism or both. Profile it on the meta device (``--meta``):
+sequence shards), tensor parallelism or both. With 4 sequences on 64 GPUs each sequence spans 16
+GPUs, more than a node's tensor parallelism: the plan adds context parallelism across nodes (as
+Llama 3's long-context stage did, tp 8 x cp 16 at 405B). The model is profiled on fake tensors:
 
-    plan examples/llama3_8b_128k.py --gpus 32 --gpu h100-sxm-80gb --global-batch 8
+    plan examples/llama3_8b_128k.py --gpus 64 --gpu h100-sxm-80gb --global-batch 4
 """
 
 from llama import LlamaConfig, build_llama, llama_batch

@@ -67,6 +67,11 @@ class GPUSpec:
     """The largest share of the dense peak that 16-bit matmuls reach on this GPU, measured
     (maximum achievable matmul FLOPS over the best shapes / peak: A100 SXM 86%, H100 SXM 80%,
     MI300X 60%); 1.0 for the local CPU, whose peak is itself a measured matmul."""
+    attention_efficiency: float | None = None
+    """The share of the 16-bit dense peak that the fused attention kernels PyTorch's SDPA runs
+    (FlashAttention-2) reach in training, forward and backward, published per GPU generation (A100
+    ~60%, H100 35%: FlashAttention-2 was written for Ampere); None: unknown, attention at the
+    matmul rate."""
     process_slowdown: tuple[tuple[int, float], ...] = ()
     """The local CPU after `plan calibrate --gpu cpu`: (processes, how much longer one training step
     of a fixed model takes in each of that many processes sharing the cores, each with its share of

@@ -19,6 +19,8 @@ A GPU file (packaged ones live in ``profiles/``; ``profiles/README.md`` shows a 
     gpus_per_node: 8
     tdp_w: 700                        # optional
     matmul_efficiency: 0.80           # optional (default 0.82): best measured matmul / dense peak
+    attention_efficiency: 0.35        # optional: fused attention (SDPA, fwd + bwd) / dense peak;
+                                      #   default: the matmul rate
     sources:                          # optional: field (or peak_tflops.<dtype>) -> where from
       memory_gb: NVIDIA H100 datasheet
     uncertain: [inter_node_latency_us]  # optional: fields that are estimates
@@ -64,6 +66,7 @@ _SCALARS: dict[str, tuple[str, bool]] = {
     "gpus_per_node": ("gpus_per_node", True),
     "tdp_w": ("tdp_w", False),
     "matmul_efficiency": ("matmul_efficiency", False),
+    "attention_efficiency": ("attention_efficiency", False),
 }
 
 
@@ -178,7 +181,7 @@ def parse_gpu(data: Any, *, where: str, default_name: str, origin: str) -> GPUSp
                 raise _fail(where, f"missing field '{key}'")
             continue
         number = _positive(where, key, data[key], integer=key == "gpus_per_node")
-        if key == "matmul_efficiency" and number > 1:
+        if key in ("matmul_efficiency", "attention_efficiency") and number > 1:
             raise _fail(where, f"field '{key}' is a share of the peak, at most 1, got {number!r}")
         values[attr] = int(number) if key == "gpus_per_node" else _to_si(key, number)
     values["memory_bytes"] = int(round(values["memory_bytes"]))

@@ -166,11 +166,14 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
         f"across nodes per GPU" + (" (--inter-node-gbps)" if request.inter_node_gbps else "") + " (plan gpus: sources)",
         f"efficiencies: matmuls {constants.MATMUL_EFFICIENCY:.0%} of this GPU's best measured matmul rate "
         f"({cluster.gpu.matmul_efficiency:.1%} of peak: {cluster.gpu.matmul_efficiency * constants.MATMUL_EFFICIENCY:.0%} in all), "
+        + (f"fused attention {cluster.gpu.attention_efficiency:.0%} of peak (causal: half its FLOPs), "
+           if cluster.gpu.attention_efficiency is not None else "") +
         f"memory-bound ops {constants.MEMORY_EFFICIENCY:.0%} of HBM bandwidth, data-parallel traffic beside "
         f"compute {constants.OVERLAP_EFFICIENCY:.0%} hidden (fitted on published runs, "
         f"bench/bench_published.py), links {constants.LINK_EFFICIENCY:.0%}",
         f"memory reserve per device: {fmt_bytes(constants.RESERVE_GPU_BYTES if cluster.gpu.origin != 'measured' else constants.RESERVE_CPU_BYTES)} "
-        f"(runtime, communication buffers) + {constants.FRAGMENTATION:.0%} fragmentation",
+        f"(runtime, communication buffers) + {constants.FRAGMENTATION_GPU if cluster.gpu.origin != 'measured' else constants.FRAGMENTATION_CPU:.0%} "
+        "allocator fragmentation",
         "tensor parallelism is Megatron-style (column-wise then row-wise Linears), with or without sequence "
         "parallelism as parallel.sequence_parallel says; ranks ordered tp, cp, dp, pp",
     ]

@@ -115,6 +115,24 @@ def matmul_flops(device: torch.device, sync: Callable[[], None]) -> float:
     return best
 
 
+def attention_flops(device: torch.device, sync: Callable[[], None], seqs: tuple[int, ...] = (4096, 8192),
+                    heads: int = 16, head_dim: int = 128) -> float:
+    """Best median FLOP/s of causal bf16 scaled_dot_product_attention, forward and backward, in
+    the FLOPs its kernels run (half of 4 s^2 h d forward, 2.5 x that backward: the
+    FlashAttention papers' accounting, which the catalogue's attention_efficiency uses)."""
+    best = 0.0
+    for s in seqs:
+        q, k, v = (torch.randn(1, heads, s, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        grad = torch.randn(1, heads, s, head_dim, device=device, dtype=torch.bfloat16)
+
+        def step():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+        best = max(best, 3.5 * 2 * heads * s**2 * head_dim / _median_s(step, sync=sync))
+    return best
+
+
 def measure(device: torch.device) -> dict[str, Any]:
     """What this rank measures (every rank at once); collectives over the whole group."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -122,6 +140,7 @@ def measure(device: torch.device) -> dict[str, Any]:
     out: dict[str, Any] = {"step_s": step_seconds(device, sync)}
     if device.type == "cuda":
         out["matmul_bf16_flops"] = matmul_flops(device, sync)
+        out["attention_bf16_flops"] = attention_flops(device, sync)
     if world > 1:
         rank = dist.get_rank()
         peer = rank ^ 1  # pairs (0, 1), (2, 3), ...: each sends to the other, all pairs at once
@@ -190,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
                 "step_s": statistics.median(r["step_s"] for r in everyone),
                 "step_s_per_rank": [r["step_s"] for r in everyone],
                 **{k: mine[k] for k in COLLECTIVES if k in mine},
-                **({"matmul_bf16_flops": min(r["matmul_bf16_flops"] for r in everyone)} if "matmul_bf16_flops" in mine else {}),
+                **{k: min(r[k] for r in everyone) for k in ("matmul_bf16_flops", "attention_bf16_flops") if k in mine},
             }
             Path(args.out).write_text(json.dumps(result))
         dist.barrier()

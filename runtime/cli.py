@@ -177,7 +177,12 @@ def _calibrate_gpu(args: argparse.Namespace, progress: Any) -> int:
         "inter_node_latency_us": base.inter_node_latency_s * 1e6,
         "gpus_per_node": base.gpus_per_node,
         "matmul_efficiency": min(1.0, result["matmul_bf16_flops"] / peak),
-        "sources": {"matmul_efficiency": f"{at}: best median bf16 torch.mm 4096/8192, slowest of {n} GPUs at once, over the bf16 peak"},
+        "attention_efficiency": min(1.0, result["attention_bf16_flops"] / peak),
+        "sources": {
+            "matmul_efficiency": f"{at}: best median bf16 torch.mm 4096/8192, slowest of {n} GPUs at once, over the bf16 peak",
+            "attention_efficiency": f"{at}: best median causal bf16 SDPA forward + backward, 16 heads of 128, 4096/8192 "
+                                    f"tokens, slowest of {n} GPUs at once, over the bf16 peak",
+        },
     }
     if "all_reduce" in result:
         data["intra_node_bandwidth_GBps"] = result["all_reduce"]["busbw_Bps"] / 1e9
@@ -188,7 +193,8 @@ def _calibrate_gpu(args: argparse.Namespace, progress: Any) -> int:
 
     atomic_write_text(args.output, yaml.safe_dump(data, sort_keys=False))
     print(f"{args.output}: {base.name} calibrated on this node ({n} GPUs): matmul {result['matmul_bf16_flops'] / 1e12:.0f} "
-          f"TFLOP/s bf16 ({data['matmul_efficiency']:.0%} of peak); use it with --gpu {args.output}")
+          f"TFLOP/s bf16 ({data['matmul_efficiency']:.0%} of peak), attention {result['attention_bf16_flops'] / 1e12:.0f} "
+          f"({data['attention_efficiency']:.0%}); use it with --gpu {args.output}")
     return 0
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.cost.comm import exposed_after_s, overlapped_s
-from planner.cost.constants import FRAGMENTATION
 from planner.cost.pipeline import pipeline_s
 from planner.cost.stage_costs import StageCosts
 
@@ -99,7 +98,7 @@ def evaluate(costs: StageCosts, bounds: list[int], choice: list[int]) -> Evaluat
         weights += costs.zero3_gather_bytes
         kept = sum(a.act_bytes[choice[k]] for a, k in zip(atoms, atom_ids))
         activations = costs.inflight[i] * kept + costs.working_bytes
-        reserve = costs.reserve_fixed_bytes + FRAGMENTATION * (weights + grads + optim + activations)
+        reserve = costs.reserve_fixed_bytes + costs.fragmentation * (weights + grads + optim + activations)
         devices.append(
             DeviceFigures(
                 rank=i,

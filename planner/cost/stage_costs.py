@@ -33,6 +33,8 @@ from planner.cost.constants import (
     DDP_BUCKET_BYTES,
     LOSS_PARALLEL_EXTRA,
     RESERVE_CPU_BYTES,
+    FRAGMENTATION_CPU,
+    FRAGMENTATION_GPU,
     RESERVE_GPU_BYTES,
 )
 from planner.cost.pipeline import inflight_per_device
@@ -93,6 +95,8 @@ class StageCosts:
     zero3_gather_bytes: float
     """ZeRO-3: gathered parameters of the two largest atoms (current + prefetched)."""
     reserve_fixed_bytes: int
+    fragmentation: float
+    """The allocator's unused share on top of what tensors need (constants.FRAGMENTATION_*)."""
     limit_bytes: int
     p2p_s: float
     """Pipeline sends per stage per micro-batch: the activation forward, its gradient backward."""
@@ -243,6 +247,14 @@ def loss_working_bytes(profile: ModelProfile, tp: int, micro_batch: int, cp: int
     return (2 + LOSS_PARALLEL_EXTRA) * head.activation_bytes * _scale(profile, micro_batch, cp) / tp
 
 
+def _attention_share(work: Work, gpu, dtype: str) -> float:
+    """The share of a phase's roofline time its fused attention takes."""
+    if not work.attention_flops:
+        return 0.0
+    alone = Work(work.attention_flops, 0.0, 0.0, 0, attention_flops=work.attention_flops)
+    return min(1.0, roofline_s(alone, gpu, dtype) / max(roofline_s(work, gpu, dtype), 1e-30))
+
+
 def _layer_costs(
     layer: LayerProfile,
     input_bytes: float,
@@ -269,10 +281,12 @@ def _layer_costs(
     # writes it once in 8 bits: 2.5 x its bf16 bytes of memory-bound work per matmul operand
     # (torchao's Float8Linear, tensorwise scaling; reuse of a cast in backward is not counted)
     cast = (2.5 * layer.fwd_linear_operand_bytes, 2.5 * layer.bwd_linear_operand_bytes) if fp8 else (0.0, 0.0)
-    fwd_work = Work(layer.fwd_flops, layer.fwd_matmul_io_bytes, layer.fwd_other_io_bytes * (1 - whole) + cast[0], layer.fwd_ops,
-                    layer.fwd_linear_flops if fp8 else 0.0)
-    bwd_work = Work(layer.bwd_flops, layer.bwd_matmul_io_bytes, layer.bwd_other_io_bytes * (1 - whole) + cast[1], layer.bwd_ops,
-                    layer.bwd_linear_flops if fp8 else 0.0)
+    # causal attention runs half the FLOPs the profile counts (its kernels skip the masked blocks)
+    skip = layer.fwd_causal_attention_flops / 2, layer.bwd_causal_attention_flops / 2
+    fwd_work = Work(layer.fwd_flops - skip[0], layer.fwd_matmul_io_bytes, layer.fwd_other_io_bytes * (1 - whole) + cast[0],
+                    layer.fwd_ops, layer.fwd_linear_flops if fp8 else 0.0, layer.fwd_attention_flops - skip[0])
+    bwd_work = Work(layer.bwd_flops - skip[1], layer.bwd_matmul_io_bytes, layer.bwd_other_io_bytes * (1 - whole) + cast[1],
+                    layer.bwd_ops, layer.bwd_linear_flops if fp8 else 0.0, layer.bwd_attention_flops - skip[1])
     # the Linear matmuls the alternate policy recomputes (column- or row-wise: split by TP)
     alt_work = Work(layer.fwd_alternate_flops, layer.fwd_alternate_io_bytes, 0.0, 0,
                     layer.fwd_alternate_flops if fp8 else 0.0).scaled(scale / shard)
@@ -281,7 +295,8 @@ def _layer_costs(
     bwd_work = replace(bwd_work, other_bytes=bwd_work.other_bytes + layer.bwd_other_io_bytes * whole * scale)
     if cpu_factor is not None and layer.fwd_s is not None and layer.bwd_s is not None:
         # measured seconds split as the roofline splits them (more than 1/tp without SP)
-        even = Work(layer.fwd_flops, layer.fwd_matmul_io_bytes, layer.fwd_other_io_bytes, layer.fwd_ops).scaled(scale / shard)
+        even = Work(layer.fwd_flops - skip[0], layer.fwd_matmul_io_bytes, layer.fwd_other_io_bytes, layer.fwd_ops,
+                    attention_flops=layer.fwd_attention_flops - skip[0]).scaled(scale / shard)
         roof = roofline_s(fwd_work, gpu, training.precision)
         share = roof / max(roofline_s(even, gpu, training.precision), 1e-30)
         fwd = layer.fwd_s * scale * cpu_factor / shard * share
@@ -318,8 +333,8 @@ def _layer_costs(
         # as any overlapped collective (comm.exposed_after_s).
         kv, dkv = ring_bytes(layer, profile, cand.micro_batch, shard)
         ag, rs = comm.allgather(cand.cp, lk.cp), comm.reduce_scatter(cand.cp, lk.cp)
-        attn_fwd = fwd * layer.fwd_attention_flops / layer.fwd_flops if layer.fwd_flops else 0.0
-        attn_bwd = bwd * layer.bwd_attention_flops / layer.bwd_flops if layer.bwd_flops else 0.0
+        attn_fwd = fwd * _attention_share(fwd_work, gpu, training.precision)
+        attn_bwd = bwd * _attention_share(bwd_work, gpu, training.precision)
         cp_fwd = comm.exposed_after_s(attn_fwd, ag(kv))
         cp_bwd = comm.exposed_after_s(attn_bwd, ag(kv) + rs(dkv))
         # the partial outputs merged (forward) and query gradients summed (backward) at every step:
@@ -505,6 +520,7 @@ def stage_costs(
         + _ring_working_bytes(profile, cand),
         zero3_gather_bytes=sum(max_params) * w if cand.zero == 3 and not in_pipeline else 0.0,
         reserve_fixed_bytes=RESERVE_GPU_BYTES if on_gpu else RESERVE_CPU_BYTES,
+        fragmentation=FRAGMENTATION_GPU if on_gpu else FRAGMENTATION_CPU,
         limit_bytes=training.memory_limit_bytes,
         p2p_s=2 * comm.p2p(lk.pp)(cut_bytes) * comm_factor if cand.pp > 1 else 0.0,
         min_first_atoms=first_atoms,

@@ -384,6 +384,8 @@ def _assemble(
         "bwd_ops": per_layer(trace.bwd.ops),
         "fwd_attention_flops": per_layer(trace.fwd.attention_flops),
         "bwd_attention_flops": per_layer(trace.bwd.attention_flops),
+        "fwd_causal_attention_flops": per_layer(trace.fwd.causal_attention_flops),
+        "bwd_causal_attention_flops": per_layer(trace.bwd.causal_attention_flops),
         "attention_kv_bytes": per_layer(trace.fwd.attention_kv_bytes),
     }
 

@@ -143,6 +143,8 @@ class PhaseCosts:
     # queries and receives every other rank's keys and values, planner.cost.stage_costs).
     attention_flops: Counter = field(default_factory=Counter)
     """Of flops, the fused attention kernels' (scaled_dot_product_attention)."""
+    causal_attention_flops: Counter = field(default_factory=Counter)
+    """Of attention_flops, the calls with is_causal (counted whole: the kernels skip the masked half)."""
     attention_kv_bytes: Counter = field(default_factory=Counter)
     """Bytes of the keys and values those kernels read (what a context-parallel ring exchanges)."""
     masked_attention: Counter = field(default_factory=Counter)
@@ -154,6 +156,14 @@ class PhaseCosts:
     aranges: Counter = field(default_factory=Counter)
     """The longest torch.arange the forward made: positions made inside the model when it is the
     sequence length (a context-parallel rank holds a reordered shard of the sequence)."""
+
+
+def _arg(func, args: tuple, kwargs: dict, name: str):
+    """An op's argument by its schema name (positional or keyword), None when it has none."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == name:
+            return kwargs[name] if name in kwargs else (args[i] if i < len(args) else a.default_value)
+    return None
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -202,6 +212,8 @@ class _Recorder(TorchDispatchMode):
                 costs.linear_operand_bytes[seg] += sum(map(_nbytes, tensors_in((args, kwargs))))
             if is_attention(func):
                 costs.attention_flops[seg] += flops
+                if _arg(func, args, kwargs, "is_causal"):
+                    costs.causal_attention_flops[seg] += flops
                 if not self.seg.backward:
                     costs.attention_kv_bytes[seg] += _nbytes(args[1]) + _nbytes(args[2])
                     if kwargs.get("attn_mask") is not None or any(isinstance(a, torch.Tensor) for a in args[3:]):

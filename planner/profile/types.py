@@ -95,6 +95,10 @@ class LayerProfile:
     fwd_attention_flops: int = 0
     """Of fwd_flops, the fused attention kernels' (scaled_dot_product_attention)."""
     bwd_attention_flops: int = 0
+    fwd_causal_attention_flops: int = 0
+    """Of fwd_attention_flops, the calls with a causal mask: counted whole (the MFU convention of
+    Megatron-LM and PaLM), though the kernels skip the masked half (the cost model's time)."""
+    bwd_causal_attention_flops: int = 0
     attention_kv_bytes: int = 0
     """Bytes of the keys and values those kernels read in forward: what a context-parallel ring
     passes around (each rank's shard to every other rank of the group)."""

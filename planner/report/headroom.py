@@ -40,6 +40,8 @@ def scale_profile(profile: ModelProfile, model: float = 1.0, seq: float = 1.0) -
             bwd_matmul_io_bytes=r(l.bwd_matmul_io_bytes, both), bwd_other_io_bytes=r(l.bwd_other_io_bytes, both),
             fwd_s=r(l.fwd_s, both), bwd_s=r(l.bwd_s, both), tp=tp,
             fwd_attention_flops=r(l.fwd_attention_flops, both), bwd_attention_flops=r(l.bwd_attention_flops, both),
+            fwd_causal_attention_flops=r(l.fwd_causal_attention_flops, both),
+            bwd_causal_attention_flops=r(l.bwd_causal_attention_flops, both),
             attention_kv_bytes=r(l.attention_kv_bytes, both),
         ))
     t = profile.totals

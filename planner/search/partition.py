@@ -49,7 +49,6 @@ from dataclasses import dataclass
 import pulp
 
 from planner.cost import comm
-from planner.cost.constants import FRAGMENTATION
 from planner.cost.evaluate import evaluate
 from planner.cost.stage_costs import KIND_OF, KINDS, NONE, StageCosts
 
@@ -224,7 +223,7 @@ def solve_partition(
             + costs.zero3_gather_bytes
         )
         # in GiB: byte-sized coefficients next to time-sized ones hurt the solver's tolerances
-        prob += ((1 + FRAGMENTATION) * memory + costs.reserve_fixed_bytes) * (1 / GIB) <= costs.limit_bytes / GIB, f"memory_{i}"
+        prob += ((1 + costs.fragmentation) * memory + costs.reserve_fixed_bytes) * (1 / GIB) <= costs.limit_bytes / GIB, f"memory_{i}"
         # [Sync]
         sync = costs.after_step_s(params, experts) * sc
         if costs.after_step_atom_s:

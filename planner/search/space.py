@@ -26,7 +26,6 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
-from planner.cost.constants import FRAGMENTATION
 from planner.cost.setup import Candidate
 from planner.cost.stage_costs import FULL, KIND_OF, KINDS, NONE, StageCosts
 from planner.errors import BadInput
@@ -299,7 +298,7 @@ def memory_lower_bound(costs: StageCosts, recompute: str | None = None) -> float
     infl = costs.inflight
     h = sum(1 / x for x in infl)
     held = max((state + min(infl) * act) / cand.pp, act / h + state / (max(infl) * h))
-    return (1 + FRAGMENTATION) * (held + costs.working_bytes + costs.zero3_gather_bytes) + costs.reserve_fixed_bytes
+    return (1 + costs.fragmentation) * (held + costs.working_bytes + costs.zero3_gather_bytes) + costs.reserve_fixed_bytes
 
 
 def time_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
@@ -356,7 +355,7 @@ def _least_recompute_s(costs: StageCosts) -> float:
         return 0.0
     infl = costs.inflight
     # bytes of the bound per byte of kept activations (the larger of its two slopes)
-    slope = (1 + FRAGMENTATION) * max(min(infl) / costs.cand.pp, 1 / sum(1 / x for x in infl))
+    slope = (1 + costs.fragmentation) * max(min(infl) / costs.cand.pp, 1 / sum(1 / x for x in infl))
     ratios = [
         (a.extra_s[c] - a.extra_s[NONE]) / (a.act_bytes[NONE] - a.act_bytes[c])
         for a in costs.atoms

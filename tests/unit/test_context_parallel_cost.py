@@ -117,15 +117,16 @@ def test_search_splits_a_long_sequence_and_refuses_cp_where_the_model_cannot():
     from planner.planning import PlanRequest, make_plan
     from planner.search.space import Fixed
 
-    # 32 GPUs, 8 sequences of 131,072 tokens: a sequence must be split over 4 GPUs at least
+    # 64 GPUs, 4 sequences of 131,072 tokens: a sequence must be split over 16 GPUs, more than a
+    # node's tensor parallelism holds
     plan = make_plan(load_model_file(EXAMPLES / "llama3_8b_128k.py"),
-                     PlanRequest(gpus=32, gpu="h100-sxm-80gb", global_batch=8, precision="bf16", optimizer="adamw"))
+                     PlanRequest(gpus=64, gpu="h100-sxm-80gb", global_batch=4, precision="bf16", optimizer="adamw"))
     p = plan.parallel
-    assert p.cp > 1 and p.dp * p.cp * p.tp * p.pp == 32
+    assert p.cp > 1 and p.tp <= 8 and p.dp * p.cp * p.tp * p.pp == 64
     assert any("Context parallelism over" in line for line in plan.explanation)
     # fixing cp: that degree
     fixed = make_plan(load_model_file(EXAMPLES / "llama3_8b_128k.py"),
-                      PlanRequest(gpus=32, gpu="h100-sxm-80gb", global_batch=8, precision="bf16", optimizer="adamw",
+                      PlanRequest(gpus=64, gpu="h100-sxm-80gb", global_batch=4, precision="bf16", optimizer="adamw",
                                   fixed=Fixed(cp=8)))
     assert fixed.parallel.cp == 8
     with pytest.raises(BadInput, match="--cp 2: context parallelism cannot run on this model: .*torch.arange"):

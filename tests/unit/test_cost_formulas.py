@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from planner.cost import comm
-from planner.cost.constants import DDP_BUCKET_BYTES, FRAGMENTATION, LINK_EFFICIENCY, OVERLAP_EFFICIENCY
+from planner.cost.constants import DDP_BUCKET_BYTES, LINK_EFFICIENCY, OVERLAP_EFFICIENCY
 from planner.cost.evaluate import evaluate
 from planner.cost.pipeline import inflight_per_device, pipeline_s
 from planner.cost.setup import Candidate, Training
@@ -86,7 +86,7 @@ def test_memory_per_zero_stage(zero, per_param):
     kept = sum(a.act_bytes[NONE] for a in costs.atoms)
     assert d.activations_bytes == pytest.approx(kept + 2 * max(a.act_bytes[NONE] for a in costs.atoms))
     held = d.weights_bytes + d.grads_bytes + d.optimizer_bytes + d.activations_bytes
-    assert d.reserve_bytes == pytest.approx(costs.reserve_fixed_bytes + FRAGMENTATION * held)
+    assert d.reserve_bytes == pytest.approx(costs.reserve_fixed_bytes + costs.fragmentation * held)
 
 
 def test_ddp_exposes_the_last_bucket_and_the_optimizer():
@@ -161,6 +161,41 @@ def test_matmuls_run_at_the_gpus_measured_ceiling_times_one_share():
         assert gpu.matmul_efficiency == ceiling
         assert roofline_s(work, gpu, "bf16") == pytest.approx(1e15 / (gpu.peak("bf16") * ceiling * MATMUL_EFFICIENCY))
 
+
+def test_attention_runs_at_its_kernels_share_and_causal_attention_does_half(gpt_bf16):
+    """Fused attention runs at the GPU's `attention_efficiency` of the 16-bit peak (FlashAttention-2:
+    35% on an H100, 60% on an A100), the rest at the matmul rate; a GPU file without the figure puts
+    attention at the matmul rate. examples/gpt.py calls SDPA with is_causal: the profile counts its
+    FLOPs whole (4 s^2 h forward, 2.5 x that backward) and marks them causal; the cost model's
+    kernels run half of them."""
+    from dataclasses import replace
+
+    from planner.cost.compute import Work, roofline_s
+    from planner.cost.constants import MATMUL_EFFICIENCY
+    from planner.cost.stage_costs import atom_table
+    from planner.hardware import get_gpu
+
+    h100 = get_gpu("h100-sxm-80gb")
+    assert h100.attention_efficiency == 0.35 and get_gpu("a100-80gb").attention_efficiency == 0.60
+    rate = h100.matmul_efficiency * MATMUL_EFFICIENCY
+    work = Work(flops=3e15, matmul_bytes=0.0, other_bytes=0.0, ops=1, attention_flops=1e15)
+    assert roofline_s(work, h100, "bf16") == pytest.approx(2e15 / (989.4e12 * rate) + 1e15 / (989.4e12 * 0.35))
+    assert roofline_s(work, replace(h100, attention_efficiency=None), "bf16") == pytest.approx(3e15 / (989.4e12 * rate))
+
+    block = next(l for l in gpt_bf16.layers if l.name == "blocks.0")
+    assert block.fwd_attention_flops == 4 * 256**2 * 384 and block.bwd_attention_flops == 2.5 * block.fwd_attention_flops
+    assert block.fwd_causal_attention_flops == block.fwd_attention_flops
+    assert block.bwd_causal_attention_flops == block.bwd_attention_flops
+    cluster = make_cluster("h100-sxm-80gb", 1)
+    training = Training("bf16", "adamw", 256, 80 * 2**30)
+    i = next(k for k, l in enumerate(gpt_bf16.layers) if l.name == "blocks.0")
+    # compute-bound (at width 384 the matmuls' bytes bind; without them the FLOPs do)
+    bound = replace(gpt_bf16, layers=[replace(l, fwd_matmul_io_bytes=0, bwd_matmul_io_bytes=0) for l in gpt_bf16.layers])
+    full = replace(bound, layers=[replace(l, fwd_causal_attention_flops=0, bwd_causal_attention_flops=0) for l in bound.layers])
+    causal, whole = (atom_table(p, cluster, training, tp=1, micro_batch=256)[i] for p in (bound, full))
+    attention_s = 256 * block.fwd_attention_flops / (989.4e12 * 0.35)
+    assert whole.fwd_s - causal.fwd_s == pytest.approx(attention_s / 2, rel=1e-6)
+    assert whole.bwd_s - causal.bwd_s == pytest.approx(2.5 * attention_s / 2, rel=1e-6)
 
 @pytest.fixture(scope="module")
 def gpt_bf16():

@@ -158,6 +158,7 @@ def test_gpu_by_path(tmp_path):
         ({**MINIMAL, "memroy_gb": 16}, "memroy_gb"),
         ({**MINIMAL, "uncertain": ["nvlink"]}, "uncertain"),
         ({**MINIMAL, "name": "cpu"}, "name"),
+        ({**MINIMAL, "attention_efficiency": 35}, "attention_efficiency"),
     ],
 )
 def test_malformed_user_file_names_file_and_field(gpu_dir, data, field):
