@@ -78,6 +78,28 @@ class AtomCost:
         return (self.fwd_s, self.bwd_s, self.extra_s, self.act_bytes, self.params, self.out_bytes, self.expert_params)
 
 
+class AtomTable(tuple):
+    """A tuple of AtomCost (atom_table's answer) that keeps what is derived from it alone: the
+    search prices thousands of candidates on a few dozen tables, and its bounds, starting splits
+    and stage_costs ask each the same sums. `memo(key, make)`: `make()` once per key."""
+
+    def memo(self, key, make):
+        cache = self.__dict__.setdefault("_memo", {})
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
+    @functools.cached_property
+    def param_totals(self) -> tuple[float, float]:
+        """(parameters, of them experts) over all atoms."""
+        return sum(a.params for a in self), sum(a.expert_params for a in self)
+
+    def times(self, kind: int | None) -> list[float]:
+        """Each atom's seconds per micro-batch with recompute `kind` (None: forward + backward only)."""
+        return self.memo(("times", kind), lambda: [a.fwd_s + a.bwd_s + (a.extra_s[kind] if kind is not None else 0.0)
+                                                    for a in self])
+
+
 @dataclass(frozen=True)
 class StageCosts:
     """Everything the partitioner needs for one candidate."""
@@ -139,10 +161,10 @@ class StageCosts:
     expert_after_step_param_s: float = 0.0
     """ZeRO-1/2's all-gather after the step, plus the optimizer, per expert parameter."""
 
-    @functools.cached_property
+    @property
     def param_totals(self) -> tuple[float, float]:
         """(parameters, of them experts) over all atoms: what the search's bounds ask of every candidate."""
-        return sum(a.params for a in self.atoms), sum(a.expert_params for a in self.atoms)
+        return self.atoms.param_totals
 
     @property
     def num_devices(self) -> int:
@@ -458,7 +480,7 @@ def atom_table(
                 expert_params=sum(r[8] for r in rows),
             )
         )
-    return tuple(atoms)
+    return AtomTable(atoms)
 
 
 def _ring_working_bytes(profile: ModelProfile, cand: Candidate) -> float:
@@ -482,13 +504,17 @@ def stage_costs(
     if atoms is None:
         atoms = atom_table(profile, cluster, training, cand.tp, cand.micro_batch, cpu_factor, cand.sequence_parallel,
                            cand.tp_overlap, cand.cp, cand.ep)
+    elif not isinstance(atoms, AtomTable):
+        atoms = AtomTable(atoms)
     w, g, o = training.bytes_per_param()
-    max_act = max(a.act_bytes[NONE] for a in atoms)
-    max_params = sorted((a.params for a in atoms), reverse=True)[:2]
-    cut_bytes = max((a.out_bytes for a in atoms if a.cut_ok), default=0.0)
+    max_act, max_params, cut_bytes = atoms.memo("largest", lambda: (
+        max(a.act_bytes[NONE] for a in atoms),
+        sorted((a.params for a in atoms), reverse=True)[:2],
+        max((a.out_bytes for a in atoms if a.cut_ok), default=0.0),
+    ))
     on_gpu = cluster.gpu.origin != "measured"
     ranks, zero, shard = cand.grad_ranks, cand.zero, cand.dp_shard
-    grads_per_rank = sum(a.params for a in atoms) / cand.pp * g  # a model smaller than a bucket
+    grads_per_rank = atoms.param_totals[0] / cand.pp * g  # a model smaller than a bucket
     comm_factor = cluster.gpu.factor("comm")  # refit from this cluster's runs (1 without)
     dense = _dp_traffic(cand, shard, ranks, lk, w, g, comm_factor, hsdp=True)
     in_pipeline = pipelined_fsdp(cand)
@@ -504,11 +530,14 @@ def stage_costs(
             expert_grad_sync_per_byte_s=ex.grad_sync.per_byte_s,
             expert_after_step_param_s=ex.after_step_param_s + optimizer_s / (replicas if zero >= 1 else 1),
         )
-    model_flops = sum(l.fwd_flops + l.bwd_flops for l in layers) * training.global_batch / profile.batch_size
+    model_flops = atoms.memo("flops", lambda: sum(l.fwd_flops + l.bwd_flops for l in layers)) * training.global_batch / profile.batch_size
     first_atoms = 1
     if cand.pp > 1 and not profile.tracer_splits(cand.tp):
-        start = profile.plain_from()
-        first_atoms = next((k + 1 for k, a in enumerate(atoms) if a.last >= start), len(atoms))
+        def first() -> int:
+            start = profile.plain_from()
+            return next((k + 1 for k, a in enumerate(atoms) if a.last >= start), len(atoms))
+
+        first_atoms = atoms.memo("first_atoms", first)
     return StageCosts(
         cand=cand,
         atoms=atoms,

@@ -133,7 +133,7 @@ def solve_partition(
         # [Chunks] Interleaved: chunks are the balanced split (as Megatron-LM assigns layers to
         # virtual stages evenly); the ILP still chooses recompute per rank. Free chunk boundaries
         # with interleaving made HiGHS take seconds per candidate for a gain within the gap.
-        chunks = balanced_bounds([a.fwd_s + a.bwd_s for a in costs.atoms], S, p)
+        chunks = balanced_split(costs, None, S, p)
         for s in range(S - 1):
             prob += E[s] == chunks[s + 1], f"chunk_{s}"
     # Linear expressions are built as {variable: coefficient} dicts (key None: the constant) and
@@ -371,6 +371,13 @@ def balanced_bounds(times: list[float], num_stages: int, pp: int) -> list[int]:
     return best
 
 
+def balanced_split(costs: StageCosts, kind: int | None, num_stages: int, pp: int) -> list[int]:
+    """balanced_bounds of the atoms' seconds with recompute `kind` (None: forward + backward),
+    once per atom table (candidates that differ in ZeRO, schedule or dp share it)."""
+    return list(costs.atoms.memo(("balanced", kind, num_stages, pp),
+                                 lambda: tuple(balanced_bounds(costs.atoms.times(kind), num_stages, pp))))
+
+
 def _start_plan(costs, recompute, initial) -> tuple[tuple[int, ...], tuple[int, ...], float] | None:
     """(bounds, choice, step seconds) of a known feasible assignment: `initial` when given, else
     the balanced split with one recompute choice for all atoms, when that fits in memory."""
@@ -382,8 +389,7 @@ def _start_plan(costs, recompute, initial) -> tuple[tuple[int, ...], tuple[int, 
     else:
         kinds = KINDS if recompute is None else (KIND_OF[recompute],)
         for k in kinds:
-            times = [a.fwd_s + a.bwd_s + a.extra_s[k] for a in costs.atoms]
-            bounds = balanced_bounds(times, S, p)
+            bounds = balanced_split(costs, k, S, p)
             choice = [k] * len(costs.atoms)
             ev = evaluate(costs, bounds, choice)
             if ev.fits:
@@ -391,7 +397,7 @@ def _start_plan(costs, recompute, initial) -> tuple[tuple[int, ...], tuple[int, 
     if not ev.fits or (S > 1 and bounds[1] < costs.min_first_atoms):
         return None
     if cand.schedule == "interleaved" and cand.virtual_stages > 1:
-        chunks = balanced_bounds([a.fwd_s + a.bwd_s for a in costs.atoms], S, p)
+        chunks = balanced_split(costs, None, S, p)
         if list(bounds) != chunks:
             return None  # not a point of the interleaved problem (its chunks are fixed)
     return tuple(bounds), tuple(choice), ev.step_time_s

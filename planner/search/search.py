@@ -24,7 +24,7 @@ from planner.cost.setup import Candidate, Training
 from planner.cost.stage_costs import FULL, KIND_OF, StageCosts, atom_table, atoms_of, stage_costs
 from planner.hardware import Cluster
 from planner.profile.types import ModelProfile
-from planner.search.partition import MIP_GAP, PartitionResult, balanced_bounds, solve_partition
+from planner.search.partition import MIP_GAP, PartitionResult, balanced_split, solve_partition
 from planner.search.space import Fixed, SpaceStats, candidates, memory_lower_bound, time_lower_bound
 
 RECOMPUTE_HEADROOM = 0.15
@@ -244,7 +244,7 @@ def _min_need(result: SearchResult, survivors: list[tuple[float, StageCosts]], l
     """Nothing fit: the least peak memory among candidates that passed the bound (balanced
     stages, the leanest recompute allowed), to tell the user how far off the limit they are."""
     for _, costs in survivors:
-        bounds = balanced_bounds([a.fwd_s + a.bwd_s for a in costs.atoms], costs.cand.num_stages, costs.cand.pp)
+        bounds = balanced_split(costs, None, costs.cand.num_stages, costs.cand.pp)
         ev = evaluate(costs, bounds, [leanest] * len(costs.atoms))
         if result.min_need_bytes is None or ev.peak_bytes < result.min_need_bytes:
             result.min_need_bytes, result.min_need_cand = ev.peak_bytes, costs.cand

@@ -294,7 +294,7 @@ def memory_lower_bound(costs: StageCosts, recompute: str | None = None) -> float
     cand = costs.cand
     k = FULL if recompute is None else KIND_OF[recompute]
     state = sum(costs.state_bytes(*costs.param_totals))
-    act = sum(min(a.act_bytes[k], a.act_bytes[NONE]) for a in costs.atoms)
+    act = costs.atoms.memo(("least kept", k), lambda: sum(min(a.act_bytes[k], a.act_bytes[NONE]) for a in costs.atoms))
     infl = costs.inflight
     h = sum(1 / x for x in infl)
     held = max((state + min(infl) * act) / cand.pp, act / h + state / (max(infl) * h))
@@ -311,8 +311,8 @@ def time_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
     """
     cand = costs.cand
     k = NONE if recompute is None else KIND_OF[recompute]
-    times = [a.fwd_s + a.bwd_s + a.extra_s[k] for a in costs.atoms]
-    total = sum(times) + (_least_recompute_s(costs) if recompute is None else 0.0)
+    times = costs.atoms.times(k)
+    total = costs.atoms.memo(("total", k), lambda: sum(times)) + (_least_recompute_s(costs) if recompute is None else 0.0)
     p, v = cand.pp, cand.virtual_stages if cand.schedule == "interleaved" else 1
     atoms_per_rank = len(costs.atoms) / p
     params, experts = (x / p for x in costs.param_totals)
@@ -322,12 +322,30 @@ def time_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
     # contiguous min-max split of the atoms (exact, by bisection on a greedy fill)
     slowest = total / p + latency
     if v == 1 and p > 1:  # the collectives' latency goes with each atom, wherever it lands
-        slowest = max(slowest, min_max_split([t + costs.mb_comm_atom_s for t in times], p))
+        slowest = max(slowest, costs.atoms.memo(("min-max split", k, p, costs.mb_comm_atom_s), lambda: min_max_split(
+            [t + costs.mb_comm_atom_s for t in times], p)))
+    elif p > 1:  # interleaved: the chunks are the balanced split (partition.py), each rank's fixed
+        slowest = max(slowest, costs.atoms.memo(("interleaved ranks", k, cand.num_stages, p, costs.mb_comm_atom_s),
+                                                lambda: _slowest_interleaved_rank(costs, k)))
     slowest = max(slowest + sends, costs.mb_comm_s(params, experts) + latency)
     pipeline = (cand.num_microbatches - 1 / v) * slowest + (total + p * (sends + latency)) / v
     sync = (costs.tail_s if cand.grad_ranks > 1 else 0.0) + costs.after_step_s(params, experts)
     sync += costs.after_step_atom_s * atoms_per_rank
     return pipeline + sync
+
+
+def _slowest_interleaved_rank(costs: StageCosts, kind: int) -> float:
+    """The slowest rank's seconds per micro-batch over its interleaved chunks (rank i holds chunks
+    i, i + pp, ...: the balanced split the partitioner fixes), with recompute `kind` everywhere."""
+    from planner.search.partition import balanced_split
+
+    cand = costs.cand
+    bounds = balanced_split(costs, None, cand.num_stages, cand.pp)
+    times = costs.atoms.times(kind)
+    return max(
+        sum(t + costs.mb_comm_atom_s for s in range(i, cand.num_stages, cand.pp) for t in times[bounds[s]:bounds[s + 1]])
+        for i in range(cand.pp)
+    )
 
 
 def min_max_split(times: list[float], parts: int) -> float:
@@ -356,10 +374,14 @@ def _least_recompute_s(costs: StageCosts) -> float:
     infl = costs.inflight
     # bytes of the bound per byte of kept activations (the larger of its two slopes)
     slope = (1 + costs.fragmentation) * max(min(infl) / costs.cand.pp, 1 / sum(1 / x for x in infl))
-    ratios = [
-        (a.extra_s[c] - a.extra_s[NONE]) / (a.act_bytes[NONE] - a.act_bytes[c])
-        for a in costs.atoms
-        for c in KINDS[1:]
-        if a.act_bytes[NONE] > a.act_bytes[c]
-    ]
-    return over / slope * min(ratios) if ratios else 0.0
+    def best_ratio() -> float | None:
+        ratios = [
+            (a.extra_s[c] - a.extra_s[NONE]) / (a.act_bytes[NONE] - a.act_bytes[c])
+            for a in costs.atoms
+            for c in KINDS[1:]
+            if a.act_bytes[NONE] > a.act_bytes[c]
+        ]
+        return min(ratios) if ratios else None
+
+    ratio = costs.atoms.memo("recompute s per byte", best_ratio)
+    return over / slope * ratio if ratio is not None else 0.0
