@@ -28,7 +28,12 @@ each saved as what they are), under ``model`` and ``optim`` (the optimizer's fla
 per parameter name); the step is the manifest's. The data of step s comes from
 ``torch.manual_seed(DATA_SEED + s)``, so the step number is the whole data position and RNG state.
 Pipeline ranks save the parameters their stages use, under their original names (distinct across
-stages), so one checkpoint holds the whole model.
+stages), so one checkpoint holds the whole model. With expert parallelism it holds every expert
+once, whichever rank holds it: a list block's experts under their own indices
+(``layers.0.mlp.experts.4.w1.weight``), a stacked block's parameters as the whole ``[E, ...]``
+tensor of which each EP rank's slice (FSDP2's shard of it under ZeRO-2/3) is a DTensor shard, with
+their optimizer state (the experts' own optimizer included); the expert replicas' copies are
+written once (DCP's de-duplication).
 
 Only this plan's signed ``step-*`` folders are ever deleted (the older ones, keeping the newest
 ``KEEP``), and this plan's partial folders.
@@ -401,12 +406,16 @@ class Checkpointer:
                  model: nn.Module, optimizer: torch.optim.Optimizer, rank: int):
         self.root, self.every = Path(root), every
         self.plan_sha256, self.model_sha256 = plan_sha256, model_sha256
-        from runtime.train import local_optimizer
+        from runtime.train import Optimizers, local_optimizer
 
         # ZeRO-1 (ZeroRedundancyOptimizer): the local optimizer, holding this rank's shard of the
         # parameters and their state; its flattened keys name those parameters, so each dp rank
         # saves and loads its own shard (the partition is deterministic: the same on resume).
-        self.model, self.optimizer, self.rank = model, local_optimizer(optimizer), rank
+        # With expert parallelism, the dense parameters' and the experts' (``Optimizers``): both,
+        # their flattened keys merged (disjoint parameters).
+        several = optimizer.optimizers if isinstance(optimizer, Optimizers) else (optimizer,)
+        self.model, self.rank = model, rank
+        self.optimizer: Any = tuple(local_optimizer(o) for o in several)
 
     def _plain_state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -528,27 +537,53 @@ def _wrapped(value: Any) -> bool:
 
 
 def _as_dtensors(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
-    """`state` ({"model": ..., "optim": ...}, the optimizer's flattened) with the entries of TP shards
-    localised for DDP (a parameter with ``_st_info``, and its optimizer state of the same shape)
-    replaced by ``DTensor.from_local`` views of them; the dicts are copies, the tensors shared."""
+    """`state` ({"model": ..., "optim": ...}, the optimizer's flattened) with the entries of
+    parameters held in part replaced by ``DTensor.from_local`` views of them (and of their optimizer
+    state of the same shape), so DCP saves each part as its shard of the whole tensor, once, and
+    loads it in place; the dicts are copies, the tensors shared:
+
+    - TP shards localised for DDP (a parameter with ``_st_info``): their DTensor again;
+    - stacked expert parameters (expert parallelism: this rank's ``[E/ep, ...]`` slice, or FSDP2's
+      shard of it): their rows of the whole ``[E, ...]`` (``runtime.expert_parallel.stacked_shards``),
+      whichever rank holds them; their expert replicas hold the same rows, saved once. (A list
+      block's experts need nothing: each is saved under its own index in the model.)"""
     from torch.distributed.tensor import DTensor
 
+    from runtime.expert_parallel import stacked_shards
+
     specs = {name: (p._st_info, p.shape) for name, p in model.named_parameters() if getattr(p, "_st_info", None) is not None}
-    if not specs:
+    stacked = stacked_shards(model)
+    if not specs and not stacked:
         return state
 
     def view(t: Any, name: str) -> Any:
+        if name in stacked:
+            shard = stacked[name]
+            if not isinstance(t, torch.Tensor) or t.shape != shard.held_shape:
+                return t  # a scalar (AdamW's step): the same on every rank
+            local = t.to_local() if isinstance(t, DTensor) else t
+            return DTensor.from_local(local, shard.mesh, shard.placements, run_check=False, shape=shard.shape,
+                                      stride=_contiguous_strides(shard.shape))
         spec, local_shape = specs[name]
         if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.shape != local_shape:
             return t
         return DTensor.from_local(t, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
 
-    model_sd = {k: view(v, k) if k in specs else v for k, v in state["model"].items()}
+    held = specs.keys() | stacked.keys()
+    model_sd = {k: view(v, k) if k in held else v for k, v in state["model"].items()}
     optim_sd = {}
     for k, v in state["optim"].items():
         name = k[len("state."):].rpartition(".")[0] if k.startswith("state.") else ""
-        optim_sd[k] = view(v, name) if name in specs else v
+        optim_sd[k] = view(v, name) if name in held else v
     return {"model": model_sd, "optim": optim_sd}
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= size
+    return tuple(reversed(strides))
 
 
 def plan_sha256(plan_path: Path) -> str:

@@ -56,6 +56,7 @@ import contextlib
 import functools
 import logging
 import re
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -495,6 +496,66 @@ class ExpertParallel:
         return out
 
 
+_LIVE: "weakref.WeakSet[ExpertParallel]" = weakref.WeakSet()
+"""Every ExpertParallel of this process still alive (``stacked_shards`` finds parameters in them)."""
+
+
+@dataclass(frozen=True)
+class StackedShard:
+    """Where this rank's part of a stacked expert parameter (or of its optimizer state of the same
+    shape) sits in the whole model's ``[E, ...]`` tensor, as DTensor placements: ``Shard(0)`` over
+    the EP group; under FSDP2 (ZeRO-2/3), whose ``Shard(0)`` over the replicas splits this rank's
+    ``[E/ep, ...]`` slice again, ``(_StridedShard(0, split_factor=ep), Shard(0))`` over the
+    (ep_replicate, ep) mesh: the replica's rows inside the EP rank's slice."""
+
+    mesh: DeviceMesh
+    placements: tuple[Any, ...]
+    shape: torch.Size
+    """The whole model's [E, ...]."""
+    held_shape: torch.Size
+    """The parameter's shape as its state dict shows it: the local [E/ep, ...], or the global shape
+    of FSDP2's DTensor (also [E/ep, ...])."""
+
+
+def stacked_shards(module: nn.Module) -> dict[str, StackedShard]:
+    """The stacked expert parameters among `module`'s (the model, or a pipeline rank's view of its
+    stages' parameters), by their names in `module`: how each is one shard of the whole model's. The
+    parameters are found by identity in the live ExpertParallels (FSDP2 replaces them: the current
+    ones count)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    found: dict[int, tuple[ExpertParallel, int]] = {}
+    for ep in list(_LIVE):
+        for name, num_experts in ep.stacked.items():
+            found[id(ep.module.get_parameter(name))] = (ep, num_experts)
+    out: dict[str, StackedShard] = {}
+    for name, p in module.named_parameters():
+        hit = found.get(id(p))
+        if hit is None:
+            continue
+        ep, num_experts = hit
+        ep_size, ep_rank = ep.mesh["ep"].size(), ep.mesh["ep"].get_local_rank()
+        per = num_experts // ep_size
+        whole = torch.Size((num_experts, *p.shape[1:]))
+        if isinstance(p, DTensor):  # FSDP2: Shard(0) of this rank's [E/ep, ...] over the replicas
+            assert tuple(p.placements) == (Shard(0),) and tuple(p.shape) == (per, *p.shape[1:]), (
+                f"{name}: FSDP2 holds it as {p.placements} of {tuple(p.shape)}, not Shard(0) of {per} experts")
+            local_shape, inner = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            mesh, placements = ep.mesh, (_StridedShard(0, split_factor=ep_size), Shard(0))
+        else:
+            local_shape, inner = tuple(p.shape), (0,) * p.dim()
+            mesh, placements = ep.mesh["ep"], (Shard(0),)
+        got_shape, got_offset = compute_local_shape_and_global_offset(whole, mesh, placements)
+        want_offset = (ep_rank * per + inner[0], *inner[1:])
+        assert tuple(got_shape) == tuple(local_shape) and tuple(got_offset) == want_offset, (
+            f"{name}: rows {tuple(local_shape)} at {want_offset} of {tuple(whole)}, but {placements} place "
+            f"{tuple(got_shape)} at {tuple(got_offset)}")
+        out[name] = StackedShard(mesh, placements, whole, torch.Size(p.shape))
+    return out
+
+
 def expert_parallel_of(module: nn.Module) -> ExpertParallel | None:
     """The ExpertParallel ``apply_expert_parallel`` attached to `module`, if any."""
     return module.__dict__.get("_expert_parallel")
@@ -528,6 +589,7 @@ def apply_expert_parallel(module: nn.Module, plan: Plan, device_type: str) -> Ex
             stacked.update((n, block.num_experts) for n in held_names)
     ep = ExpertParallel(module, mesh, p.dp, blocks, tuple(units), tuple(names), stacked)
     module.__dict__["_expert_parallel"] = ep
+    _LIVE.add(ep)
     if dist.get_rank() == 0:
         sizes = sorted({b.num_experts for b in blocks})
         experts = " or ".join(str(e) for e in sizes) or "0"

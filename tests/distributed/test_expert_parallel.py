@@ -7,10 +7,12 @@ Two models: examples/moe.py's decoder, small (a ModuleList of experts that the b
 calls: record / replay), and a tiny Hugging Face Mixtral built from a config (stacked expert
 weights, ``MixtralExperts``). Each configuration trains 5 steps from the same weights and data;
 every step's loss and the final parameters (each rank's experts gathered) must match one process
-training on the whole global batch. One launch per world size. Also: a plan with ep on a model
-without experts, with ep not dividing the experts or dp, and with checkpoints is refused before
-launch, in one line (plan files edited: the planner does not make them); ``--dry-run`` shows the
-split.
+training on the whole global batch. One launch per world size, which also checkpoints every 2
+steps (with a few AdamW configurations, whose optimizer state a resume must restore); a second
+launch per world size resumes some of them from step 2 to 5, which must match the uninterrupted
+run, and the checkpoints hold every expert once, in the whole model's layout. Also: a plan with ep
+on a model without experts, with ep not dividing the experts or dp is refused before launch, in
+one line (plan files edited: the planner does not make them); ``--dry-run`` shows the split.
 """
 
 from __future__ import annotations
@@ -20,12 +22,18 @@ from pathlib import Path
 
 import pytest
 
+import torch
+
 from planner.cli import main
+from planner.model_file import load_model_file
+from planner.planning import PlanRequest, make_plan, profile_for
 from planner.search.space import Fixed
+from runtime.launch import launch
 from tests.conftest import EXAMPLES
-from tests.distributed.reference import assert_matches, make_plans, run_by_world, single_process
+from tests.distributed.reference import assert_matches, make_plans, single_process
 
 STEPS = 5
+CKPT_EVERY = 2
 GLOBAL_BATCH = 4
 NUM_EXPERTS = 6  # 3 a rank with ep 2; ep 4 does not divide them
 
@@ -105,6 +113,21 @@ HF_CONFIGS = {
     "hf_replicas_zero2": (4, Fixed(dp=4, tp=1, pp=1, zero=2, micro_batch=1, recompute="none", ep=2)),
 }
 CONFIGS = {**MOE_CONFIGS, **HF_CONFIGS}
+# AdamW (optimizer state that a resume must restore; no single-process reference): the dense
+# ZeRO-1 optimizer beside the experts' own; the stacked experts' ZeroRedundancyOptimizer over 2
+# replicas; FSDP2 shards of stacked experts over 2 replicas
+ADAMW_CONFIGS = {
+    "adamw_zero1": (2, "moe", Fixed(dp=2, tp=1, pp=1, zero=1, micro_batch=1, recompute="none", ep=2)),
+    "hf_adamw_replicas_zero1": (4, "hf", Fixed(dp=4, tp=1, pp=1, zero=1, micro_batch=1, recompute="none", ep=2)),
+    "hf_adamw_replicas_fsdp": (4, "hf", Fixed(dp=4, tp=1, pp=1, zero=3, micro_batch=1, recompute="none", ep=2)),
+}
+WORLD = {**{n: w for n, (w, _) in CONFIGS.items()}, **{n: w for n, (w, _, _) in ADAMW_CONFIGS.items()}}
+# resumed from their step-2 checkpoints, one launch per world size: list and stacked blocks, with
+# ZeRO-0/1/2/3, one and two expert replicas, and a pipeline
+RESUMED = {
+    2: ("recompute", "fsdp", "hf_fsdp_recompute", "adamw_zero1"),
+    4: ("replicas_zero1", "pp", "hf_replicas_zero2", "hf_adamw_replicas_zero1", "hf_adamw_replicas_fsdp"),
+}
 
 
 def with_ep(plan: Path, ep: int, out: Path | None = None) -> Path:
@@ -124,17 +147,47 @@ def workdir(tmp_path_factory) -> Path:
     return path
 
 
+def _adamw_plans(workdir: Path) -> dict[str, Path]:
+    out = {}
+    for kind in ("moe", "hf"):
+        handle = load_model_file(workdir / f"{kind}_model.py")
+        profile = None
+        for name, (world, model, fixed) in ADAMW_CONFIGS.items():
+            if model != kind:
+                continue
+            request = PlanRequest(gpus=world, gpu="cpu", global_batch=GLOBAL_BATCH, fixed=fixed, optimizer="adamw",
+                                  precision="fp32")
+            profile = profile or profile_for(handle, request)
+            out[name] = workdir / f"{name}.json"
+            out[name].write_text(make_plan(handle, request, profile).to_json())
+    return out
+
+
 @pytest.fixture(scope="module")
 def plans(workdir) -> dict[str, Path]:
     return {
         **make_plans(workdir / "moe_model.py", MOE_CONFIGS, workdir, GLOBAL_BATCH),
         **make_plans(workdir / "hf_model.py", HF_CONFIGS, workdir, GLOBAL_BATCH),
+        **_adamw_plans(workdir),
     }
 
 
+def _names(world: int) -> list[str]:
+    return [n for n, w in WORLD.items() if w == world]
+
+
 @pytest.fixture(scope="module")
-def runs(plans, workdir):
-    return run_by_world(plans, CONFIGS, workdir, STEPS)
+def runs(plans, workdir) -> dict[str, tuple[object, Path]]:
+    """name -> (RunReport, params.pt): one launch per world size runs its plans in turn, each
+    checkpointing every CKPT_EVERY steps into ``ckpt_w<world>/plan<i>``."""
+    out = {}
+    for world in (2, 4):
+        names = _names(world)
+        result = launch([plans[n] for n in names], world, steps=STEPS, save_params=True, timeout_s=300,
+                        run_dir=workdir / f"w{world}", checkpoint_dir=workdir / f"ckpt_w{world}",
+                        checkpoint_every=CKPT_EVERY)
+        out.update({n: (result.reports[i], result.run_dir / f"plan{i}" / "params.pt") for i, n in enumerate(names)})
+    return out
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -181,7 +234,77 @@ def test_ep_not_dividing_the_experts_or_dp_is_refused_before_launch(plans, workd
     assert not (workdir / "ep4.run.d").exists() and not (workdir / "ep4_dp2.run.d").exists()
 
 
-def test_checkpoints_with_ep_are_refused_before_launch(plans, workdir, capsys):
-    err = _refused(["run", str(plans["ddp"]), "--checkpoint-dir", str(workdir / "ckpt")], capsys)
-    assert "checkpoints with expert parallelism are not supported yet" in err
-    assert not (workdir / "ckpt").exists()
+# --- checkpoint and resume (runtime/checkpoint.py) --------------------------------------------
+
+
+def _ckpt_of(workdir: Path, name: str, step: int) -> Path:
+    """The first launch's checkpoint of configuration `name` after `step` steps."""
+    from runtime.checkpoint import plan_sha256, step_dir
+
+    index = _names(WORLD[name]).index(name)
+    return step_dir(workdir / f"ckpt_w{WORLD[name]}" / f"plan{index}", step, plan_sha256(workdir / f"{name}.json"))
+
+
+@pytest.fixture(scope="module")
+def resumed(plans, workdir, runs) -> dict[str, tuple[object, Path, Path]]:
+    """RESUMED configurations, resumed from their step-2 checkpoints to STEPS: one fresh launch per
+    world size (checkpointing too). name -> (RunReport, params.pt, its checkpoint folder)."""
+    import shutil
+
+    out = {}
+    for world, names in RESUMED.items():
+        root = workdir / f"resume_w{world}"
+        for i, name in enumerate(names):
+            source = _ckpt_of(workdir, name, 2)
+            shutil.copytree(source, root / f"plan{i}" / source.name)
+        result = launch([plans[n] for n in names], world, steps=STEPS, save_params=True, timeout_s=300,
+                        run_dir=workdir / f"w{world}resume", checkpoint_dir=root, checkpoint_every=CKPT_EVERY,
+                        resume=True)
+        out.update({n: (result.reports[i], result.run_dir / f"plan{i}" / "params.pt", root / f"plan{i}")
+                    for i, n in enumerate(names)})
+    return out
+
+
+@pytest.mark.parametrize("name", [n for names in RESUMED.values() for n in names])
+def test_resume_matches_uninterrupted(name, resumed, runs, workdir):
+    from runtime.checkpoint import plan_sha256, step_dir
+
+    report, params_path, root = resumed[name]
+    whole, whole_params = runs[name]
+    uninterrupted = (list(whole.measured.losses), torch.load(whole_params, weights_only=True))
+    assert_matches(f"{name} resumed", report.measured.losses, params_path, uninterrupted, first_step=2)
+    assert any("resumed from" in w and "step-00000002" in w for w in report.warnings)
+    assert (step_dir(root, 4, plan_sha256(workdir / f"{name}.json")) / "manifest.json").exists()  # it checkpoints too
+
+
+@pytest.mark.parametrize("name, key, experts", [
+    ("recompute", "model.layers.{i}.mlp.experts.{e}.gate_proj.weight", NUM_EXPERTS),
+    ("hf_fsdp_recompute", "model.model.layers.0.mlp.experts.gate_up_proj", 4),
+    ("hf_replicas_zero2", "model.model.layers.0.mlp.experts.gate_up_proj", 4),
+    ("hf_adamw_replicas_fsdp", "optim.state.model.layers.1.mlp.experts.down_proj.exp_avg", 4),
+    ("hf_adamw_replicas_zero1", "optim.state.model.layers.1.mlp.experts.down_proj.exp_avg", 4),
+])
+def test_checkpoint_holds_every_expert_once(name, key, experts, runs, workdir):
+    """The DCP metadata: a list block's experts each under its own index, a stacked parameter (and
+    its optimizer state) as the whole [E, ...] tensor, its chunks (one per EP rank, or per FSDP2
+    shard) covering it once, the replicas' copies not written again."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from runtime.checkpoint import plan_sha256, sha256_file, verify
+
+    path = _ckpt_of(workdir, name, 4)
+    model = workdir / ("hf_model.py" if name.startswith("hf") else "moe_model.py")
+    assert verify(path, plan_sha256(workdir / f"{name}.json"), sha256_file(model)) == 4  # before unpickling it
+    meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if "{e}" in key:
+        for i in range(2):
+            for e in range(experts):
+                assert key.format(i=i, e=e) in meta, f"{name}: no {key.format(i=i, e=e)} in the checkpoint"
+        return
+    entry = meta[key]
+    assert entry.size[0] == experts, f"{name}: {key} saved as {tuple(entry.size)}, not the whole {experts} experts"
+    numel = torch.Size(entry.size).numel()
+    covered = sum(torch.Size(c.sizes).numel() for c in entry.chunks)
+    assert covered == numel, f"{name}: {key}'s chunks hold {covered} elements of {numel} (duplicates or gaps)"
+    starts = sorted(c.offsets[0] for c in entry.chunks)
+    assert len(set(starts)) == len(starts), f"{name}: {key} chunks start at rows {starts}"
