@@ -11,10 +11,12 @@ FLOPs and saved bytes of a fake profile equal those of a materialised one.
 from __future__ import annotations
 
 import os
-from typing import Any
+import sys
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from planner.model_file import ModelHandle
@@ -125,3 +127,26 @@ def make_fake(model: torch.nn.Module, fake_mode: FakeTensorMode, leave_meta: tup
 
 def fake_batch(batch: Any, fake_mode: FakeTensorMode) -> Any:
     return tree_map(lambda t: fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
+
+
+@contextmanager
+def one_sequence_per_row() -> Iterator[None]:
+    """Hugging Face's mask builder (transformers.masking_utils.find_packed_sequence_indices) cannot
+    read fake position ids, so on fake tensors it takes the positions it made itself (0 .. seq - 1
+    in every row) for packed sequences and hands SDPA an explicit mask, where the real run passes
+    is_causal=True and no mask (a causal kernel, which context parallelism can split). Meanwhile,
+    fake position ids count as one sequence per row, as the sample batch's are."""
+    masking = sys.modules.get("transformers.masking_utils")
+    find = getattr(masking, "find_packed_sequence_indices", None)
+    if find is None:
+        yield
+        return
+
+    def unpacked_if_fake(position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return None if isinstance(position_ids, FakeTensor) else find(position_ids, *args, **kwargs)
+
+    masking.find_packed_sequence_indices = unpacked_if_fake
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = find

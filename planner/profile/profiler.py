@@ -172,7 +172,8 @@ def profile_model(
     fake_error: BaseException | None = None
     fake: _FakeModel | None = None
     try:
-        model, units, trace, fake = _trace_fake(handle, tdtype, inputs, targets, reuse_min_blocks)
+        with mat.one_sequence_per_row():
+            model, units, trace, fake = _trace_fake(handle, tdtype, inputs, targets, reuse_min_blocks)
         activation_bytes = sum(trace.saved_bytes.values())
         num_params = sum(p.numel() for p in model.parameters())
     except BadInput as exc:
@@ -235,7 +236,8 @@ def profile_model(
     glued = any(layer.cut_after_ok and layer.index < first_plain for layer in layers[:-1])
     if check_split and (open_cuts or glued):
         layers, split, split_note = _traced_cuts(handle, tdtype, inputs, layers)
-    layers = _with_roles(handle, fake, tdtype, layers, seq_len_of(inputs), warnings)
+    with mat.one_sequence_per_row():
+        layers = _with_roles(handle, fake, tdtype, layers, seq_len_of(inputs), warnings)
     totals = ProfileTotals(
         num_params=sum(lp.num_params for lp in layers),
         param_bytes=sum(lp.param_bytes for lp in layers),
