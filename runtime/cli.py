@@ -31,8 +31,82 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", metavar="DIR", help="save signed DCP checkpoints (model, optimizer, step) in DIR/step-NNNNNNNN-<plan>")
     p.add_argument("--checkpoint-every", metavar="K", type=_positive_int, help="save a checkpoint every K steps (needs --checkpoint-dir)")
     p.add_argument("--resume", action="store_true", help="continue from the newest verified checkpoint in --checkpoint-dir")
+    g = p.add_argument_group("several nodes", "run the same command on every node; node 0 hosts the rendezvous "
+                             "and writes the report")
+    g.add_argument("--nnodes", type=_positive_int, metavar="K", help="the nodes of the run: the plan's GPUs over its GPUs per node")
+    g.add_argument("--node-rank", type=int, metavar="I", help="this node, 0 to K-1: it runs global ranks I*P to I*P+P-1 "
+                   "(P: the plan's GPUs per node)")
+    g.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="node 0's address and a free port there, the same on every node")
+    g.add_argument("--rdzv-id", metavar="ID", help="the run's rendezvous id (default: from the plan file's sha256)")
+    g.add_argument("--rdzv-timeout-s", type=_positive_float, metavar="T",
+                   help="how long a node waits for the others to join (default 300, at most --timeout-s)")
+    j = p.add_argument_group("cluster jobs", "write (and submit) a job that runs the plan on a scheduler's nodes, "
+                             "each running the command above with its node rank; nothing runs here")
+    j.add_argument("--slurm", action="store_true", help="write an sbatch script (PLAN.sbatch, or -o FILE)")
+    j.add_argument("--submit", action="store_true", help="with --slurm: submit it with sbatch and print the job id")
+    j.add_argument("--partition", help="with --slurm: #SBATCH --partition")
+    j.add_argument("--account", help="with --slurm: #SBATCH --account")
+    j.add_argument("--time", help="with --slurm: #SBATCH --time (e.g. 04:00:00)")
+    j.add_argument("--k8s", action="store_true", help="print a Kubeflow PyTorchJob manifest (and a ConfigMap with the "
+                   "plan and model files), or write it with -o FILE")
+    j.add_argument("--image", help="with --k8s: the container image (torch and this planner installed)")
+    j.add_argument("--namespace", help="with --k8s: the Kubernetes namespace")
+    j.add_argument("--k8s-volume", metavar="CLAIM:PATH", help="with --k8s: a PersistentVolumeClaim mounted at PATH that holds "
+                   "the plan and model files (instead of a ConfigMap)")
+    j.add_argument("--job-name", help="the job's name (default: the plan file's name)")
+    j.add_argument("-o", "--output", metavar="FILE", help="with --slurm or --k8s: where to write the job file")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
+
+
+def _job_file(args: argparse.Namespace) -> int:
+    """`plan run --slurm` / `--k8s`: the job file for a scheduler (runtime/jobs.py), written or printed;
+    with --submit, handed to sbatch."""
+    import shutil
+    import subprocess
+
+    from planner.files import atomic_write_text, check_output_path
+    from runtime.jobs import dump_yaml, pytorchjob, slurm_script
+    from runtime.preflight import prepare
+
+    if args.slurm and args.k8s:
+        raise BadInput("plan run: --slurm or --k8s, not both")
+    for flag in ("partition", "account", "time", "submit"):
+        if getattr(args, flag) and not args.slurm:
+            raise BadInput(f"plan run: --{flag} goes with --slurm")
+    for flag in ("image", "namespace", "k8s_volume"):
+        if getattr(args, flag) and not args.k8s:
+            raise BadInput(f"plan run: --{flag.replace('_', '-')} goes with --k8s")
+    if args.dry_run or args.nnodes is not None or args.node_rank is not None or args.rdzv_endpoint is not None:
+        raise BadInput("plan run: --slurm and --k8s write a job whose nodes get their rank from the scheduler: "
+                       "leave out --dry-run, --nnodes, --node-rank and --rdzv-endpoint")
+    prepared = prepare(args.plan, args.model, on_launcher=False)  # the plan and model load, as on the nodes
+    ckpt = dict(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
+    if args.slurm:
+        text = slurm_script(prepared.plan, args.plan, prepared.handle.path, name=args.job_name, partition=args.partition,
+                            account=args.account, time=args.time, steps=args.steps, **ckpt)
+        out = Path(args.output) if args.output else Path(args.plan).with_suffix(".sbatch")
+    else:
+        text = dump_yaml(pytorchjob(prepared.plan, args.plan, prepared.handle.path, image=args.image or "",
+                                    name=args.job_name, namespace=args.namespace, volume=args.k8s_volume,
+                                    steps=args.steps, **ckpt))
+        out = Path(args.output) if args.output else None
+        if out is None:
+            sys.stdout.write(text)
+            return 0
+    check_output_path(out, force=args.force, flag="-o")
+    atomic_write_text(out, text)
+    print(f"{out}: {'sbatch script' if args.slurm else 'Kubernetes manifest'} for {prepared.plan.parallel.one_line()}")
+    if args.submit:
+        sbatch = shutil.which("sbatch")
+        if sbatch is None:
+            raise BadInput("plan run --submit: sbatch is not on PATH (submit the script from a Slurm login node)")
+        done = subprocess.run([sbatch, str(out)], capture_output=True, text=True)
+        said = (done.stderr or done.stdout).strip().splitlines()
+        if done.returncode != 0:
+            raise BadInput(f"sbatch {out}: {said[-1] if said else f'exit {done.returncode}'}")
+        print(done.stdout.strip())
+    return 0
 
 
 def cmd_run(argv: Sequence[str]) -> int:
@@ -43,27 +117,54 @@ def cmd_run(argv: Sequence[str]) -> int:
     from runtime.worker import DEFAULT_PG_TIMEOUT_S
     from runtime.report import render_report, report_path
 
+    from runtime.multinode import check_rendezvous, node_lines, node_spec
+
     if args.checkpoint_every and not args.checkpoint_dir:
         raise BadInput("plan run: --checkpoint-every needs --checkpoint-dir DIR")
-    prepared = prepare(args.plan, args.model)
+    if args.slurm or args.k8s or any(getattr(args, f) for f in ("submit", "partition", "account", "time", "image",
+                                                                  "namespace", "k8s_volume", "job_name", "output")):
+        if not (args.slurm or args.k8s):
+            raise BadInput("plan run: --submit, --partition, --account, --time, --image, --namespace, --k8s-volume, "
+                           "--job-name and -o go with --slurm or --k8s")
+        return _job_file(args)
+    multi = any(v is not None for v in (args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id, args.rdzv_timeout_s))
+    # several nodes: this machine hosts one node's share of the devices (checked below)
+    prepared = prepare(args.plan, args.model, on_launcher=not multi)
+    node = node_spec(prepared.plan, args.plan, args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
+                     args.timeout_s, args.rdzv_timeout_s) if multi else None
+    if node is not None:
+        from runtime.preflight import check_devices
+
+        check_devices(prepared.plan, prepared.plan_path, prepared.world_size, per_node=node.nproc_per_node)
+    nproc = prepared.world_size if node is None else node.nproc_per_node
     out = report_path(args.plan)
-    run_dir = run_dir_for(args.plan)
+    run_dir = run_dir_for(args.plan) if node is None else run_dir_for(args.plan) / f"node{node.node_rank}"
     ckpt = dict(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0, resume=args.resume)
     pg_timeout_s = args.pg_timeout_s or work_timeout_s(prepared.plan, bool(args.checkpoint_dir), DEFAULT_PG_TIMEOUT_S)
     for line in check_checkpointing(prepared, args.checkpoint_dir, args.resume, args.steps):
         print(line, file=sys.stderr)
     if args.dry_run:
-        cmd = torchrun_command([args.plan], prepared.world_size, run_dir, model=prepared.handle.path, steps=args.steps,
-                               pg_timeout_s=pg_timeout_s, **ckpt)
+        cmd = torchrun_command([args.plan], nproc, run_dir, model=prepared.handle.path, steps=args.steps,
+                               pg_timeout_s=pg_timeout_s, node=node, **ckpt)
         print(format_command(cmd))
         for line in describe(prepared.plan, prepared.layers) + [f"warning: {w}" for w in runtime_warnings(prepared.plan, prepared.layers)]:
             print(line)
+        if node is not None:
+            for line in node_lines(prepared.plan, node.nproc_per_node):
+                print(line)
         return 0
     from planner.files import check_output_path
 
-    check_output_path(out, force=args.force)  # the run report, next to the plan: before the launch
-    result = launch([args.plan], prepared.world_size, model=prepared.handle.path, steps=args.steps,
-                    timeout_s=args.timeout_s, pg_timeout_s=pg_timeout_s, run_dir=run_dir, **ckpt)
+    if node is None or node.node_rank == 0:
+        check_output_path(out, force=args.force)  # the run report, next to the plan: before the launch
+    if node is not None:
+        check_rendezvous(node)  # node 0: the port is free; the others: node 0 answers
+    result = launch([args.plan], nproc, model=prepared.handle.path, steps=args.steps,
+                    timeout_s=args.timeout_s, pg_timeout_s=pg_timeout_s, run_dir=run_dir, node=node, **ckpt)
+    if node is not None and node.node_rank != 0:
+        print(f"node {node.node_rank} of {node.num_nodes}: ranks {node.ranks.start}-{node.ranks.stop - 1} finished; "
+              f"node 0 has the run report ({out.name} next to its plan)")
+        return 0
     report = result.reports[0]
     from planner import schema
 

@@ -107,7 +107,7 @@ def slurm_script(
         "set -euo pipefail",
         f'export PLAN="${{PLAN:-{plan_command}}}"  # the planner\'s command on the nodes',
         "# the first node hosts the rendezvous (srun passes the environment to every task)",
-        f'export PLAN_RDZV="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1):{port}"',
+        f'export PLAN_RDZV="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1):${{PLAN_RDZV_PORT:-{port}}}"',
         "# one task per node, each its node's share of the ranks; one failing task ends them all",
         'srun --kill-on-bad-exit=1 --ntasks-per-node=1 --nodes="$SLURM_NNODES" bash -c '
         + shlex.quote(f'exec $PLAN run {shlex.join(run)} --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" '

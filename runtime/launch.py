@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from planner.errors import PlanError
+from planner.errors import BadInput, PlanError
+from runtime.multinode import NodeSpec
 from runtime.report import RunReport
-from runtime.worker import DEFAULT_PG_TIMEOUT_S
+from runtime.worker import DEFAULT_PG_TIMEOUT_S, NODE_RANK_ENV
 
 DEFAULT_TIMEOUT_S = 600.0
 EXIT_RUN_FAILED = 1
@@ -84,15 +85,21 @@ def torchrun_command(
     checkpoint_dir: str | Path | None = None,
     checkpoint_every: int = 0,
     resume: bool = False,
+    node: NodeSpec | None = None,
 ) -> list[str]:
-    """The launch command for one node hosting all `nproc` ranks."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1",
-        "--master-port", str(port if port is not None else free_port()),
-        "-m", "runtime.worker",
-    ]
+    """The launch command for one node hosting all `nproc` ranks; with `node`, this node's share
+    of a multi-node run (`nproc` ranks a node, static rendezvous at node 0: runtime.multinode)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    if node is None:
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port if port is not None else free_port())]
+    else:
+        assert nproc == node.nproc_per_node, f"nproc({nproc}) != nproc per node({node.nproc_per_node})"
+        cmd += [
+            "--nnodes", str(node.num_nodes), "--node-rank", str(node.node_rank),
+            "--rdzv-backend", "static", "--rdzv-endpoint", node.endpoint, "--rdzv-id", node.rdzv_id,
+            "--rdzv-conf", f"timeout={max(1, int(node.rdzv_timeout_s))}",
+        ]
+    cmd += ["-m", "runtime.worker"]
     for path in plan_paths:
         cmd += ["--plan", str(Path(path).resolve())]
     if model is not None:
@@ -146,7 +153,7 @@ _WAIT_TIMED_OUT = re.compile(
 "timeout", so a TimeoutError raised by the model's own code is not taken for one."""
 
 
-def waited_for(run_dir: Path, nproc: int) -> tuple[list[int], list[int], str] | None:
+def waited_for(run_dir: Path, nproc: int, first: int = 0) -> tuple[list[int], list[int], str] | None:
     """When the run failed because ranks timed out waiting for others: (the ranks that recorded no
     error, the ranks that timed out, the earliest timeout's error); None when any recorded error is
     something else. A rank that hangs (stuck in its own code, never joining the collective) records
@@ -154,12 +161,13 @@ def waited_for(run_dir: Path, nproc: int) -> tuple[list[int], list[int], str] | 
     torchrun's "first observed failure" and the earliest error both name a rank that waited. The
     silent ranks are the ones that hung (with 3 or more ranks, also any that torchrun stopped before
     their own wait timed out). None silent: every rank timed out waiting, in a collective that not
-    every rank called or not in the same order."""
+    every rank called or not in the same order. `first`: the first of the `nproc` ranks this node
+    runs (a multi-node run: the others' errors are on their nodes)."""
     found = _errors(run_dir)
     if not found or not all(_WAIT_TIMED_OUT.search(error) for _, _, error in found):
         return None
     timed_out = sorted({rank for _, rank, _ in found})
-    return [r for r in range(nproc) if r not in timed_out], timed_out, found[0][2]
+    return [r for r in range(first, first + nproc) if r not in timed_out], timed_out, found[0][2]
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -453,6 +461,31 @@ def _stopped_message(signum: int, nproc: int, survivors: list[int], pid: int, lo
     return f"plan run: stopped by {name}; torchrun and its {nproc} rank{'s' if nproc != 1 else ''} were stopped (log: {log_path})"
 
 
+_RDZV_FAILED = re.compile(
+    r"Timed out after \d+ seconds waiting for clients\. (\d+)/(\d+) clients joined"  # node 0: the others never came
+    r"|client socket has timed out after [^\n]*? while trying to connect to"  # another node: node 0's store never answered
+)
+
+
+def _check_rendezvous_log(log_path: Path, node: NodeSpec) -> None:
+    """The nodes of a multi-node run that never met at the rendezvous (torchrun failed before
+    starting a rank): one line naming the endpoint (BadInput)."""
+    text = log_path.read_text(errors="replace")
+    m = _RDZV_FAILED.search(text)
+    if m is None or "in next_rendezvous" not in text:  # torchrun's agent, not a rank, failed to meet
+        return
+    if m.group(1) is not None:
+        joined, total = int(m.group(1)), int(m.group(2))
+        others = "--node-rank 1" if node.num_nodes == 2 else f"--node-rank 1 to {node.num_nodes - 1}"
+        raise BadInput(
+            f"plan run: node 0: only {joined} of {total} nodes joined the rendezvous at {node.endpoint} within "
+            f"{node.rdzv_timeout_s:g} s: start the same `plan run ... --nnodes {node.num_nodes} --rdzv-endpoint "
+            f"{node.endpoint}` with {others} on the other nodes (log: {log_path})"
+        )
+    raise BadInput(f"plan run: node {node.node_rank}: the rendezvous at {node.endpoint} was lost or never answered "
+                   f"within {node.rdzv_timeout_s:g} s (log: {log_path})")
+
+
 def launch(
     plan_paths: Sequence[str | Path],
     nproc: int,
@@ -467,19 +500,26 @@ def launch(
     checkpoint_dir: str | Path | None = None,
     checkpoint_every: int = 0,
     resume: bool = False,
+    node: NodeSpec | None = None,
 ) -> LaunchResult:
     """Run the plans (in turn, in one launch) on `nproc` local ranks; their RunReports.
+    With `node`: this node's `nproc` ranks of a multi-node run; the reports come back on node 0
+    only (its rank 0 gathers every rank's figures), () on the others.
 
-    Raises RunFailed with the failing rank's error, or on timeout."""
+    Raises RunFailed with the failing rank's error, or on timeout; BadInput when the nodes did not
+    meet at the rendezvous."""
     run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="plan-run-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     _clear_stale(run_dir)
     cmd = torchrun_command(
         plan_paths, nproc, run_dir, model=model, steps=steps, pg_timeout_s=pg_timeout_s, save_params=save_params,
-        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, node=node,
     )
     log_path = run_dir / "launch.log"
     child_env = {**os.environ, **(env or {})}
+    child_env.pop(NODE_RANK_ENV, None)
+    if node is not None:
+        child_env[NODE_RANK_ENV] = str(node.node_rank)  # the worker checks torchrun kept it (GROUP_RANK)
     child_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # Python stacks on a fatal signal: a rank crashing in native code shows where, and on the
     # timeout the stuck rank is found from them (_rank_stacks).
@@ -496,6 +536,10 @@ def launch(
             raise RunFailed(_stopped_message(exc.signum, nproc, survivors, proc.pid, log_path)) from None
         except subprocess.TimeoutExpired:
             stop.disarm()
+            if node is not None and not _rank_pids(proc.pid):  # still at the rendezvous: no rank started
+                _kill_group(proc)
+                raise BadInput(f"plan run: node {node.node_rank}: the nodes did not all meet at the rendezvous at "
+                               f"{node.endpoint} within {timeout_s:g} s (log: {log_path})") from None
             try:
                 stacks = _rank_stacks(proc, log_path)
             finally:
@@ -509,18 +553,22 @@ def launch(
         raise RunFailed(f"plan run: stopped by {signal.Signals(stop.received).name} as the run ended (log: {log_path})")
     wall = time.perf_counter() - start
     if code != 0:
+        if node is not None:
+            _check_rendezvous_log(log_path, node)
         err = first_error(run_dir)
         died = root_cause(log_path.read_text(errors="replace"))
         if died is not None and (died[2] or err is None):
             rank, what, _ = died
             raise RunFailed(f"rank {rank} died: {what}, without recording an error (exit code {code}; log: {log_path})")
-        hang = waited_for(run_dir, nproc)
+        hang = waited_for(run_dir, nproc, first=node.first_rank if node is not None else 0)
         if hang is not None:
             raise RunFailed(f"{_hang_message(*hang)} (exit code {code}; traceback and log in {run_dir})")
         if err is not None:
             rank, message = err
             raise RunFailed(f"rank {rank} failed: {message} (exit code {code}; traceback and log in {run_dir})")
         raise RunFailed(f"the run failed with exit code {code} and no rank recorded an error (log: {log_path})")
+    if node is not None and node.node_rank != 0:
+        return LaunchResult(run_dir, (), wall)
     reports = []
     for i in range(len(plan_paths)):
         path = run_dir / f"plan{i}" / "report.json"

@@ -36,29 +36,38 @@ def check_layers(handle: ModelHandle, plan: Plan) -> tuple[LayerSplit, ...]:
     return plan.model.layers
 
 
-def check_devices(plan: Plan, plan_path: Path, world_size: int) -> str:
-    """The device type the plan runs on; BadInput when this machine cannot host its world size."""
+def check_devices(plan: Plan, plan_path: Path, world_size: int, per_node: int | None = None) -> str:
+    """The device type the plan runs on; BadInput when this machine cannot host its world size, or
+    with `per_node` (one node of a multi-node run: runtime.multinode) its share of the ranks."""
     if plan.cluster.gpu.lower() == "cpu":
         return "cpu"  # one process per planned device, any count
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if available == world_size:
-        return "cuda"
+    wanted = world_size if per_node is None else per_node
+    if available == wanted or (per_node is not None and available > per_node):
+        return "cuda"  # a node with more GPUs than the plan's node uses the first per_node of them
     if available == 0:
+        share = "" if per_node is None else f" ({per_node} on each node)"
         raise BadInput(
-            f"this plan is for {world_size} x {plan.cluster.gpu} GPUs and this machine has no GPU; "
+            f"this plan is for {world_size} x {plan.cluster.gpu} GPUs{share} and this machine has no GPU; "
             "run it where the GPUs are (or plan with --gpu cpu to try it here)"
         )
-    per_node = available
-    if world_size % per_node:
+    if per_node is not None:
+        raise BadInput(f"this plan runs {per_node} GPUs on each node and this machine has {available}: re-plan with "
+                       f"--gpus-per-node {available}, or run it on nodes of {per_node} GPUs")
+    if world_size % available:
         raise BadInput(
             f"this plan needs {world_size} GPUs and this machine has {available}, which does not divide it; re-plan"
         )
-    num_nodes = world_size // per_node
+    num_nodes = world_size // available
+    if plan.cluster.gpus_per_node != available:
+        raise BadInput(
+            f"this plan needs {world_size} GPUs in nodes of {plan.cluster.gpus_per_node} and this machine has "
+            f"{available}: re-plan with --gpus-per-node {available} to run it on {num_nodes} such nodes"
+        )
     raise BadInput(
-        f"this plan needs {world_size} GPUs and this machine has {available}: run on each of {num_nodes} nodes "
-        f"`python -m torch.distributed.run --nnodes {num_nodes} --node-rank <0..{num_nodes - 1}> "
-        f"--nproc-per-node {per_node} --master-addr <node 0's address> --master-port 29500 -m runtime.worker "
-        f"--plan {plan_path} --model {plan.model.path}`"
+        f"this plan needs {world_size} GPUs and this machine has {available}: run on each of its {num_nodes} nodes "
+        f"`plan run {plan_path} --nnodes {num_nodes} --node-rank <0..{num_nodes - 1}> "
+        f"--rdzv-endpoint <node 0's address>:29500`"
     )
 
 
@@ -170,16 +179,6 @@ def check_expert_parallel(plan: Plan, plan_path: Path, handle: ModelHandle) -> N
                            f"{block.experts}: re-plan with an ep that divides it")
 
 
-def refuse_expert_checkpoints(prepared: Prepared) -> None:
-    """Checkpoints with expert parallelism: not yet (each rank's experts would need saving as its
-    shard of the whole model's, as TP shards are; the stacked ones share one name on every rank)."""
-    if prepared.plan.parallel.ep > 1:
-        raise BadInput(
-            f"{prepared.plan_path}: checkpoints with expert parallelism are not supported yet (each rank holds its own "
-            "experts): run without --checkpoint-dir, or re-plan without --ep"
-        )
-
-
 def _check_sequence_buffers_not_saved(prepared: Prepared) -> None:
     """Context parallelism keeps each rank's rows of the model buffers with seq_len rows (RoPE
     tables): one saved with the model's state (persistent) would go into a checkpoint different on
@@ -217,7 +216,6 @@ def check_checkpointing(prepared: Prepared, checkpoint_dir: str | Path | None, r
         return []
     if prepared.plan.parallel.cp > 1:
         _check_sequence_buffers_not_saved(prepared)
-    refuse_expert_checkpoints(prepared)
     if not resume:
         return []
     from runtime.checkpoint import find_latest, plan_sha256, sha256_file

@@ -66,6 +66,20 @@ class Ratios:
 
 
 @dataclass(frozen=True)
+class MeshRank:
+    """Where one rank ran: its node (torchrun's group rank) and host, and its mesh coordinates."""
+
+    rank: int
+    node: int
+    host: str
+    local_rank: int
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+
+
+@dataclass(frozen=True)
 class RunReport(schema.Versioned):
     SCHEMA = "planner.RunReport"
     VERSION = 1
@@ -87,6 +101,8 @@ class RunReport(schema.Versioned):
     backward, recompute and their communication, the pipeline's bubble)."""
     """Where the runtime departs from the plan (e.g. embeddings replicated under TP)."""
     wall_s: Optional[float] = None
+    mesh: tuple[MeshRank, ...] = ()
+    """Every rank's node, host and (pp, dp, cp, tp) coordinates, as the run placed them."""
     schema: str = field(default="planner.RunReport")
     version: int = field(default=1)
 
@@ -136,6 +152,7 @@ def build_report(
     losses: Sequence[float],
     warnings: Sequence[str] = (),
     optimizer_s: float | None = None,
+    mesh: Sequence[MeshRank] = (),
 ) -> RunReport:
     world_size = plan.parallel.world_size
     predicted = PredictedRun(plan.predicted.step_time_s, plan.predicted.peak_memory_bytes, dict(plan.predicted.breakdown_s),
@@ -164,6 +181,7 @@ def build_report(
         notes=tuple(_notes(device, world_size, ratios, steps) + _phase_notes(phases)),
         warnings=tuple(warnings),
         phases=phases,
+        mesh=tuple(mesh),
     )
 
 
@@ -175,6 +193,36 @@ def _phase_notes(phases: Sequence[PhaseRun]) -> list[str]:
     worst = max(off, key=lambda p: abs(p.measured_s - p.predicted_s))
     return [f"the largest departure: {worst.name}, {fmt_seconds(worst.measured_s)} measured against "
             f"{fmt_seconds(worst.predicted_s)} predicted ({worst.measured_s / worst.predicted_s:.2f}x)"]
+
+
+def tp_groups_across_nodes(mesh: Sequence[MeshRank]) -> list[tuple[int, ...]]:
+    """The tensor-parallel groups (ranks sharing pp, dp, cp) whose ranks ran on more than one node."""
+    groups: dict[tuple[int, int, int], list[MeshRank]] = {}
+    for r in mesh:
+        groups.setdefault((r.pp, r.dp, r.cp), []).append(r)
+    return [tuple(r.rank for r in g) for g in groups.values() if len({r.node for r in g}) > 1]
+
+
+def mesh_lines(mesh: Sequence[MeshRank]) -> list[str]:
+    """The mesh node by node (which global ranks at which coordinates), and where the TP groups ran;
+    [] for a run on one node."""
+    nodes = sorted({r.node for r in mesh})
+    if len(nodes) < 2:
+        return []
+    lines = []
+    for node in nodes:
+        mine = sorted((r for r in mesh if r.node == node), key=lambda r: r.rank)
+        cells = ", ".join(f"{r.rank} (pp{r.pp} dp{r.dp} cp{r.cp} tp{r.tp})" for r in mine)
+        lines.append(f"node {node} ({mine[0].host}): ranks {cells}")
+    spanning = tp_groups_across_nodes(mesh)
+    tp = max(r.tp for r in mesh) + 1
+    if tp == 1:
+        lines.append("tensor parallel: none (tp 1)")
+    elif spanning:
+        lines.append(f"tensor-parallel groups across nodes: {'; '.join(' '.join(map(str, g)) for g in spanning)}")
+    else:
+        lines.append(f"tensor-parallel groups (tp {tp}) each inside one node")
+    return lines
 
 
 def report_path(plan_path: str | Path) -> Path:
@@ -204,6 +252,11 @@ def render_report(report: RunReport, console: Console | None = None) -> None:
         fmt_bytes(max(report.measured.peak_memory_bytes)), f"{report.ratios.memory:.2f}x",
     )
     console.print(table)
+    lines = mesh_lines(report.mesh)
+    if lines:
+        console.print(f"mesh over {len({r.node for r in report.mesh})} nodes:")
+        for line in lines:
+            console.print(f"  {escape(line)}")
     losses = ", ".join(f"{x:.4f}" for x in report.measured.losses)
     console.print(f"losses over {report.steps} step(s): {losses}")
     for w in report.warnings:

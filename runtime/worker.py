@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import os
+import socket
 import sys
 import time
 import traceback
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from planner.errors import BadInput
+from planner.plan import Plan
 from runtime.checkpoint import Checkpointer, plan_sha256, sha256_file
 from runtime.layout import coords, runtime_warnings
 from runtime.meta_init import WARNING as META_WARNING, BuildInfo, materialize_sharded, use_meta
@@ -42,12 +44,14 @@ from runtime.data_parallel import autocast_dtype, data_mesh, full_parameters
 from runtime.expert_parallel import META_REFUSAL as META_EP_REFUSAL, expert_parallel_of
 from runtime.parallelize import parallelize
 from runtime.recompute import recompute_of
-from runtime.preflight import Prepared, load_for_worker, refuse_expert_checkpoints
-from runtime.report import build_report
+from runtime.preflight import Prepared, load_for_worker
+from runtime.report import MeshRank, build_report
 from runtime.train import MODEL_SEED, RankResult, make_optimizer, median_step_time, train, with_step1_hash
 
 log = logging.getLogger("runtime.worker")
 DEFAULT_PG_TIMEOUT_S = 60
+NODE_RANK_ENV = "PLAN_NODE_RANK"
+"""The --node-rank of `plan run` on this node (multi-node runs), checked against torchrun's GROUP_RANK."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -140,7 +144,6 @@ class _CheckpointContext:
         self.start_step = 0
         self.notes: list[str] = []
         if self.enabled:
-            refuse_expert_checkpoints(prepared)
             root = Path(args.checkpoint_dir)
             self.root = root if len(args.plan) == 1 else root / f"plan{index}"
 
@@ -199,6 +202,8 @@ def _finish(
     _write_json(out / f"rank{rank}.json", {**asdict(result), "build": asdict(build)})
     results: list[RankResult | None] = [None] * world_size
     dist.all_gather_object(results, result)
+    places: list[tuple[int, int, str, int] | None] = [None] * world_size
+    dist.all_gather_object(places, _placement(rank))
     if gathered is not None and rank == 0:
         torch.save(gathered, out / "params.pt")
     if rank == 0:
@@ -211,10 +216,35 @@ def _finish(
             peak_memory_bytes=[r.peak_memory_bytes for r in done],
             losses=done[0].losses,
             warnings=[*runtime_warnings(plan, prepared.layers), *ctx.notes, *([META_WARNING] if build.path == "meta" else [])],
+            mesh=_mesh(plan, places),
         )
         report = replace(report, wall_s=round(time.perf_counter() - started, 3))
         (out / "report.json").write_text(report.to_json())
     dist.barrier()
+
+
+def _placement(rank: int) -> tuple[int, int, str, int]:
+    """(rank, node, host, local rank) of this process, from torchrun's environment. The plan's
+    placement is global rank = node * ranks per node + local rank, node the --node-rank the user
+    gave (PLAN_NODE_RANK, set by the launcher of a multi-node run: runtime.multinode)."""
+    node = int(os.environ.get("GROUP_RANK", 0))
+    asked = int(os.environ.get(NODE_RANK_ENV, node))
+    assert node == asked, f"rank {rank}: torchrun made this node {node}, not --node-rank {asked}"
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    assert rank == node * per_node + local_rank, (
+        f"rank {rank} != node({node}) * per node({per_node}) + local rank({local_rank})"
+    )
+    return rank, node, socket.gethostname(), local_rank
+
+
+def _mesh(plan: Plan, places: list) -> list[MeshRank]:
+    p = plan.parallel
+    out = []
+    for rank, node, host, local_rank in places:
+        c = coords(rank, p.dp, p.tp, p.pp, p.cp)
+        out.append(MeshRank(rank, node, host, local_rank, c.pp_index, c.dp_index, c.cp_index, c.tp_index))
+    return out
 
 
 def _record_error(run_dir: str, rank: int, exc: BaseException) -> None:
@@ -241,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if prepared[0].device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timedelta(seconds=args.pg_timeout_s))
+        _placement(rank)  # where torchrun put this rank is the plan's, before any work
         for index, one in enumerate(prepared):
             run_plan(index, one, args, rank, world_size)
         dist.destroy_process_group()

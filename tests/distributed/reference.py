@@ -66,15 +66,16 @@ def assert_matches(name: str, losses: tuple[float, ...], params_path: Path,
         assert diff <= ATOL_PARAM, f"{name}: {pname} differs by {diff:.2e}"
 
 
-def make_plans(model: Path, configs: dict[str, tuple[int, Fixed]], workdir: Path, global_batch: int) -> dict[str, Path]:
+def make_plans(model: Path, configs: dict[str, tuple[int, Fixed]], workdir: Path, global_batch: int,
+               gpus_per_node: int | None = None) -> dict[str, Path]:
     """name -> plan file, for each (world size, fixed choices) of `configs` on `model` (CPU, fp32,
-    SGD; one profile for all; 2 GPUs a "node" for HSDP)."""
+    SGD; one profile for all; 2 GPUs a "node" for HSDP, `gpus_per_node` for every plan when given)."""
     handle = load_model_file(model)
     profile = profile_for(handle, PlanRequest(gpus=2, gpu="cpu", global_batch=global_batch, optimizer="sgd", precision="fp32"))
     out = {}
     for name, (world, fixed) in configs.items():
         request = PlanRequest(gpus=world, gpu="cpu", global_batch=global_batch, fixed=fixed, optimizer="sgd",
-                              precision="fp32", gpus_per_node=2 if fixed.hsdp else None)
+                              precision="fp32", gpus_per_node=gpus_per_node or (2 if fixed.hsdp else None))
         out[name] = workdir / f"{name}.json"
         out[name].write_text(make_plan(handle, request, profile).to_json())
     return out

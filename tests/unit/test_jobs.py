@@ -120,3 +120,26 @@ def test_slurm_script_runs_one_task_per_node_with_the_rendezvous_on_the_first(pl
         assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
     with pytest.raises(BadInput, match="--time 'two hours': one word expected"):
         slurm_script(plan, plans["gpu"], EXAMPLES / "gpt.py", time="two hours")
+
+
+def test_plan_run_k8s_prints_the_manifest_and_bad_flags_are_one_line(plans, capsys, tmp_path):
+    assert main(["run", str(plans["gpu"]), "--k8s", "--image", "reg.io/planner:1", "--steps", "5"]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [d["kind"] for d in docs] == ["ConfigMap", "PyTorchJob"]
+    assert docs[1]["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+    out = tmp_path / "job.sbatch"
+    assert main(["run", str(plans["gpu"]), "--slurm", "--time", "01:00:00", "-o", str(out)]) == 0
+    assert "#SBATCH --time=01:00:00" in out.read_text() and str(out) in capsys.readouterr().out
+    assert main(["run", str(plans["gpu"]), "--slurm", "-o", str(out)]) == 2  # nothing the user had is overwritten
+    assert "already exists" in capsys.readouterr().err
+    for args, message in (
+        (["--partition", "gpu"], "--partition, --account"),
+        (["--slurm", "--image", "x"], "--image goes with --k8s"),
+        (["--k8s", "--submit"], "--submit goes with --slurm"),
+        (["--k8s"], "--k8s needs --image IMAGE"),
+        (["--slurm", "--k8s"], "--slurm or --k8s, not both"),
+        (["--k8s", "--image", "x", "--nnodes", "2"], "leave out --dry-run, --nnodes"),
+    ):
+        assert main(["run", str(plans["gpu"]), *args]) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err, (args, err)
