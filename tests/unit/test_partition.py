@@ -452,3 +452,30 @@ def test_instances_exercised():
         f"interleaved, balanced chunks vs best split: up to {max(WORST_CHUNK_LOSS, default=0):.1%} slower",
         file=sys.stderr,
     )
+
+
+def test_interleaved_bound_takes_the_slowest_rank_of_the_fixed_chunks():
+    """Interleaving fixes the chunks to the balanced split (`balanced_split`): 7 atoms (embedding,
+    5 blocks, head) in pp 2 x 2 chunks cannot split evenly, so the slowest rank's chunks outlast the
+    average rank. The time bound charges that rank (and the ILP's optimum is no faster)."""
+    from planner.search.partition import balanced_split
+    from planner.search.space import time_lower_bound
+
+    profile = synthetic_profile(n_blocks=5)
+    cluster = make_cluster("a100-80gb", 2, 2)
+    training = Training("bf16", "adamw", 8, 80 * 2**30)
+    cand = Candidate(tp=1, pp=2, dp=1, micro_batch=1, num_microbatches=4, zero=0, schedule="interleaved", virtual_stages=2)
+    costs = stage_costs(profile, cluster, training, cand)
+    times = [a.fwd_s + a.bwd_s for a in costs.atoms]
+    chunks = balanced_split(costs, None, cand.num_stages, cand.pp)
+    ranks = [sum(t for s in range(i, cand.num_stages, cand.pp) for t in times[chunks[s]:chunks[s + 1]]) for i in range(cand.pp)]
+    assert max(ranks) > sum(times) / cand.pp * 1.01  # uneven: the case the bound is about
+    sends = costs.p2p_s * (cand.num_stages // cand.pp)
+    m, v = cand.num_microbatches, cand.virtual_stages
+    # the pipeline term with the slowest rank, and the optimizer of a rank's share of the parameters
+    # (one replica: no gradient sync), recompute none
+    step = costs.after_step_s(*(x / cand.pp for x in costs.param_totals))
+    expected = (m - 1 / v) * (max(ranks) + sends) + (sum(times) + cand.pp * sends) / v + step
+    assert time_lower_bound(costs, "none") == pytest.approx(expected, rel=1e-9)
+    part = solve_partition(costs, recompute="none")
+    assert part.objective_s >= time_lower_bound(costs, "none") * (1 - 1e-9)
