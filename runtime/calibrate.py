@@ -144,25 +144,40 @@ def measure(device: torch.device) -> dict[str, Any]:
     if world > 1:
         rank = dist.get_rank()
         peer = rank ^ 1  # pairs (0, 1), (2, 3), ...: each sends to the other, all pairs at once
-        for kind, volume in COLLECTIVES.items():
+        for kind in COLLECTIVES:
             if kind == "p2p" and peer >= world:
                 continue
-            seconds = []
-            for size in SIZES:  # the whole buffer: all-reduce's, all-gather's output, reduce-scatter's input
-                elems = max(world, size // 4) // world * world
-                whole = torch.ones(elems, device=device)
-                part = torch.empty(elems // world, device=device)
-                op = {
-                    "all_reduce": lambda: dist.all_reduce(whole),
-                    "all_gather": lambda: dist.all_gather_into_tensor(whole, part),
-                    "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole),
-                    "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(whole), whole),
-                    "p2p": lambda: _exchange(whole, rank, peer),
-                }[kind]
-                seconds.append(_median_s(op, sync=sync))
-            latency, busbw = fit_alpha_beta(SIZES, seconds, volume(world))
-            out[kind] = {"latency_s": latency, "busbw_Bps": busbw, "sizes": list(SIZES), "seconds": seconds}
+            out[kind] = _collective(kind, device, sync, None, world, rank, peer)
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if per_node < world:
+            # several nodes: the groups above span them; one node's ranks alone (every rank creates
+            # every node's group, as new_group requires) for the figures inside a node
+            groups = [dist.new_group(list(range(n, n + per_node))) for n in range(0, world, per_node)]
+            mine = groups[rank // per_node]
+            if per_node > 1:
+                out["intra_node_all_reduce"] = _collective("all_reduce", device, sync, mine, per_node, rank, peer)
     return out
+
+
+def _collective(kind: str, device: torch.device, sync: Callable[[], None], group: Any, n: int, rank: int,
+                peer: int) -> dict[str, Any]:
+    """Seconds of one collective among the `n` ranks of `group` (None: all) at each of SIZES, and
+    its fitted latency and bus bandwidth."""
+    seconds = []
+    for size in SIZES:  # the whole buffer: all-reduce's, all-gather's output, reduce-scatter's input
+        elems = max(n, size // 4) // n * n
+        whole = torch.ones(elems, device=device)
+        part = torch.empty(elems // n, device=device)
+        op = {
+            "all_reduce": lambda: dist.all_reduce(whole, group=group),
+            "all_gather": lambda: dist.all_gather_into_tensor(whole, part, group=group),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole, group=group),
+            "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(whole), whole, group=group),
+            "p2p": lambda: _exchange(whole, rank, peer),
+        }[kind]
+        seconds.append(_median_s(op, sync=sync))
+    latency, busbw = fit_alpha_beta(SIZES, seconds, COLLECTIVES[kind](n))
+    return {"latency_s": latency, "busbw_Bps": busbw, "sizes": list(SIZES), "seconds": seconds}
 
 
 def _exchange(t: torch.Tensor, rank: int, peer: int) -> None:
@@ -208,7 +223,8 @@ def main(argv: list[str] | None = None) -> None:
                 "threads_per_process": torch.get_num_threads() if args.device == "cpu" else None,
                 "step_s": statistics.median(r["step_s"] for r in everyone),
                 "step_s_per_rank": [r["step_s"] for r in everyone],
-                **{k: mine[k] for k in COLLECTIVES if k in mine},
+                **{k: mine[k] for k in (*COLLECTIVES, "intra_node_all_reduce") if k in mine},
+                "processes_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                 **{k: min(r[k] for r in everyone) for k in ("matmul_bf16_flops", "attention_bf16_flops") if k in mine},
             }
             Path(args.out).write_text(json.dumps(result))
@@ -291,29 +307,37 @@ def refit(reports: list[Any], old: dict[str, float]) -> tuple[dict[str, float], 
 # --- the launcher ------------------------------------------------------------------------------
 
 
-def run_counts(counts: list[int], device: str, timeout_s: float, progress: Callable[[str], None]) -> list[dict[str, Any]]:
-    """One torchrun launch per process count; each one's figures (rank 0's JSON)."""
+def run_counts(counts: list[int], device: str, timeout_s: float, progress: Callable[[str], None],
+               node: Any = None) -> list[dict[str, Any]]:
+    """One torchrun launch per process count; each one's figures (rank 0's JSON). `node`
+    (runtime.multinode.NodeSpec): this node's share of one launch over several nodes, as `plan run`
+    launches them; its figures come back on node 0 only ([] on the others)."""
     import tempfile
 
     from runtime.launch import free_port
+    from runtime.multinode import torchrun_node_args
 
     out = []
     with tempfile.TemporaryDirectory(prefix="plan-calibrate-") as tmp:
         for n in counts:
-            progress(f"measuring with {n} process{'es' * (n > 1)} ...")
+            where = f" on each of {node.num_nodes} nodes" if node is not None else ""
+            progress(f"measuring with {n} process{'es' * (n > 1)}{where} ...")
             path = Path(tmp) / f"n{n}.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-addr", "127.0.0.1",
-                   "--master-port", str(free_port()), "-m", "runtime.calibrate", "--out", str(path), "--device", device]
+            rendezvous = (torchrun_node_args(node) if node is not None
+                          else ["--master-addr", "127.0.0.1", "--master-port", str(free_port())])
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), *rendezvous,
+                   "-m", "runtime.calibrate", "--out", str(path), "--device", device]
             env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
                                       cwd=str(Path(__file__).resolve().parents[1]))
             except subprocess.TimeoutExpired:
                 raise PlanError(f"plan calibrate: the launch with {n} processes did not finish in {timeout_s:g} s") from None
-            if proc.returncode != 0 or not path.exists():
+            if proc.returncode != 0 or (node is None or node.node_rank == 0) and not path.exists():
                 tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                raise PlanError(f"plan calibrate: the launch with {n} processes failed: {tail}")
-            out.append(json.loads(path.read_text()))
+                raise PlanError(f"plan calibrate: the launch with {n} processes{where} failed: {tail}")
+            if path.exists():
+                out.append(json.loads(path.read_text()))
     return out
 
 

@@ -192,6 +192,11 @@ def _calibrate_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="FILE", help="write the figures (cpu: JSON; a GPU: a catalogue YAML)")
     p.add_argument("--force", action="store_true", help="overwrite FILE")
     p.add_argument("--timeout-s", type=_positive_float, default=300.0, help="per launch (default 300)")
+    g = p.add_argument_group("several nodes (a GPU)", "the same command on every node measures across them "
+                             "(torchrun's rendezvous, as plan run); node 0 writes -o")
+    g.add_argument("--nnodes", type=_positive_int, metavar="K", help="the nodes to measure across")
+    g.add_argument("--node-rank", type=int, metavar="I", help="this node, 0 to K-1")
+    g.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="node 0's address and a free port there")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 
@@ -210,8 +215,13 @@ def cmd_calibrate(argv: Sequence[str]) -> int:
         print(line, file=sys.stderr, flush=True)
 
     if args.from_run:
+        if args.nnodes is not None or args.rdzv_endpoint is not None:
+            raise BadInput("plan calibrate --from-run refits from reports: --nnodes and --rdzv-endpoint measure nodes")
         return _refit(args)
     if args.gpu.lower() == "cpu":
+        if args.nnodes is not None or args.rdzv_endpoint is not None or args.node_rank is not None:
+            raise BadInput("plan calibrate --gpu cpu measures this machine's processes: --nnodes and --rdzv-endpoint "
+                           "measure GPU nodes (--gpu NAME)")
         from planner.local_device import calibration_path, store_calibration
 
         top = args.gpus or 8
@@ -244,8 +254,9 @@ def cmd_calibrate(argv: Sequence[str]) -> int:
 
 
 def _calibrate_gpu(args: argparse.Namespace, progress: Any) -> int:
-    """A node of catalogue GPUs: the bf16 matmul ceiling and the all-reduce among its GPUs, as a
-    catalogue file (the base GPU's other fields and sources kept)."""
+    """A node of catalogue GPUs (or, with --nnodes, this node's share of a measurement across
+    nodes): the bf16 matmul and attention ceilings and the collectives, as a catalogue file (the
+    base GPU's other fields and sources kept), written by node 0."""
     import datetime
     import socket
 
@@ -254,6 +265,7 @@ def _calibrate_gpu(args: argparse.Namespace, progress: Any) -> int:
 
     from planner.hardware import get_gpu
     from runtime.calibrate import run_counts
+    from runtime.multinode import calibration_node
 
     base = get_gpu(args.gpu)
     if not args.output:
@@ -262,11 +274,32 @@ def _calibrate_gpu(args: argparse.Namespace, progress: Any) -> int:
     if available == 0:
         raise BadInput(f"plan calibrate --gpu {args.gpu}: this machine has no GPU; run it on a node of them")
     n = min(args.gpus or available, available)
-    result = run_counts([n], "cuda", args.timeout_s, progress)[0]
+    node = calibration_node(args.nnodes, args.node_rank, args.rdzv_endpoint, n, args.timeout_s)
+    results = run_counts([n], "cuda", args.timeout_s, progress, node=node)
+    if not results:  # a node other than 0: node 0 writes the file
+        print(f"node {node.node_rank} of {node.num_nodes}: measured; node 0 writes {args.output}")
+        return 0
     at = f"plan calibrate on {socket.gethostname()} at {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}"
+    data = gpu_catalogue(base, results[0], Path(args.output).stem.lower(), at)
+    from planner.files import atomic_write_text
+
+    atomic_write_text(args.output, yaml.safe_dump(data, sort_keys=False))
+    result = results[0]
+    print(f"{args.output}: {base.name} calibrated on this node ({n} GPUs): matmul {result['matmul_bf16_flops'] / 1e12:.0f} "
+          f"TFLOP/s bf16 ({data['matmul_efficiency']:.0%} of peak), attention {result['attention_bf16_flops'] / 1e12:.0f} "
+          f"({data['attention_efficiency']:.0%}); use it with --gpu {args.output}")
+    return 0
+
+
+def gpu_catalogue(base: Any, result: dict[str, Any], name: str, at: str) -> dict[str, Any]:
+    """A catalogue file's fields from one calibrate launch's figures (runtime.calibrate): `base`'s,
+    with the ceilings measured, the all-reduce inside a node, and across nodes when the launch
+    spanned several: there a group with P members in each node moves P NICs' worth (the cost
+    model's topology.py), so the per-GPU inter-node figure is the group's bus bandwidth over P."""
+    per_node, world = result.get("processes_per_node", result["processes"]), result["processes"]
     peak = base.peak("bf16")
     data: dict[str, Any] = {
-        "name": Path(args.output).stem.lower(),
+        "name": name,
         "display_name": f"{base.display_name} (calibrated)",
         "vendor": base.vendor,
         "peak_tflops": {k: v / 1e12 for k, v in base.peak_flops.items()},
@@ -280,23 +313,27 @@ def _calibrate_gpu(args: argparse.Namespace, progress: Any) -> int:
         "matmul_efficiency": min(1.0, result["matmul_bf16_flops"] / peak),
         "attention_efficiency": min(1.0, result["attention_bf16_flops"] / peak),
         "sources": {
-            "matmul_efficiency": f"{at}: best median bf16 torch.mm 4096/8192, slowest of {n} GPUs at once, over the bf16 peak",
+            "matmul_efficiency": f"{at}: best median bf16 torch.mm 4096/8192, slowest of {world} GPUs at once, over the bf16 peak",
             "attention_efficiency": f"{at}: best median causal bf16 SDPA forward + backward, 16 heads of 128, 4096/8192 "
-                                    f"tokens, slowest of {n} GPUs at once, over the bf16 peak",
+                                    f"tokens, slowest of {world} GPUs at once, over the bf16 peak",
         },
     }
-    if "all_reduce" in result:
-        data["intra_node_bandwidth_GBps"] = result["all_reduce"]["busbw_Bps"] / 1e9
-        data["intra_node_latency_us"] = result["all_reduce"]["latency_s"] * 1e6
-        data["sources"]["intra_node_bandwidth_GBps"] = f"{at}: NCCL all-reduce among {n} GPUs, 4 KiB-16 MiB, bus bandwidth fitted"
-        data["sources"]["intra_node_latency_us"] = f"{at}: NCCL all-reduce among {n} GPUs, latency fitted"
-    from planner.files import atomic_write_text
-
-    atomic_write_text(args.output, yaml.safe_dump(data, sort_keys=False))
-    print(f"{args.output}: {base.name} calibrated on this node ({n} GPUs): matmul {result['matmul_bf16_flops'] / 1e12:.0f} "
-          f"TFLOP/s bf16 ({data['matmul_efficiency']:.0%} of peak), attention {result['attention_bf16_flops'] / 1e12:.0f} "
-          f"({data['attention_efficiency']:.0%}); use it with --gpu {args.output}")
-    return 0
+    inside = result.get("intra_node_all_reduce") or (result.get("all_reduce") if per_node == world else None)
+    if inside is not None:
+        data["intra_node_bandwidth_GBps"] = inside["busbw_Bps"] / 1e9
+        data["intra_node_latency_us"] = inside["latency_s"] * 1e6
+        data["sources"]["intra_node_bandwidth_GBps"] = f"{at}: NCCL all-reduce among {per_node} GPUs of a node, 4 KiB-16 MiB, bus bandwidth fitted"
+        data["sources"]["intra_node_latency_us"] = f"{at}: NCCL all-reduce among {per_node} GPUs of a node, latency fitted"
+    if per_node < world and "all_reduce" in result:
+        across = result["all_reduce"]
+        data["inter_node_bandwidth_GBps"] = across["busbw_Bps"] / per_node / 1e9
+        data["inter_node_latency_us"] = across["latency_s"] * 1e6
+        data["gpus_per_node"] = per_node
+        nodes = world // per_node
+        data["sources"]["inter_node_bandwidth_GBps"] = (f"{at}: NCCL all-reduce over {nodes} nodes x {per_node} GPUs, "
+                                                        f"bus bandwidth fitted, over the {per_node} GPUs of a node")
+        data["sources"]["inter_node_latency_us"] = f"{at}: NCCL all-reduce over {nodes} nodes x {per_node} GPUs, latency fitted"
+    return data
 
 
 def _refit(args: argparse.Namespace) -> int:

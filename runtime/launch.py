@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from planner.errors import BadInput, PlanError
-from runtime.multinode import NodeSpec
+from runtime.multinode import NodeSpec, torchrun_node_args
 from runtime.report import RunReport
 from runtime.worker import DEFAULT_PG_TIMEOUT_S, NODE_RANK_ENV
 
@@ -94,11 +94,7 @@ def torchrun_command(
         cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port if port is not None else free_port())]
     else:
         assert nproc == node.nproc_per_node, f"nproc({nproc}) != nproc per node({node.nproc_per_node})"
-        cmd += [
-            "--nnodes", str(node.num_nodes), "--node-rank", str(node.node_rank),
-            "--rdzv-backend", "static", "--rdzv-endpoint", node.endpoint, "--rdzv-id", node.rdzv_id,
-            "--rdzv-conf", f"timeout={max(1, int(node.rdzv_timeout_s))}",
-        ]
+        cmd += torchrun_node_args(node)
     cmd += ["-m", "runtime.worker"]
     for path in plan_paths:
         cmd += ["--plan", str(Path(path).resolve())]

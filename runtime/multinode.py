@@ -56,6 +56,32 @@ class NodeSpec:
         return range(self.first_rank, self.first_rank + self.nproc_per_node)
 
 
+def torchrun_node_args(node: NodeSpec) -> list[str]:
+    """torchrun's flags for this node's share of a multi-node launch (static rendezvous at node 0)."""
+    return [
+        "--nnodes", str(node.num_nodes), "--node-rank", str(node.node_rank),
+        "--rdzv-backend", "static", "--rdzv-endpoint", node.endpoint, "--rdzv-id", node.rdzv_id,
+        "--rdzv-conf", f"timeout={max(1, int(node.rdzv_timeout_s))}",
+    ]
+
+
+def calibration_node(num_nodes: int | None, node_rank: int | None, endpoint: str | None, per_node: int,
+                     timeout_s: float) -> NodeSpec | None:
+    """`plan calibrate --nnodes K --node-rank I --rdzv-endpoint HOST:PORT`: this node's share of a
+    measurement across nodes (per_node processes on each); None without the flags."""
+    if num_nodes is None and endpoint is None and node_rank is None:
+        return None
+    if num_nodes is None or endpoint is None:
+        raise BadInput("plan calibrate: --nnodes K, --node-rank I and --rdzv-endpoint HOST:PORT go together")
+    if num_nodes < 2:
+        raise BadInput(f"plan calibrate: --nnodes {num_nodes}: measuring across nodes needs 2 or more")
+    if node_rank is None or not 0 <= node_rank < num_nodes:
+        raise BadInput(f"plan calibrate: --node-rank {node_rank} is out of range for --nnodes {num_nodes} (0 to {num_nodes - 1})")
+    host, port = parse_endpoint(endpoint)
+    return NodeSpec(num_nodes, node_rank, host, port, f"plan-calibrate-{num_nodes}x{per_node}", per_node,
+                    min(DEFAULT_RDZV_TIMEOUT_S, timeout_s))
+
+
 def rdzv_id_for(plan_path: str | Path) -> str:
     """The rendezvous id every node derives alike: from the plan file's bytes."""
     return "plan-" + hashlib.sha256(Path(plan_path).read_bytes()).hexdigest()[:16]

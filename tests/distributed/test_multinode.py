@@ -234,3 +234,61 @@ def test_worker_refuses_a_node_torchrun_renumbered(monkeypatch):
     monkeypatch.setenv(NODE_RANK_ENV, "1")
     with pytest.raises(AssertionError, match=r"rank 1 != node\(1\) \* per node\(2\) \+ local rank\(1\)"):
         _placement(1)
+
+
+def test_calibrate_measures_across_nodes_and_inside_each():
+    """`plan calibrate --nnodes 2 ...` launches as `plan run` does (runtime.calibrate.run_counts
+    with this node's share): two nodes of 2 gloo processes here. Node 0 gets the figures: the
+    collectives over all 4 ranks (across the nodes) and the all-reduce inside a node; node 1 none.
+    The catalogue file takes the per-GPU inter-node bandwidth as the group's over its 2 members
+    per node (runtime.cli.gpu_catalogue)."""
+    import threading
+
+    from planner.hardware import get_gpu
+    from runtime.calibrate import run_counts
+    from runtime.cli import gpu_catalogue
+    from runtime.multinode import calibration_node
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def node(rank: int) -> None:
+        try:
+            spec = calibration_node(2, rank, endpoint, PER_NODE, 300)
+            results[rank] = run_counts([PER_NODE], "cpu", 300, lambda line: None, node=spec)
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(400)
+    assert not errors, errors
+    assert results[1] == []
+    (figures,) = results[0]
+    assert figures["processes"] == 4 and figures["processes_per_node"] == PER_NODE
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "intra_node_all_reduce"):
+        assert figures[kind]["busbw_Bps"] > 0 and len(figures[kind]["seconds"]) == 7, kind
+    base = get_gpu("h100-sxm-80gb")
+    data = gpu_catalogue(base, {**figures, "matmul_bf16_flops": 7e14, "attention_bf16_flops": 4e14}, "mine", "test")
+    assert data["gpus_per_node"] == PER_NODE
+    assert data["inter_node_bandwidth_GBps"] == pytest.approx(figures["all_reduce"]["busbw_Bps"] / PER_NODE / 1e9)
+    assert data["intra_node_bandwidth_GBps"] == pytest.approx(figures["intra_node_all_reduce"]["busbw_Bps"] / 1e9)
+    assert "2 nodes x 2 GPUs" in data["sources"]["inter_node_bandwidth_GBps"]
+
+
+def test_calibrate_node_flags_are_one_line(capsys):
+    for args, message in (
+        (["--gpu", "cpu", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:1"], "measure GPU nodes"),
+    ):
+        assert main(["calibrate", *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err, err
+    from runtime.multinode import calibration_node
+
+    with pytest.raises(BadInput, match="--node-rank 2 is out of range for --nnodes 2"):
+        calibration_node(2, 2, "h:1", 8, 60)
+    with pytest.raises(BadInput, match="go together"):
+        calibration_node(2, 0, None, 8, 60)
