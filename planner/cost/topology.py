@@ -41,7 +41,10 @@ def _link(cluster: Cluster, group_size: int, spans: bool, members_per_node: int 
     step = 0.0
     if cluster.gpu.origin != "measured":  # NCCL's ring steps (a measured CPU runs gloo)
         step = ring_step_s(group_size, -(-group_size // members_per_node) if spans else 1)
-    measured = cluster.gpu.collective(group_size) if group_size > 1 else ()
+    # the local CPU's gloo figures: measured with that many processes all in one group, every one
+    # busy at once; a plan's smaller groups run while all of its processes compete for the cores,
+    # so each collective costs what the plan's process count measured (not its own group's size)
+    measured = cluster.gpu.collective(max(group_size, cluster.num_gpus)) if group_size > 1 else ()
     return Link(cluster.bandwidth_Bps(group_size, spans, members_per_node), cluster.latency_s(group_size, spans), step,
                 measured)
 

@@ -45,7 +45,8 @@ def test_processes_sharing_the_cores(monkeypatch):
 
 
 def test_slowdown_and_collectives_read_from_the_calibration():
-    """Each group is costed with what was measured for the nearest process count and its kind:
+    """Each group is costed with what was measured for its kind with the process count nearest to
+    the plan's (all of whose processes compete for the cores while any group communicates):
     exactly latency + bytes x volume / bus bandwidth; unmeasured kinds and counts as before."""
     from planner.cost import comm
     from planner.cost.setup import Candidate
@@ -56,7 +57,13 @@ def test_slowdown_and_collectives_read_from_the_calibration():
     assert spec.slowdown(4) == pytest.approx(math.exp(math.log(1.5) + 0.5 * (math.log(6.0) - math.log(1.5))))
     assert spec.slowdown(16) == pytest.approx(12.0)  # proportional past the last count
     assert spec.collective(6) == (("all_reduce", 4e-3, 5e8),)
-    lk = links(make_cluster(spec, 8), Candidate(1, 2, 4, 1, 1, 0, "1f1b"))  # the pipeline pairs: 2 processes
+    # 8 processes, the pipeline pairs (2 processes each) among them: the 8-process figures
+    lk = links(make_cluster(spec, 8), Candidate(1, 2, 4, 1, 1, 0, "1f1b"))
+    ar = comm.allreduce(2, lk.pp)
+    assert (ar.fixed_s, ar.per_byte_s) == pytest.approx((4e-3, 2 * (2 - 1) / 2 / 5e8))
+    assert comm.allgather(2, lk.pp).fixed_s != 2e-3  # not measured with 8: the alpha-beta model of the link
+    # 2 processes, one pipeline pair: the 2-process figures
+    lk = links(make_cluster(spec, 2), Candidate(1, 2, 1, 1, 1, 0, "1f1b"))
     ar, ag = comm.allreduce(2, lk.pp), comm.allgather(2, lk.pp)
     assert (ar.fixed_s, ar.per_byte_s) == pytest.approx((1e-3, 1 / 1e9)) and ag.fixed_s == pytest.approx(2e-3)
     rs = comm.reduce_scatter(2, lk.pp)  # not measured: the alpha-beta model of the link
