@@ -80,6 +80,9 @@ def _job_file(args: argparse.Namespace) -> int:
     if args.dry_run or args.nnodes is not None or args.node_rank is not None or args.rdzv_endpoint is not None:
         raise BadInput("plan run: --slurm and --k8s write a job whose nodes get their rank from the scheduler: "
                        "leave out --dry-run, --nnodes, --node-rank and --rdzv-endpoint")
+    sbatch = shutil.which("sbatch") if args.submit else None
+    if args.submit and sbatch is None:  # before anything is written
+        raise BadInput("plan run --submit: sbatch is not on PATH (submit the script from a Slurm login node)")
     prepared = prepare(args.plan, args.model, on_launcher=False)  # the plan and model load, as on the nodes
     ckpt = dict(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
     if args.slurm:
@@ -97,10 +100,7 @@ def _job_file(args: argparse.Namespace) -> int:
     check_output_path(out, force=args.force, flag="-o")
     atomic_write_text(out, text)
     print(f"{out}: {'sbatch script' if args.slurm else 'Kubernetes manifest'} for {prepared.plan.parallel.one_line()}")
-    if args.submit:
-        sbatch = shutil.which("sbatch")
-        if sbatch is None:
-            raise BadInput("plan run --submit: sbatch is not on PATH (submit the script from a Slurm login node)")
+    if sbatch is not None:
         done = subprocess.run([sbatch, str(out)], capture_output=True, text=True)
         said = (done.stderr or done.stdout).strip().splitlines()
         if done.returncode != 0:

@@ -32,9 +32,9 @@ from planner.cost.constants import (
     ACCUMULATE_BYTES,
     DDP_BUCKET_BYTES,
     LOSS_PARALLEL_EXTRA,
-    RESERVE_CPU_BYTES,
     FRAGMENTATION_CPU,
     FRAGMENTATION_GPU,
+    RESERVE_CPU_BYTES,
     RESERVE_GPU_BYTES,
 )
 from planner.cost.pipeline import inflight_per_device

@@ -44,7 +44,7 @@ def _link(cluster: Cluster, group_size: int, spans: bool, members_per_node: int 
     # the local CPU's gloo figures: measured with that many processes all in one group, every one
     # busy at once; a plan's smaller groups run while all of its processes compete for the cores,
     # so each collective costs what the plan's process count measured (not its own group's size)
-    measured = cluster.gpu.collective(max(group_size, cluster.num_gpus)) if group_size > 1 else ()
+    measured = cluster.gpu.collective(cluster.num_gpus) if group_size > 1 else ()
     return Link(cluster.bandwidth_Bps(group_size, spans, members_per_node), cluster.latency_s(group_size, spans), step,
                 measured)
 

@@ -169,5 +169,6 @@ def test_submit_without_sbatch_is_one_line(cluster, capsys, monkeypatch):
     assert main(["run", str(cluster["plan"]), "--slurm", "--submit", "-o", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith("sbatch is not on PATH (submit the script from a Slurm login node)") and "\n" not in err
+    assert not out.exists()  # nothing written
 
 
