@@ -1,17 +1,32 @@
 """`plan run --nnodes 2 --node-rank i --rdzv-endpoint HOST:PORT`: a 2-node job formed on this one
-machine by two `plan run` processes started together, 2 gloo ranks each, for a dp x tp plan
-(dp2 tp2) and a pp x dp plan (pp2 dp2) of test_parity's tiny GPT, planned with --gpus-per-node 2.
+machine by two `plan run` processes, 2 gloo ranks each, for a dp x tp plan (dp2 tp2) and a pp x dp
+plan (pp2 dp2) of test_parity's tiny GPT, planned with --gpus-per-node 2. The dp x tp job is two
+`plan run` processes started together here; the pp x dp one is `plan run plan.json --slurm --submit`
+(below): the sbatch script (runtime/jobs.py) run by stand-in `sbatch`, `srun` and `scontrol`
+commands that start each node's task on this machine.
 
 Each must train as one process does on the whole batch (losses within 1e-5), node 0 alone writes
 the report, whose mesh puts global ranks 0-1 on node 0 and 2-3 on node 1 (rank = node * 2 + local
-rank) with every TP group inside a node. Two launches of two nodes each (20-60 s apiece on two
-cores, shared in a module fixture); the bad-input tests start no torchrun.
+rank) with every TP group inside a node.
+
+The Slurm job's first submission checkpoints every 2 steps; once a checkpoint is written, node 1's
+processes are killed: the whole job must stop within 60 s (srun's --kill-on-bad-exit ends node 0's
+task), naming node 1. The requeued job (`SLURM_RESTART_COUNT` 1, the script's --resume) continues
+from the newest checkpoint and its losses match one process's on the whole batch. The requeued
+job's report and nodes' output are pp x dp's in the checks above, its losses compared from the
+step it resumed from on (the steps before ran in the killed job, which writes no report).
+
+Three launches of two nodes (20-60 s apiece on two cores, shared in module fixtures): the dp x tp
+job, and the Slurm job's two submissions. The bad-input tests start no torchrun.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -24,6 +39,7 @@ from planner.cli import main
 from planner.errors import BadInput
 from planner.plan import Plan
 from planner.search.space import Fixed
+from runtime.checkpoint import find_latest, plan_sha256, sha256_file
 from runtime.launch import free_port
 from runtime.multinode import check_tp_within_nodes
 from runtime.preflight import check_devices
@@ -33,12 +49,17 @@ from tests.distributed.reference import RTOL_LOSS, make_plans, single_process
 from tests.distributed.test_parity import GLOBAL_BATCH, MODEL
 
 STEPS = 3
+"""Steps of the dp x tp job; the Slurm job runs SLURM_STEPS."""
 PER_NODE = 2
 CONFIGS = {
     "dp_tp": (4, Fixed(dp=2, tp=2, pp=1, zero=0, micro_batch=2, recompute="none", sequence_parallel=True)),
     "pp_dp": (4, Fixed(dp=2, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
 }
 LAUNCH_TIMEOUT_S = 420
+SLURM_PLAN = "pp_dp"
+SLURM_STEPS = 8
+CKPT_EVERY = 2
+STOP_WITHIN_S = 60
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +77,8 @@ def plans(workdir) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def reference(plans):
-    return single_process(plans["dp_tp"], STEPS)  # same model, data and global batch for every plan
+    # same model, data and global batch for every plan; steps enough for both jobs
+    return single_process(plans["dp_tp"], max(STEPS, SLURM_STEPS))
 
 
 def _plan_run(*args: str) -> list[str]:
@@ -86,12 +108,28 @@ def _two_nodes(plan: Path) -> dict:
         "stderr": {i: o[1] for i, o in outs.items()},
         "report": RunReport.load(report) if report.exists() else None,
         "wall_s": time.perf_counter() - start,
+        "steps": STEPS,
     }
 
 
 @pytest.fixture(scope="module")
-def runs(plans) -> dict[str, dict]:
-    return {name: _two_nodes(plans[name]) for name in CONFIGS}
+def dp_tp_run(plans) -> dict:
+    return _two_nodes(plans["dp_tp"])
+
+
+# The fixture whose 2-node job ran each plan: dp x tp started here, pp x dp the requeued Slurm job.
+RUN_OF = {"dp_tp": "dp_tp_run", SLURM_PLAN: "requeued"}
+assert set(RUN_OF) == set(CONFIGS)
+
+
+def _run(name: str, request) -> dict:
+    return request.getfixturevalue(RUN_OF[name])
+
+
+def _first_step(report: RunReport) -> int:
+    """The step a resumed run's losses start after (its "resumed from ... step-NNNNNNNN" warning); 0."""
+    resumed = [w for w in report.warnings if "resumed from" in w]
+    return int(resumed[0].split("step-")[1][:8]) if resumed else 0
 
 
 def test_plans_are_two_nodes_of_two(plans):
@@ -103,22 +141,28 @@ def test_plans_are_two_nodes_of_two(plans):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_two_nodes_match_single_process(name, runs, reference):
-    run = runs[name]
+def test_two_nodes_match_single_process(name, request, reference):
+    """Every step's loss as one process's; the Slurm job's (pp_dp) from the step it resumed from."""
+    run = _run(name, request)
     assert run["codes"] == {0: 0, 1: 0}, f"{name}: exit codes {run['codes']}; stderr: {run['stderr']}"
     assert "node 0 has the run report" in run["stdout"][1], run["stdout"][1]
     report = run["report"]
     assert report is not None, f"{name}: node 0 wrote no report"
     ref_losses, _ = reference
-    assert len(report.measured.losses) == STEPS
-    for step, (got, want) in enumerate(zip(report.measured.losses, ref_losses)):
+    first = _first_step(report)
+    if name == SLURM_PLAN:  # the requeued job: resumed from a checkpoint of the killed one
+        assert first >= CKPT_EVERY, report.warnings
+    else:
+        assert first == 0, report.warnings
+    assert len(report.measured.losses) == run["steps"] - first
+    for step, (got, want) in enumerate(zip(report.measured.losses, ref_losses[first:run["steps"]]), first):
         assert abs(got - want) <= RTOL_LOSS * abs(want), f"{name}: step {step} loss {got} != {want}"
     assert len(report.measured.peak_memory_bytes) == 4  # every rank's figures, both nodes', gathered on rank 0
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_report_shows_the_mesh_node_by_node(name, runs):
-    run = runs[name]
+def test_report_shows_the_mesh_node_by_node(name, request):
+    run = _run(name, request)
     report = run["report"]
     assert report is not None, run["stderr"]
     mesh = sorted(report.mesh, key=lambda r: r.rank)
@@ -292,3 +336,176 @@ def test_calibrate_node_flags_are_one_line(capsys):
         calibration_node(2, 2, "h:1", 8, 60)
     with pytest.raises(BadInput, match="go together"):
         calibration_node(2, 0, None, 8, 60)
+
+
+# --- the pp x dp job as a Slurm job: `plan run plan.json --slurm --submit` -----------------------
+
+# The stand-ins. sbatch runs the script at once (output to slurm-<id>.out, as Slurm's default
+# names it, the job's exit code to slurm-<id>.exit), with the job's environment, and succeeds; srun
+# starts the command once per node with its SLURM_NODEID, each in its own process group, and with
+# --kill-on-bad-exit stops them all when one fails, naming the node as Slurm does; scontrol lists
+# every node as this host. So that the checks can tell which node printed what, srun keeps each
+# task's stdout and stderr apart (slurm-<id>.node<i>.out/.err, its exit code in slurm-<id>.tasks)
+# and copies them into the job's output once the tasks have ended.
+SBATCH = """\
+import os, subprocess, sys
+job = os.environ.get("STANDIN_JOB_ID", "4242")
+env = {**os.environ, "SLURM_JOB_ID": job, "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[0-1]"}
+env.setdefault("SLURM_RESTART_COUNT", "0")
+print(f"Submitted batch job {job}", flush=True)
+with open(f"slurm-{job}.out", "w") as out:
+    code = subprocess.run(["bash", sys.argv[-1]], env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+with open(f"slurm-{job}.exit", "w") as f:  # the job's state (sacct's), apart from the submission's
+    f.write(str(code))
+"""
+SRUN = """\
+import os, signal, subprocess, sys, time
+cmd = sys.argv[sys.argv.index("bash"):]
+nodes = int(os.environ["SLURM_NNODES"])
+base = f"slurm-{os.environ['SLURM_JOB_ID']}"
+files = [(open(f"{base}.node{i}.out", "w"), open(f"{base}.node{i}.err", "w")) for i in range(nodes)]
+tasks = [subprocess.Popen(cmd, env={**os.environ, "SLURM_NODEID": str(i), "SLURM_PROCID": str(i)},
+                          stdout=files[i][0], stderr=files[i][1], start_new_session=True) for i in range(nodes)]
+with open(os.environ["STANDIN_PIDS"], "w") as f:
+    f.write(" ".join(str(t.pid) for t in tasks))
+
+
+def end(code):
+    with open(f"{base}.tasks", "w") as f:
+        f.write(" ".join(str(t.returncode) for t in tasks))
+    for i, pair in enumerate(files):
+        for f in pair:
+            f.close()
+            with open(f.name) as g:
+                (sys.stdout if f.name.endswith(".out") else sys.stderr).write(g.read())
+    sys.exit(code)
+
+
+while True:
+    codes = [t.poll() for t in tasks]
+    bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
+    if bad:
+        i = bad[0]
+        print(f"srun: error: node{i}: task {i}: Exited with exit code {codes[i]}", file=sys.stderr, flush=True)
+        for t in tasks:  # --kill-on-bad-exit
+            if t.poll() is None:
+                os.killpg(t.pid, signal.SIGTERM)
+        for t in tasks:
+            t.wait()
+        end(1)
+    if all(c == 0 for c in codes):
+        end(0)
+    time.sleep(0.2)
+"""
+SCONTROL = """\
+import sys
+assert sys.argv[1:3] == ["show", "hostnames"], sys.argv
+print("127.0.0.1\\n127.0.0.1")
+"""
+
+
+def _standin(path: Path, code: str) -> None:
+    path.write_text(f"#!{sys.executable}\n" + code)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+@pytest.fixture(scope="module")
+def cluster(workdir, plans) -> dict:
+    """The stand-ins on PATH, and the pp x dp plan the job runs (its report next to it)."""
+    work = workdir
+    bin_dir = work / "bin"
+    bin_dir.mkdir()
+    for name, code in (("sbatch", SBATCH), ("srun", SRUN), ("scontrol", SCONTROL)):
+        _standin(bin_dir / name, code)
+    # `plan` on the nodes: this interpreter's (the script reads $PLAN)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PLAN_RDZV_PORT": str(free_port()),
+           "PLAN": f"{sys.executable} -m planner.cli", "STANDIN_PIDS": str(work / "pids"), "PYTHONPATH": str(ROOT)}
+    return {"work": work, "plan": plans[SLURM_PLAN], "env": env, "ckpt": work / "ckpt"}
+
+
+def _submit(cluster: dict, restart: int) -> subprocess.Popen:
+    env = {**cluster["env"], "SLURM_RESTART_COUNT": str(restart), "STANDIN_JOB_ID": str(4242 + restart)}
+    cmd = [sys.executable, "-m", "planner.cli", "run", str(cluster["plan"]), "--slurm", "--submit", "--force",
+           "--steps", str(SLURM_STEPS), "--checkpoint-dir", str(cluster["ckpt"]), "--checkpoint-every", str(CKPT_EVERY)]
+    return subprocess.Popen(cmd, cwd=cluster["work"], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _job(cluster: dict, proc: subprocess.Popen, job: int, out: str, err: str) -> dict:
+    """The submission's exit code and output; the job's (sbatch's log, exit code); each node's task
+    (exit codes, stdout, stderr, as test_two_nodes_match_single_process reads a 2-node run's)."""
+    work = cluster["work"]
+    tasks = work / f"slurm-{job}.tasks"
+    codes = [int(c) for c in tasks.read_text().split()] if tasks.exists() else []
+    return {"code": proc.returncode, "submitted": out, "submit_stderr": err,
+            "log": (work / f"slurm-{job}.out").read_text(), "job_code": int((work / f"slurm-{job}.exit").read_text()),
+            "codes": dict(enumerate(codes)),
+            "stdout": {i: (work / f"slurm-{job}.node{i}.out").read_text() for i in range(len(codes))},
+            "stderr": {i: (work / f"slurm-{job}.node{i}.err").read_text() for i in range(len(codes))}}
+
+
+@pytest.fixture(scope="module")
+def killed(cluster) -> dict:
+    """The first submission, node 1's processes killed once a checkpoint is written."""
+    proc = _submit(cluster, 0)
+    hashes = plan_sha256(cluster["plan"]), sha256_file(cluster["work"] / "model.py")
+    deadline = time.monotonic() + 400
+    while not cluster["ckpt"].exists() or find_latest(cluster["ckpt"], *hashes) is None:
+        assert proc.poll() is None, f"the job ended before a checkpoint: {proc.communicate()}"
+        assert time.monotonic() < deadline, "no checkpoint within 400 s"
+        time.sleep(0.2)
+    node1 = int((cluster["work"] / "pids").read_text().split()[1])
+    os.killpg(node1, signal.SIGKILL)  # node 1 dies: its plan run, torchrun and ranks
+    killed_at = time.monotonic()
+    out, err = proc.communicate(timeout=300)
+    return {**_job(cluster, proc, 4242, out, err), "stop_s": time.monotonic() - killed_at}
+
+
+@pytest.fixture(scope="module")
+def requeued(cluster, killed) -> dict:
+    """The requeued job: resumes from the killed one's newest checkpoint to SLURM_STEPS. Its report
+    and nodes' output are pp_dp's 2-node run (RUN_OF)."""
+    report = report_path(cluster["plan"])
+    assert not report.exists(), "the killed job wrote a report"
+    proc = _submit(cluster, 1)
+    out, err = proc.communicate(timeout=500)
+    return {**_job(cluster, proc, 4243, out, err), "steps": SLURM_STEPS,
+            "report": RunReport.load(report) if report.exists() else None}
+
+
+def test_the_script_is_what_sbatch_gets(cluster, killed):
+    script = cluster["plan"].with_suffix(".sbatch").read_text()
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --requeue" in script
+    assert "Submitted batch job 4242" in killed["submitted"]
+
+
+def test_a_killed_node_stops_the_job_and_is_named(killed):
+    assert killed["code"] == 0 and killed["job_code"] != 0
+    assert killed["stop_s"] < STOP_WITHIN_S, killed
+    assert "srun: error: node1" in killed["log"], killed["log"][-3000:]
+
+
+def test_requeue_resumes_from_the_last_checkpoint_with_the_same_losses(cluster, requeued):
+    assert requeued["code"] == 0 and requeued["job_code"] == 0, (requeued["submit_stderr"], requeued["log"][-3000:])
+    report = requeued["report"]
+    assert report is not None, requeued["log"][-3000:]
+    resumed = [w for w in report.warnings if "resumed from" in w]
+    assert resumed, report.warnings
+    first = int(resumed[0].split("step-")[1][:8])
+    assert first >= CKPT_EVERY and first % CKPT_EVERY == 0
+    ref_losses, _ = single_process(cluster["plan"], SLURM_STEPS)
+    assert len(report.measured.losses) == SLURM_STEPS - first
+    for step, (got, want) in enumerate(zip(report.measured.losses, ref_losses[first:]), first):
+        assert abs(got - want) <= RTOL_LOSS * abs(want), f"step {step}: {got} != {want}"
+
+
+def test_submit_without_sbatch_is_one_line(cluster, capsys, monkeypatch):
+    from planner.cli import main
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    out = cluster["work"] / "x.sbatch"
+    assert main(["run", str(cluster["plan"]), "--slurm", "--submit", "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("sbatch is not on PATH (submit the script from a Slurm login node)") and "\n" not in err
+    assert not out.exists()  # nothing written
+
+

@@ -26,12 +26,13 @@ from tests.conftest import EXAMPLES
 from tests.distributed.reference import assert_matches, single_process
 
 STEPS = 5
-CKPT_DIR = "ckpt_w2"
+CKPT_DIRS = {2: "ckpt_w2", 4: "ckpt_w4"}
+"""world size -> where its launch of `runs` checkpoints (DIR/plan<i>/step-NNNNNNNN)."""
 CKPT_EVERY = 2
 RESUMED = ("ddp", "fsdp", "pp_1f1b", "zero1")
 RESUMED_W4 = ("dp_tp", "dp_tp_zero1")
-"""4-rank configurations resumed too (DDP over TP; with ZeRO-1): their own launch runs 2 steps with a
-checkpoint, a second one resumes it to STEPS."""
+"""4-rank configurations resumed too (DDP over TP; with ZeRO-1): from the step-2 checkpoints of the
+4-rank launch of `runs`, in one more 4-rank launch to STEPS."""
 GLOBAL_BATCH = 8
 
 MODEL = f"""
@@ -160,9 +161,9 @@ def reference(plans) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def _launch(plans: dict[str, Path], world: int, tmp: Path) -> tuple[LaunchResult, list[str]]:
     names = [n for n, (w, _) in CONFIGS.items() if w == world]
-    # The 2-rank launch also checkpoints every CKPT_EVERY steps (DIR/plan<i>/step-NNNNNNNN): the
-    # resume tests start from those checkpoints.
-    ckpt = dict(checkpoint_dir=tmp / CKPT_DIR, checkpoint_every=CKPT_EVERY) if world == 2 else {}
+    # The 2- and 4-rank launches also checkpoint every CKPT_EVERY steps (CKPT_DIRS[world]/plan<i>/
+    # step-NNNNNNNN): the resume tests (RESUMED, RESUMED_W4) start from those checkpoints.
+    ckpt = dict(checkpoint_dir=tmp / CKPT_DIRS[world], checkpoint_every=CKPT_EVERY) if world in CKPT_DIRS else {}
     result = launch([plans[n] for n in names], world, steps=STEPS, save_params=True, timeout_s=300,
                     run_dir=tmp / f"w{world}", **ckpt)
     return result, names
@@ -331,47 +332,47 @@ def test_cli_run_writes_report(plans, capsys):
 
 
 def _ckpt_of(workdir: Path, name: str, step: int) -> Path:
-    """The 2-rank launch's checkpoint of configuration `name` after `step` steps."""
+    """The checkpoint of configuration `name` after `step` steps, written by the launch of its world
+    size (CONFIGS) in `runs`."""
     from runtime.checkpoint import plan_sha256, step_dir
 
-    index = [n for n, (w, _) in CONFIGS.items() if w == 2].index(name)
-    return step_dir(workdir / CKPT_DIR / f"plan{index}", step, plan_sha256(workdir / f"{name}.json"))
+    world = CONFIGS[name][0]
+    index = [n for n, (w, _) in CONFIGS.items() if w == world].index(name)
+    return step_dir(workdir / CKPT_DIRS[world] / f"plan{index}", step, plan_sha256(workdir / f"{name}.json"))
 
 
 @pytest.fixture(scope="module")
 def resumed(plans, workdir, runs) -> dict[str, tuple[object, Path, Path]]:
-    """RESUMED configurations, resumed in one fresh launch from their step-2 checkpoints to STEPS."""
+    """RESUMED (2 ranks) and RESUMED_W4 (4 ranks) configurations: each world size's resumed in one
+    fresh launch to STEPS, from copies of the step-2 checkpoints its launch in `runs` wrote."""
     import shutil
 
-    root = workdir / "resume"
-    for i, name in enumerate(RESUMED):
-        source = _ckpt_of(workdir, name, 2)
-        shutil.copytree(source, root / f"plan{i}" / source.name)
-    result = launch([plans[n] for n in RESUMED], 2, steps=STEPS, save_params=True, timeout_s=300,
-                    run_dir=workdir / "w2resume", checkpoint_dir=root, checkpoint_every=CKPT_EVERY, resume=True)
-    out = {n: (result.reports[i], result.run_dir / f"plan{i}" / "params.pt", root / f"plan{i}")
-           for i, n in enumerate(RESUMED)}
-    root4 = workdir / "resume_w4"
-    four = [plans[n] for n in RESUMED_W4]
-    launch(four, 4, steps=CKPT_EVERY, timeout_s=300, run_dir=workdir / "w4ckpt", checkpoint_dir=root4,
-           checkpoint_every=CKPT_EVERY)
-    result = launch(four, 4, steps=STEPS, save_params=True, timeout_s=300, run_dir=workdir / "w4resume",
-                    checkpoint_dir=root4, checkpoint_every=CKPT_EVERY, resume=True)
-    out.update({n: (result.reports[i], result.run_dir / f"plan{i}" / "params.pt", root4 / f"plan{i}")
-                for i, n in enumerate(RESUMED_W4)})
+    out = {}
+    for world, names, tag in ((2, RESUMED, ""), (4, RESUMED_W4, "_w4")):
+        root = workdir / f"resume{tag}"
+        for i, name in enumerate(names):
+            source = _ckpt_of(workdir, name, 2)
+            shutil.copytree(source, root / f"plan{i}" / source.name)
+        result = launch([plans[n] for n in names], world, steps=STEPS, save_params=True, timeout_s=300,
+                        run_dir=workdir / f"w{world}resume", checkpoint_dir=root, checkpoint_every=CKPT_EVERY,
+                        resume=True)
+        out.update({n: (result.reports[i], result.run_dir / f"plan{i}" / "params.pt", root / f"plan{i}")
+                    for i, n in enumerate(names)})
     return out
 
 
 def test_checkpoints_written_with_manifest(runs, workdir):
     from runtime.checkpoint import MANIFEST, plan_sha256, sha256_file, verify
 
-    for name in ("ddp", "fsdp", "pp_interleaved"):
+    assert all(CONFIGS[n][0] == 2 for n in RESUMED) and all(CONFIGS[n][0] == 4 for n in RESUMED_W4)
+    for name in ("ddp", "fsdp", "pp_interleaved", *RESUMED_W4):  # the 4-rank ones: what the w4 resume starts from
         for step in (2, 4):
             path = _ckpt_of(workdir, name, step)
             manifest = json.loads((path / MANIFEST).read_text())
             assert manifest["step"] == step and ".metadata" in manifest["files"]
             assert verify(path, plan_sha256(workdir / f"{name}.json"), sha256_file(workdir / "model.py")) == step
-    assert not list((workdir / CKPT_DIR).glob("plan*/.step-*"))  # no partial directory left
+    for ckpt in CKPT_DIRS.values():
+        assert not list((workdir / ckpt).glob("plan*/.step-*"))  # no partial directory left
 
 
 @pytest.mark.parametrize("name", RESUMED + RESUMED_W4)
@@ -571,14 +572,15 @@ def test_meta_build_fsdp_allocates_only_shards(meta_runs, reference):
 
 
 def test_meta_build_materialises_only_own_stage(meta_runs, reference, plans):
-    """pp2: rank 0 never allocated stage 1's layers (blocks.1, ...), rank 1 not stage 0's (blocks.0)."""
+    """pp2: rank 0 never allocated stage 1's layers, rank 1 not stage 0's (where the planner cuts
+    depends on this machine's timings of the layers: the test reads the plan's stages)."""
     from planner.plan import Plan
 
     _, ref_params = reference
     _, ranks = meta_runs["pp_1f1b"]
     r0, r1 = (r["build"] for r in ranks)
     stages = [tuple(s.chunks[0]) for s in Plan.load(plans["pp_1f1b"]).stages]
-    assert "blocks.1" in stages[1] and "blocks.0" in stages[0]
+    assert stages[0] and stages[1]
 
     def under(name: str, layers: tuple[str, ...]) -> bool:
         return any(name == l or name.startswith(l + ".") for l in layers)
