@@ -72,6 +72,16 @@ class GPUSpec:
     (FlashAttention-2) reach in training, forward and backward, published per GPU generation (A100
     ~60%, H100 35%: FlashAttention-2 was written for Ampere); None: unknown, attention at the
     matmul rate."""
+    tp_forward_overhead_s: float = 0.0
+    """Host seconds DTensor adds to one tensor-parallel Linear's forward (sharding propagation,
+    redistribution, wrapping), measured by `plan calibrate` on this stack (a column-wise then
+    row-wise pair with sequence parallelism, against the plain pair); 0: not measured."""
+    tp_backward_overhead_s: float = 0.0
+    """The same for its backward."""
+    optimizer_steps: tuple[tuple[int, str, float], ...] = ()
+    """`plan calibrate`'s (processes, optimizer, seconds per parameter) of one optimizer step over
+    fp32 parameters ("adamw", "sgd"), every process stepping at once; empty: the step is costed as
+    memory-bound traffic."""
     process_slowdown: tuple[tuple[int, float], ...] = ()
     """The local CPU after `plan calibrate --gpu cpu`: (processes, how much longer one training step
     of a fixed model takes in each of that many processes sharing the cores, each with its share of
@@ -105,6 +115,14 @@ class GPUSpec:
             return ()
         nearest = min({c[0] for c in self.collectives}, key=lambda n: (abs(math.log(n / group_size)), n))
         return tuple((kind, latency, busbw) for n, kind, latency, busbw in self.collectives if n == nearest)
+
+    def optimizer_s_per_param(self, processes: int, optimizer: str) -> float | None:
+        """`optimizer_steps` at the measured process count nearest `processes`; None if not measured."""
+        counts = {n for n, name, _ in self.optimizer_steps if name == optimizer}
+        if not counts:
+            return None
+        nearest = min(counts, key=lambda n: (abs(math.log(n / processes)), n))
+        return next(s for n, name, s in self.optimizer_steps if n == nearest and name == optimizer)
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for `dtype` (``bf16``, ``torch.bfloat16``, ``float32`` ...)."""

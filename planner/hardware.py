@@ -67,6 +67,8 @@ _SCALARS: dict[str, tuple[str, bool]] = {
     "tdp_w": ("tdp_w", False),
     "matmul_efficiency": ("matmul_efficiency", False),
     "attention_efficiency": ("attention_efficiency", False),
+    "tp_forward_overhead_us": ("tp_forward_overhead_s", False),
+    "tp_backward_overhead_us": ("tp_backward_overhead_s", False),
 }
 
 
@@ -80,7 +82,8 @@ def _to_si(key: str, value: float) -> float:
 
 _TEXTS = ("name", "display_name", "vendor")
 PHASES = ("compute", "comm", "optimizer", "tp_compute")
-KNOWN_KEYS = (*_TEXTS, "peak_tflops", *_SCALARS, "phase_factors", "sources", "uncertain")
+OPTIMIZERS = ("adamw", "sgd")
+KNOWN_KEYS = (*_TEXTS, "peak_tflops", *_SCALARS, "optimizer_ns_per_param", "phase_factors", "sources", "uncertain")
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,11 @@ def parse_gpu(data: Any, *, where: str, default_name: str, origin: str) -> GPUSp
     if not isinstance(factors, dict) or any(k not in PHASES for k in factors):
         raise _fail(where, f"field 'phase_factors' must map phases ({', '.join(PHASES)}) to factors")
     values["phase_factors"] = tuple((k, float(_positive(where, f"phase_factors.{k}", v))) for k, v in factors.items())
+    steps = data.get("optimizer_ns_per_param") or {}
+    if not isinstance(steps, dict) or any(k not in OPTIMIZERS for k in steps):
+        raise _fail(where, f"field 'optimizer_ns_per_param' must map optimizers ({', '.join(OPTIMIZERS)}) to nanoseconds")
+    values["optimizer_steps"] = tuple((1, k, float(_positive(where, f"optimizer_ns_per_param.{k}", v)) / 1e9)
+                                      for k, v in steps.items())
     sources, uncertain = _parse_sources(data, where, origin)
     defaults = {"intra_node_latency_us": DEFAULT_INTRA_LATENCY_US, "inter_node_latency_us": DEFAULT_INTER_LATENCY_US}
     for key, default_us in defaults.items():
@@ -224,6 +232,8 @@ def _spec_key(where: str, key: str, context: str = "sources") -> str:
         return _SCALARS[head][0]
     if head == "phase_factors" and not dtype:
         return "phase_factors"
+    if head == "optimizer_ns_per_param" and not dtype:
+        return "optimizer_steps"
     raise _fail(where, f"field '{context}' names unknown field {key!r}")
 
 

@@ -223,7 +223,7 @@ def _spec_from(data: dict[str, Any]) -> GPUSpec:
     }
     sources["inter_node_bandwidth_Bps"] = sources["intra_node_bandwidth_Bps"] + " (one host: same as intra-node)"
     sources["inter_node_latency_s"] = sources["intra_node_latency_s"] + " (one host: same as intra-node)"
-    slowdown, collectives = (), ()
+    slowdown, collectives, optimizer_steps, tp_host = (), (), (), {}
     stored = _read_calibration()
     calibration = stored.get("calibration")
     if calibration:
@@ -238,6 +238,16 @@ def _spec_from(data: dict[str, Any]) -> GPUSpec:
                                        f"the {cores} cores, over one process with all of them (N = {', '.join(map(str, counts))})")
         sources["collectives"] = (f"{at}: gloo all-reduce, all-gather, reduce-scatter and send/recv among N local "
                                   "processes, 4 KiB-16 MiB, latency and bus bandwidth fitted")
+        optimizer_steps = tuple(sorted((n, name, float(v)) for n, c in counts.items()
+                                       for name, v in c.get("optimizer_s_per_param", {}).items()))
+        if optimizer_steps:
+            sources["optimizer_steps"] = (f"{at}: median seconds of a torch.optim AdamW / SGD step over 4.2 M fp32 "
+                                          "parameters, N processes stepping at once")
+        for phase in ("forward", "backward"):
+            if f"tp_{phase}_overhead_s" in calibration:
+                tp_host[f"tp_{phase}_overhead_s"] = float(calibration[f"tp_{phase}_overhead_s"])
+                sources[f"tp_{phase}_overhead_s"] = (f"{at}: DTensor's host seconds per tensor-parallel Linear {phase}, "
+                                                     "one process (runtime.calibrate.tp_overhead_s)")
     factors = tuple((k, float(v)) for k, v in (stored.get("phase_factors") or {}).get("factors", {}).items())
     if factors:
         refit = stored["phase_factors"]
@@ -259,7 +269,9 @@ def _spec_from(data: dict[str, Any]) -> GPUSpec:
         origin="measured",
         process_slowdown=slowdown,
         collectives=collectives,
+        optimizer_steps=optimizer_steps,
         phase_factors=factors,
+        **tp_host,
     )
 
 
@@ -331,10 +343,13 @@ def store_calibration(results: list[dict[str, Any]]) -> GPUSpec:
             kind: {k: r[kind][k] for k in ("latency_s", "busbw_Bps")}
             for kind in COLLECTIVE_KINDS if kind in r
         }}
+        if "optimizer_s_per_param" in r:
+            entry["optimizer_s_per_param"] = r["optimizer_s_per_param"]
         counts[str(r["processes"])] = entry
+    tp = {k: single[k] for k in ("tp_forward_overhead_s", "tp_backward_overhead_s") if k in single}
     # phase factors refit against the old figures are dropped: refit again from new runs
     _write_calibration({"calibration": {"measured_at": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-                                        "counts": counts}}, drop=("phase_factors",))
+                                        "counts": counts, **tp}}, drop=("phase_factors",))
     return measure_local_cpu()
 
 
@@ -343,10 +358,13 @@ def share_host(spec: GPUSpec, num_procs: int) -> GPUSpec:
 
     Compute, memory and memory bandwidth are host totals shared evenly (a process gets
     cores/num_procs of a core's share: more than one when there are fewer processes than cores,
-    provided it runs cores/num_procs threads). The gloo links are left as measured.
+    provided it runs cores/num_procs threads). Host work of one thread (DTensor's per-Linear
+    overhead) takes turns past one process per core: times num_procs/cores. The gloo links are
+    left as measured.
     """
     assert spec.origin == "measured", f"share_host expects the measured CPU, got {spec.origin}"
     scale = spec.gpus_per_node / num_procs
+    turns = max(1.0, 1 / scale)  # one thread's host work (DTensor's) waits its turn past one per core
     note = f" (x{spec.gpus_per_node}/{num_procs}: host shared by {num_procs} processes)"
     sources = dict(spec.sources)
     for field_name in ("peak_flops", "memory_bytes", "hbm_bandwidth_Bps"):
@@ -357,6 +375,8 @@ def share_host(spec: GPUSpec, num_procs: int) -> GPUSpec:
         memory_bytes=int(spec.memory_bytes * scale),
         hbm_bandwidth_Bps=spec.hbm_bandwidth_Bps * scale,
         gpus_per_node=num_procs,
+        tp_forward_overhead_s=spec.tp_forward_overhead_s * turns,
+        tp_backward_overhead_s=spec.tp_backward_overhead_s * turns,
         sources=sources,
     )
 

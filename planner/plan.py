@@ -39,7 +39,8 @@ class Parallel:
     """Expert parallelism (mixture-of-experts models): each MoE block's experts split over ep
     ranks of the dp axis (ep consecutive dp indices; ep divides dp), tokens sent to the experts
     they chose and back with two all-to-alls; the experts' gradients are averaged over the dp / ep
-    ranks that hold the same experts. 1: none."""
+    ranks that hold the same experts. With tp > 1 (and sequence parallelism, which it needs) the
+    MoE blocks are not split by TP: each tp rank routes its own sequence shard. 1: none."""
 
     @property
     def world_size(self) -> int:

@@ -178,10 +178,14 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
         "parallelism as parallel.sequence_parallel says; ranks ordered tp, cp, dp, pp",
     ]
     gpu = cluster.gpu
-    for field_name in ("process_slowdown", "collectives", "phase_factors"):
+    for field_name in ("process_slowdown", "collectives", "optimizer_steps", "phase_factors"):
         if getattr(gpu, field_name):  # plan calibrate's figures: say which were used, and from where
             what = (", ".join(f"{k} x{v:.2f}" for k, v in gpu.phase_factors) + ": ") if field_name == "phase_factors" else ""
             assumptions.append(f"calibration: {field_name} {what}{gpu.sources.get(field_name, gpu.origin)}")
+    if result.best.cand.tp > 1 and (gpu.tp_forward_overhead_s or gpu.tp_backward_overhead_s):
+        assumptions.append(f"tensor parallelism costs the host {gpu.tp_forward_overhead_s * 1e6:.0f} us forward, "
+                           f"{gpu.tp_backward_overhead_s * 1e6:.0f} us backward per sharded Linear per micro-batch "
+                           f"(DTensor): {gpu.sources.get('tp_forward_overhead_s', gpu.origin)}")
     best = result.best.cand
     if any(l.moe_experts for l in profile.layers):
         assumptions.append("mixture-of-experts routing balanced (every expert gets its share of the tokens x top-k, "

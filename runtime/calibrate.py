@@ -133,11 +133,79 @@ def attention_flops(device: torch.device, sync: Callable[[], None], seqs: tuple[
     return best
 
 
+TP_OVERHEAD_SHAPE = (1, 16, 64)  # batch, tokens, width: kernels negligible beside the host's work
+TP_OVERHEAD_CALLS = 10
+
+
+def tp_overhead_s(device: torch.device, sync: Callable[[], None]) -> tuple[float, float]:
+    """Host seconds DTensor adds to one tensor-parallel Linear, (forward, backward): a LayerNorm ->
+    column-wise Linear -> GELU -> row-wise Linear block run as this runtime runs it with sequence
+    parallelism (SequenceParallel norm, ColwiseParallel from the sequence shards, RowwiseParallel
+    back to them), on a mesh of this rank alone (no traffic: the collectives are costed apart), at a
+    size where the kernels take next to nothing, against the same block plain; half the difference
+    (two Linears). Medians of REPEATS runs of TP_OVERHEAD_CALLS calls, every rank at once."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    mesh = DeviceMesh.from_group(groups[rank], device.type)
+    b, t, d = TP_OVERHEAD_SHAPE
+    torch.manual_seed(0)
+
+    def block() -> torch.nn.Module:
+        return torch.nn.ModuleDict({"norm": torch.nn.LayerNorm(d), "up": torch.nn.Linear(d, 4 * d),
+                                    "down": torch.nn.Linear(4 * d, d)}).to(device)
+
+    plain, sharded = block(), block()
+    parallelize_module(sharded, mesh, {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                                       "down": RowwiseParallel(output_layouts=Shard(1))})
+    x = torch.randn(b, t, d, device=device, requires_grad=True)
+
+    def forward(m: torch.nn.Module) -> torch.Tensor:
+        return m["down"](torch.nn.functional.gelu(m["up"](m["norm"](x))))
+
+    def timed(m: torch.nn.Module, backward: bool) -> float:
+        def calls() -> None:
+            for _ in range(TP_OVERHEAD_CALLS):
+                y = forward(m)
+                if backward:
+                    y.sum().backward()
+        return _median_s(calls, sync=sync) / TP_OVERHEAD_CALLS
+
+    fwd = timed(sharded, False) - timed(plain, False)
+    both = timed(sharded, True) - timed(plain, True)
+    for g in groups:
+        dist.destroy_process_group(g)
+    return max(0.0, fwd / 2), max(0.0, (both - fwd) / 2)
+
+
+OPTIMIZER_SHAPES = ((1024, 1024),) * 4 + ((1024,),) * 8  # 4.2 M fp32 parameters in 12 tensors
+
+
+def optimizer_s_per_param(device: torch.device, sync: Callable[[], None]) -> dict[str, float]:
+    """Seconds of one optimizer step per parameter, for each optimizer the runtime builds (plain
+    torch.optim.AdamW and SGD over fp32 parameters, as runtime.train makes them), every rank at
+    once (they share the memory system as training's do): median of REPEATS steps."""
+    out = {}
+    for name, cls in (("adamw", torch.optim.AdamW), ("sgd", torch.optim.SGD)):
+        params = [torch.nn.Parameter(torch.randn(shape, device=device)) for shape in OPTIMIZER_SHAPES]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer = cls(params, lr=1e-4)
+        out[name] = _median_s(optimizer.step, sync=sync) / sum(p.numel() for p in params)
+    return out
+
+
 def measure(device: torch.device) -> dict[str, Any]:
     """What this rank measures (every rank at once); collectives over the whole group."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     world = dist.get_world_size()
     out: dict[str, Any] = {"step_s": step_seconds(device, sync)}
+    out["tp_forward_overhead_s"], out["tp_backward_overhead_s"] = tp_overhead_s(device, sync)
+    out["optimizer_s_per_param"] = optimizer_s_per_param(device, sync)
     if device.type == "cuda":
         out["matmul_bf16_flops"] = matmul_flops(device, sync)
         out["attention_bf16_flops"] = attention_flops(device, sync)
@@ -223,6 +291,9 @@ def main(argv: list[str] | None = None) -> None:
                 "threads_per_process": torch.get_num_threads() if args.device == "cpu" else None,
                 "step_s": statistics.median(r["step_s"] for r in everyone),
                 "step_s_per_rank": [r["step_s"] for r in everyone],
+                **{k: statistics.median(r[k] for r in everyone) for k in ("tp_forward_overhead_s", "tp_backward_overhead_s")},
+                "optimizer_s_per_param": {k: statistics.median(r["optimizer_s_per_param"][k] for r in everyone)
+                                          for k in mine["optimizer_s_per_param"]},
                 **{k: mine[k] for k in (*COLLECTIVES, "intra_node_all_reduce") if k in mine},
                 "processes_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                 **{k: min(r[k] for r in everyone) for k in ("matmul_bf16_flops", "attention_bf16_flops") if k in mine},

@@ -244,6 +244,9 @@ def cmd_calibrate(argv: Sequence[str]) -> int:
             print(f"{n:9d} {r['step_s']:8.3f} {spec.slowdown(n):9.2f} {float(n):8.2f}   " + "  ".join(cells))
         print("slowdown: one process's step time among N, over one process with every core (assumed: N); "
               "collectives: latency and bus bandwidth fitted over 4 KiB-16 MiB")
+        if spec.tp_forward_overhead_s or spec.tp_backward_overhead_s:
+            print(f"tensor parallelism (DTensor) on the host: {spec.tp_forward_overhead_s * 1e6:.0f} us forward, "
+                  f"{spec.tp_backward_overhead_s * 1e6:.0f} us backward per sharded Linear (one process)")
         if args.output:
             from planner.files import atomic_write_text
 
@@ -318,6 +321,15 @@ def gpu_catalogue(base: Any, result: dict[str, Any], name: str, at: str) -> dict
                                     f"tokens, slowest of {world} GPUs at once, over the bf16 peak",
         },
     }
+    if "optimizer_s_per_param" in result:
+        data["optimizer_ns_per_param"] = {k: v * 1e9 for k, v in result["optimizer_s_per_param"].items()}
+        data["sources"]["optimizer_ns_per_param"] = (f"{at}: median torch.optim AdamW / SGD step over 4.2 M fp32 "
+                                                     f"parameters, median of {world} GPUs at once")
+    for phase in ("forward", "backward"):
+        if f"tp_{phase}_overhead_s" in result:
+            data[f"tp_{phase}_overhead_us"] = result[f"tp_{phase}_overhead_s"] * 1e6
+            data["sources"][f"tp_{phase}_overhead_us"] = (f"{at}: DTensor's host seconds per tensor-parallel Linear "
+                                                          f"{phase}, median of {world} GPUs at once")
     inside = result.get("intra_node_all_reduce") or (result.get("all_reduce") if per_node == world else None)
     if inside is not None:
         data["intra_node_bandwidth_GBps"] = inside["busbw_Bps"] / 1e9

@@ -2,12 +2,19 @@
 expert-parallel group, every token's rows sent to the ranks holding the experts it chose and the
 results sent back, both by all-to-all.
 
-Groups. With ``parallel.ep`` = ep, ep consecutive dp indices form an EP group (ranks are ordered
-tp, cp, dp, pp: with tp = cp = 1 that is ep consecutive ranks of a dp group); rank j of a group
-holds experts [j E/ep, (j+1) E/ep) of every block (E: that block's number of experts). The dp / ep
-ranks at the same position j of their groups hold the same experts: the expert replicas, over
-which the experts' gradients are summed (and divided by dp, below). ``expert_mesh``: the 2-D
-(ep_replicate, ep) mesh of this rank's dp axis.
+Groups. With ``parallel.ep`` = ep, ep consecutive dp indices at the same tp (and cp) index form an
+EP group (ranks are ordered tp, cp, dp, pp: with tp = cp = 1 that is ep consecutive ranks of a dp
+group); rank j of a group holds experts [j E/ep, (j+1) E/ep) of every block (E: that block's number
+of experts). The dp / ep ranks at the same position j of their groups hold the same experts: the
+expert replicas, over which the experts' gradients are summed (and divided by dp, below).
+``expert_mesh``: the 2-D (ep_replicate, ep) mesh of this rank's dp axis.
+
+With tensor parallelism (tp > 1; torchtitan's EP with expert-tensor-parallel degree 1) every tp
+slice has its own EP groups: tensor parallelism leaves the mixture-of-experts blocks whole
+(runtime.tensor_parallel), so the tp ranks at one EP position hold the same experts and the same
+replicated router; with sequence parallelism (required: runtime.preflight) each of them feeds the
+block its own sequence shard [batch, seq/tp, hidden] and routes those tokens through its own EP
+group's all-to-alls.
 
 Blocks come from ``planner.profile.moe.find_moe`` (the profiler finds the same ones), in two kinds:
 
@@ -42,6 +49,14 @@ ZeRO-2/3 (FSDP2): each module holding experts (a list's local expert, a stacked 
 ``fully_shard``-ed on the replica mesh before the layers (torchtitan's way), with the gradient
 divide factor dp (``runtime.data_parallel.apply_dp``). So an expert's weights, gradients and
 optimizer state are ZeRO-sharded over its dp / ep replicas exactly as the dense ones are over dp.
+
+With tp > 1 each tp rank's gradients of a block's parameters (the experts', and the router's and
+any other parameter of the block, which data parallelism reduces with the dense ones) cover its
+own sequence shard only: partial sums, as the sequence-parallel norms' are. ``sync_grads`` sums
+them over the tp group once a step, after the data-parallel reduction (the sum and the mean over
+dp commute). Under ZeRO-1/2/3 the tp ranks at one EP position hold the same shard of each such
+gradient (the data-parallel and replica meshes shard alike on every tp slice), so the shards are
+summed as they are.
 
 Recompute: a recomputed layer (full, or selective / alternate: their policies keep matmul outputs,
 not the all-to-alls') reruns its forward in backward, so the record, the all-to-alls and the
@@ -89,8 +104,7 @@ META_REFUSAL = (
 @functools.lru_cache(maxsize=None)
 def _expert_mesh(device_type: str, pp: int, replicas: int, ep: int, cp: int, tp: int) -> DeviceMesh:
     # rank = (((pp * replicas + r) * ep + j) * cp + c) * tp + t: dp index = r * ep + j
-    mesh = init_device_mesh(device_type, (pp, replicas, ep, cp, tp), mesh_dim_names=("pp", "ep_replicate", "ep", "cp", "tp"))
-    return mesh["ep_replicate", "ep"]
+    return init_device_mesh(device_type, (pp, replicas, ep, cp, tp), mesh_dim_names=("pp", "ep_replicate", "ep", "cp", "tp"))
 
 
 def expert_mesh(device_type: str, plan: Plan) -> DeviceMesh:
@@ -98,7 +112,16 @@ def expert_mesh(device_type: str, plan: Plan) -> DeviceMesh:
     expert replicas ("ep_replicate": the dp indices at the same position of their groups). Made
     once per process (every rank creates the groups together)."""
     p = plan.parallel
-    return _expert_mesh(device_type, p.pp, p.dp // p.ep, p.ep, p.cp, p.tp)
+    return _expert_mesh(device_type, p.pp, p.dp // p.ep, p.ep, p.cp, p.tp)["ep_replicate", "ep"]
+
+
+def _tp_group(device_type: str, plan: Plan) -> dist.ProcessGroup | None:
+    """This rank's tensor-parallel group (the ranks at its EP position, which hold the same
+    experts), None with tp 1."""
+    p = plan.parallel
+    if p.tp == 1:
+        return None
+    return _expert_mesh(device_type, p.pp, p.dp // p.ep, p.ep, p.cp, p.tp)["tp"].get_group()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,6 +468,12 @@ class ExpertParallel:
     """Stacked parameters (sliced on dim 0) -> the whole model's leading size."""
     fsdp: bool = False
     """Set by ``apply_dp`` when FSDP2 reduces the experts' gradients (ZeRO-2/3)."""
+    replicated: tuple[str, ...] = ()
+    """The blocks' other parameters (the router's), by their names in `module`: replicated on
+    every rank, reduced over dp with the dense ones."""
+    tp_group: dist.ProcessGroup | None = None
+    """With tensor parallelism: this rank's tp group, over which every gradient of the blocks is a
+    partial sum (module docstring); None with tp 1."""
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -463,21 +492,41 @@ class ExpertParallel:
         return [self.module.get_parameter(n) for n in self.names]
 
     def sync_grads(self) -> None:
-        """Once per step, after the last micro-batch (ZeRO-0/1): the experts' gradients summed over
-        the replicas and divided by dp (module docstring). Nothing under FSDP2, which does it."""
-        if self.fsdp or not self.names:
+        """Once per step, after the last micro-batch: under ZeRO-0/1 the experts' gradients summed
+        over the replicas and divided by dp (FSDP2 does that under ZeRO-2/3); with tensor
+        parallelism then every gradient of the blocks summed over tp (module docstring)."""
+        if not self.fsdp and self.names:
+            params = self.parameters()
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch._utils._flatten_dense_tensors(grads)
+            if self.replicas > 1:
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.replica_mesh.get_group())
+            flat /= self.dp
+            for p, g in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+        if self.tp_group is not None:
+            self._sum_over_tp()
+
+    def _sum_over_tp(self) -> None:
+        """The blocks' gradients (this rank's experts, the router) summed over the tp group, in one
+        all-reduce; sharded ones (FSDP2's DTensors) as their local shards."""
+        from torch.distributed.tensor import DTensor
+
+        local: list[torch.Tensor] = []
+        for name in (*self.names, *self.replicated):
+            p = self.module.get_parameter(name)
+            if p.grad is None:  # a parameter no token reached on this rank: a zero partial sum
+                p.grad = torch.zeros_like(p)
+            local.append(p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad)
+        if not local:
             return
-        params = self.parameters()
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch._utils._flatten_dense_tensors(grads)
-        if self.replicas > 1:
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.replica_mesh.get_group())
-        flat /= self.dp
-        for p, g in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
+        flat = torch._utils._flatten_dense_tensors(local)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.tp_group)
+        for t, g in zip(local, torch._utils._unflatten_dense_tensors(flat, local)):
+            t.copy_(g)
 
     def gather(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`full` (name -> parameter gathered whole over data parallelism) with every expert of the
@@ -579,6 +628,7 @@ def apply_expert_parallel(module: nn.Module, plan: Plan, device_type: str) -> Ex
     units: list[nn.Module] = []
     names: list[str] = []
     stacked: dict[str, int] = {}
+    replicated: list[str] = []
     for block in blocks:
         if block.num_experts % p.ep:
             raise BadInput(f"{block.name}: {block.num_experts} experts do not split over parallel.ep {p.ep} ranks")
@@ -587,7 +637,11 @@ def apply_expert_parallel(module: nn.Module, plan: Plan, device_type: str) -> Ex
         names.extend(held_names)
         if block.stacked:
             stacked.update((n, block.num_experts) for n in held_names)
-    ep = ExpertParallel(module, mesh, p.dp, blocks, tuple(units), tuple(names), stacked)
+        prefix = f"{block.name}." if block.name else ""
+        replicated += [prefix + n for n, _ in module.get_submodule(block.name).named_parameters()
+                       if prefix + n not in held_names]
+    ep = ExpertParallel(module, mesh, p.dp, blocks, tuple(units), tuple(names), stacked,
+                        replicated=tuple(replicated), tp_group=_tp_group(device_type, plan))
     module.__dict__["_expert_parallel"] = ep
     _LIVE.add(ep)
     if dist.get_rank() == 0:
@@ -595,7 +649,9 @@ def apply_expert_parallel(module: nn.Module, plan: Plan, device_type: str) -> Ex
         experts = " or ".join(str(e) for e in sizes) or "0"
         each = " or ".join(str(e // p.ep) for e in sizes) or "0"
         log.info("expert parallel: %d block%s, %s experts over %d ranks (%s each), dispatch by all-to-all; %s; "
-                 "expert gradients summed over %d replica(s), divided by dp %d",
+                 "expert gradients summed over %d replica(s), divided by dp %d%s",
                  len(blocks), "" if len(blocks) == 1 else "s", experts, p.ep, each, _patterns([b.experts for b in blocks]) or "none here",
-                 mesh["ep_replicate"].size(), p.dp)
+                 mesh["ep_replicate"].size(), p.dp,
+                 f"; not split by tp {p.tp}: each tp rank routes its sequence shard, the blocks' gradients summed over tp"
+                 if p.tp > 1 else "")
     return ep

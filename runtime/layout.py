@@ -9,9 +9,10 @@ rank = (dp_index * cp + cp_index) * tp + tp_index, so a tensor-parallel group is
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.plan import Plan
+from planner.profile.types import moe_sp_blocker
 from runtime.types import LayerSplit
 from runtime.types import NO_BLOCK
 
@@ -46,6 +47,31 @@ def tp_layers(layers: tuple[LayerSplit, ...], tp: int) -> list[LayerSplit]:
     return [l for l in layers if l.tp is not None and l.tp.required and l.tp.colwise and l.tp.rowwise]
 
 
+def under_ep(layers: tuple[LayerSplit, ...], ep: int) -> tuple[LayerSplit, ...]:
+    """`layers` as tensor parallelism splits them with expert parallelism of degree `ep`: with ep > 1
+    each layer's mixture-of-experts blocks stay whole (TPInfo.under_ep: EP splits their experts, TP
+    does not; torchtitan's ETP = 1)."""
+    if ep == 1:
+        return layers
+    return tuple(replace(l, tp=l.tp.under_ep()) if l.tp is not None and l.tp.moe else l for l in layers)
+
+
+def sequence_parallel_blocker(layers: tuple[LayerSplit, ...], tp: int, ep: int = 1) -> str:
+    """Why sequence parallelism cannot run on `layers` (the whole model) at degrees `tp` and `ep` (""
+    when it can; NO_BLOCK when nothing splits): the profile's verdict (each layer's TPRole, the MoE
+    blocks as expert parallelism runs them), the MoE blocks without EP (moe_sp_blocker), the
+    sequence length not a multiple of tp, or no roles at all (the fake trace failed)."""
+    known = [l for l in layers if l.role is not None]
+    if len(known) != len(layers) or not known:
+        return "the model could not be traced on fake tensors"
+    seq_len = known[0].role.seq_len
+    blocker = next((l.role.sp_blocker for l in known if l.role.sp_blocker), "")
+    blocker = blocker or moe_sp_blocker(((l.name, l.tp) for l in layers), ep)
+    if not blocker and seq_len and seq_len % tp:
+        blocker = f"the sequence length {seq_len} is not a multiple of tp={tp}"
+    return blocker
+
+
 @dataclass(frozen=True)
 class TPLayout:
     """What tensor parallelism runs, for the whole model at one TP degree (every pipeline stage
@@ -71,10 +97,12 @@ SP_GATHER_WARNING = (
 )
 
 
-def tp_layout(layers: tuple[LayerSplit, ...], tp: int, sequence_parallel: bool = True) -> TPLayout:
-    """The TP layout of `layers` at degree `tp` (`sequence_parallel`: the plan's flag)."""
+def tp_layout(layers: tuple[LayerSplit, ...], tp: int, sequence_parallel: bool = True, ep: int = 1) -> TPLayout:
+    """The TP layout of `layers` at degree `tp` (`sequence_parallel`: the plan's flag; `ep`: its
+    expert-parallel degree, with which the mixture-of-experts blocks stay whole: `under_ep`)."""
     if tp == 1:
         return TPLayout((), (), False, False, None, ())
+    layers = under_ep(layers, ep)
     blocks = tuple(tp_layers(layers, tp))
     vocab_like = [l for l in layers if l.tp is not None and not l.tp.required]
     warnings: list[str] = []
@@ -90,9 +118,7 @@ def tp_layout(layers: tuple[LayerSplit, ...], tp: int, sequence_parallel: bool =
                             "fake tensors); norms, dropout and residuals run replicated on every tp rank")
         return TPLayout(blocks, (), False, False, None, tuple(warnings))
     seq_len = known[0].role.seq_len if known else None
-    sp_blocker = next((l.role.sp_blocker for l in known if l.role.sp_blocker), "")
-    if not sp_blocker and seq_len and seq_len % tp:
-        sp_blocker = f"the sequence length {seq_len} is not a multiple of tp={tp}"
+    sp_blocker = sequence_parallel_blocker(layers, tp, ep)
     sp = sequence_parallel and not sp_blocker
     if sequence_parallel and sp_blocker and sp_blocker != NO_BLOCK:
         warnings.append(
@@ -142,16 +168,16 @@ def _rows(size: int, tp: int, index: int) -> str:
 
 def shard_lines(
     layers: tuple[LayerSplit, ...], tp: int, tp_index: int, sequence_parallel: bool = True,
-    all_layers: tuple[LayerSplit, ...] | None = None,
+    all_layers: tuple[LayerSplit, ...] | None = None, ep: int = 1,
 ) -> list[str]:
     """What rank `tp_index` of a TP group holds of `layers`, one line per kind, e.g.
     ``tp shard 0/2 of blocks.*.attn.q, blocks.*.mlp.up (colwise); blocks.*.mlp.down (rowwise)``,
     ``tp shard 0/2 of the vocabulary: wte rows 0-31 of 64, lm_head rows 0-31 of 64 (...)``,
     ``sequence parallel: positions 0-7 of 16 ...``. `all_layers`: the whole model (a pipeline
-    stage's layers decide with it)."""
+    stage's layers decide with it); `ep`: the expert-parallel degree (`tp_layout`)."""
     if tp == 1:
         return ["replicated: " + ", ".join(dict.fromkeys(_pattern(l.name) for l in layers))] if layers else []
-    layout = tp_layout(all_layers if all_layers is not None else layers, tp, sequence_parallel)
+    layout = tp_layout(all_layers if all_layers is not None else layers, tp, sequence_parallel, ep)
     mine = {l.name for l in layers}
     split = [l for l in layout.blocks if l.name in mine]
     groups: dict[tuple, list[str]] = {}
@@ -188,6 +214,12 @@ def shard_lines(
             f"sequence parallel: positions {tp_index * per}-{(tp_index + 1) * per - 1} of {layout.seq_len} of the "
             "hidden states outside the Linear pairs" + (f" ({', '.join(norms)} run on them)" if norms else "")
         )
+    if ep > 1:
+        moe = [_join(_pattern(l.name), m) for l in layers if l.name in mine and l.tp is not None for m in l.tp.moe]
+        if moe:
+            lines.append("not split by tp (mixture-of-experts blocks: experts split by ep, the rest replicated; on this "
+                         "rank's sequence shard" + ("" if layout.sequence_parallel else ", which it needs") + "): "
+                         + ", ".join(dict.fromkeys(moe)))
     sharded = {l.name for l in split} | {l.name for l in vocab}
     rest = [l.name for l in layers if l.name not in sharded]
     if rest:
@@ -227,6 +259,10 @@ def describe(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
         out.append(f"expert parallel: each mixture-of-experts block's experts split over {p.ep} ranks ({p.ep} consecutive "
                    f"dp ranks; ep rank j holds the j-th 1/{p.ep} of them), tokens dispatched and combined by all-to-all; "
                    f"{p.dp // p.ep} replica(s) of each expert, their gradients summed and divided by dp")
+        if p.tp > 1:
+            out.append(f"expert parallel x tensor parallel: the mixture-of-experts blocks are not split by tp (experts whole, "
+                       f"router replicated); each tp rank routes its own sequence shard through the all-to-alls of its "
+                       f"EP group (the ranks at its tp index), and the blocks' gradients are summed over the {p.tp} tp ranks")
     for rank in range(p.world_size):
         c = coords(rank, p.dp, p.tp, p.pp, p.cp)
         ep = f", ep {c.dp_index % p.ep}/{p.ep}" if p.ep > 1 else ""
@@ -241,7 +277,7 @@ def describe(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
             head = (f"rank {rank}: dp {c.dp_index}/{p.dp}{cp}{ep}, tp {c.tp_index}/{p.tp}; "
                     f"layers {layers[0].name}..{layers[-1].name} ({len(layers)})")
         out.append(head)
-        out += [f"    {line}" for line in shard_lines(mine, p.tp, c.tp_index, p.sequence_parallel, layers)]
+        out += [f"    {line}" for line in shard_lines(mine, p.tp, c.tp_index, p.sequence_parallel, layers, p.ep)]
     return out
 
 
@@ -250,7 +286,7 @@ def runtime_warnings(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
     p = plan.parallel
     out = []
     if p.tp > 1:
-        out += tp_layout(layers, p.tp, p.sequence_parallel).warnings
+        out += tp_layout(layers, p.tp, p.sequence_parallel, p.ep).warnings
     if plan.training.precision in ("bf16", "fp16") and p.dp * p.cp > 1 and p.zero <= 1:
         out.append(
             f"{plan.training.precision} under DDP runs as torch.autocast: the residual stream and norms stay fp32, "

@@ -48,7 +48,7 @@ def parallelize(
     # Expert parallelism first: DP must see this rank's experts only (and the placeholders of the others).
     experts = apply_expert_parallel(module, plan, device.type)
     if p.tp > 1:
-        apply_tp(module, layers, mesh["tp"], p.sequence_parallel)
+        apply_tp(module, layers, mesh["tp"], p.sequence_parallel, p.ep)
     apply_recompute_layers(module, recompute)
     fsdp = uses_fsdp(plan)
     if materialize is not None and not fsdp:

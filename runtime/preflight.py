@@ -107,7 +107,7 @@ def prepare(plan_path: str | Path, model_path: str | Path | None = None, *, on_l
     handle = load_model_file(path)
     layers = check_layers(handle, plan)
     if p.ep > 1:
-        check_expert_parallel(plan, plan_path, handle)
+        check_expert_parallel(plan, plan_path, handle, layers)
     if p.pp > 1:
         from runtime.pipeline import check_pipeline, traced_reason
 
@@ -147,21 +147,32 @@ def check_context_parallel(plan: Plan, plan_path: Path) -> None:
                        f"2 x {p.cp} equal shards")
 
 
-def check_expert_parallel(plan: Plan, plan_path: Path, handle: ModelHandle) -> None:
+def check_expert_parallel(plan: Plan, plan_path: Path, handle: ModelHandle, layers: tuple[LayerSplit, ...]) -> None:
     """A plan with ep > 1 runs on a model with mixture-of-experts blocks (found as the profiler and
-    the runtime find them: planner.profile.moe), ep dividing dp and every block's experts, without
-    tensor, context or hybrid-sharded data parallelism (not yet), on a model built whole (not the
-    meta-device build); BadInput otherwise."""
+    the runtime find them: planner.profile.moe), ep dividing dp and every block's experts, with
+    tensor parallelism only under sequence parallelism (each tp rank routes its own sequence shard;
+    without it every tp rank would route the same tokens), without context or hybrid-sharded data
+    parallelism (not yet), on a model built whole (not the meta-device build); BadInput otherwise."""
     import os
 
     from planner.profile.moe import find_moe
     from runtime.expert_parallel import META_REFUSAL, NO_MOE
+    from runtime.layout import sequence_parallel_blocker
     from runtime.meta_init import ENV as META_ENV
 
     p = plan.parallel
-    if p.tp > 1 or p.cp > 1:
-        raise BadInput(f"{plan_path}: parallel.ep {p.ep}: expert parallelism runs with tp 1 and cp 1 for now (this plan "
-                       f"has tp {p.tp}, cp {p.cp}): re-plan with --tp 1 --cp 1")
+    if p.cp > 1:
+        raise BadInput(f"{plan_path}: parallel.ep {p.ep}: expert parallelism runs with cp 1 for now (this plan "
+                       f"has cp {p.cp}): re-plan with --cp 1")
+    if p.tp > 1 and not p.sequence_parallel:
+        raise BadInput(f"{plan_path}: parallel.ep {p.ep} with tp {p.tp} needs sequence parallelism (each tp rank routes "
+                       "its own sequence shard through the experts; without it every tp rank would route the same "
+                       "tokens): re-plan with --sequence-parallel on")
+    if p.tp > 1:
+        blocker = sequence_parallel_blocker(layers, p.tp, p.ep)
+        if blocker:
+            raise BadInput(f"{plan_path}: parallel.ep {p.ep} with tp {p.tp} needs sequence parallelism, which cannot run "
+                           f"on this model ({blocker}): re-plan with --tp 1")
     if p.dp % p.ep:
         raise BadInput(f"{plan_path}: parallel.ep {p.ep} does not divide dp {p.dp} (an expert-parallel group is ep of "
                        "the data-parallel ranks): re-plan")

@@ -51,8 +51,27 @@ def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
     return CheckpointPolicy.MUST_SAVE if is_matmul_like(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _without_profiler_ops(modes: tuple[Any, Any]) -> tuple[Any, Any]:
+    """Selective checkpointing's two dispatch modes (forward, recompute), passing the profiler's
+    record-function ops straight through instead of counting them: the recompute must meet the
+    forward's ops one for one, and FSDP2 enters a record_function ("FSDP::root_pre_forward") when
+    one of its units runs first in a recompute (an expert's, inside a checkpointed layer), which
+    the forward, under the model's root, never did."""
+    def passing(mode: Any) -> Any:
+        class Passing(type(mode)):  # type: ignore[misc]
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+                if getattr(func, "namespace", None) == "profiler":
+                    return func(*args, **(kwargs or {}))
+                return super().__torch_dispatch__(func, types, args, kwargs)
+
+        mode.__class__ = Passing
+        return mode
+
+    return passing(modes[0]), passing(modes[1])
+
+
 def _selective_context() -> Any:
-    return create_selective_checkpoint_contexts(_save_matmuls)
+    return _without_profiler_ops(create_selective_checkpoint_contexts(_save_matmuls))
 
 
 def _alternate_context() -> Any:
@@ -67,7 +86,7 @@ def _alternate_context() -> Any:
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return _save_matmuls(ctx, op, *args, **kwargs)
 
-    return create_selective_checkpoint_contexts(policy)
+    return _without_profiler_ops(create_selective_checkpoint_contexts(policy))
 
 
 CONTEXTS = {"full": None, "selective": _selective_context, "alternate": _alternate_context}

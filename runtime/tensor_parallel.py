@@ -26,6 +26,16 @@ partial sums over the tp ranks (each saw its own positions); a hook all-reduces 
 produced, so every data-parallel wrapper and the pipeline's gradient all-reduce see whole gradients.
 Dropout on the sequence shards draws a mask of its own on every tp rank (`_own_dropout_masks`).
 
+With expert parallelism (ep > 1), as torchtitan runs EP with TP and expert-tensor-parallel degree 1:
+the mixture-of-experts blocks (TPInfo.moe) are not sharded at all (``runtime.layout.under_ep``
+takes their Linears out of the pairs; a stacked experts module is never a Linear): experts whole,
+split over the EP group by runtime.expert_parallel, router replicated. With sequence parallelism,
+which the plan must have for it (runtime.preflight), a block's input is this rank's sequence shard
+and is not gathered (the profiler's TPRole never gathers a submodule holding one): each tp rank
+routes its own tokens through its EP group's all-to-alls and gets its shard back, so the block needs
+no TP collective. Its gradients (experts' and router's) are partial sums over the sequence shards,
+summed over tp once a step by ``ExpertParallel.sync_grads``.
+
 Not as Megatron-LM: the all-gathered input of the column-wise Linears (and of the head) is saved
 whole for their backward (Megatron saves the sequence shard and gathers it again in backward), so
 those activations are not divided by tp as the cost model divides them.
@@ -161,20 +171,21 @@ def _block_plan(layer: LayerSplit, sp: bool) -> dict[str, Any]:
 
 
 def apply_tp(
-    model: nn.Module, layers: tuple[LayerSplit, ...], tp_mesh: DeviceMesh, sequence_parallel: bool = True,
+    model: nn.Module, layers: tuple[LayerSplit, ...], tp_mesh: DeviceMesh, sequence_parallel: bool = True, ep: int = 1,
 ) -> TPLayout:
     """Shard `layers` of `model` (the whole model, or a pipeline stage module holding them) over
-    `tp_mesh` as ``tp_layout(layers, tp, sequence_parallel)`` says; returns that layout.
-    `sequence_parallel`: the plan's ``parallel.sequence_parallel``."""
-    layout = tp_layout(layers, tp_mesh.size(), sequence_parallel)
+    `tp_mesh` as ``tp_layout(layers, tp, sequence_parallel, ep)`` says; returns that layout.
+    `sequence_parallel`, `ep`: the plan's ``parallel.sequence_parallel`` and ``parallel.ep`` (with
+    ep > 1 the mixture-of-experts blocks are left whole: module docstring)."""
+    layout = tp_layout(layers, tp_mesh.size(), sequence_parallel, ep)
     sp = layout.sequence_parallel
-    blocks = {l.name for l in layout.blocks}
+    blocks = {l.name: l for l in layout.blocks}
     vocab = {l.name for l in layout.vocab}
     for layer in layers:
         module = model.get_submodule(layer.name)
         kind = layer.role.kind if layer.role is not None else ""
         if layer.name in blocks:
-            parallelize_module(module, tp_mesh, _block_plan(layer, sp))
+            parallelize_module(module, tp_mesh, _block_plan(blocks[layer.name], sp))
             if sp:
                 assert layer.role is not None
                 for norm in layer.role.norms:

@@ -87,10 +87,13 @@ class Candidate:
     dp_shard_cp mesh). The batch is split over dp only."""
     ep: int = 1
     """Expert parallelism (mixture-of-experts models): each MoE block's experts split over ep
-    consecutive dp ranks (ep divides dp; with tp = cp = 1 and no HSDP, as the runtime runs it),
+    consecutive dp ranks (ep divides dp; with cp = 1 and no HSDP, as the runtime runs it),
     tokens sent to their experts and back with two all-to-alls per block in forward and two in
     backward. An expert's weights are held by dp / ep ranks (`expert_replicas`), which average
-    its gradients and over which ZeRO shards its state."""
+    its gradients and over which ZeRO shards its state. With tp > 1 (and sequence parallelism,
+    which it needs) tensor parallelism leaves the MoE blocks whole (TPInfo.under_ep): the tp
+    ranks at one EP position hold the same experts, each routing its own 1/tp of the tokens,
+    and their expert gradients are summed over tp once a step."""
 
     @property
     def grad_ranks(self) -> int:

@@ -17,7 +17,9 @@ Recompute choices (per atom):
 - full: keep only the atom's input, recompute its whole forward (Chen et al. 2016).
 Tensor parallel is Megatron-style: a block's column-wise -> row-wise regions are divided by tp;
 with sequence parallelism the rest of the block (norms, residuals, dropout) too (Korthikanti et
-al. 2022: sbh(34/t + 5as/ht) with it, sbh(10 + 24/t + 5as/ht) without).
+al. 2022: sbh(34/t + 5as/ht) with it, sbh(10 + 24/t + 5as/ht) without). Its collectives are
+costed call by call (`tp_collectives_s`), and DTensor's host work per sharded Linear as `plan
+calibrate` measured it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from planner.cost.constants import (
     FRAGMENTATION_CPU,
     FRAGMENTATION_GPU,
     RESERVE_CPU_BYTES,
+    OP_OVERHEAD_S,
     RESERVE_GPU_BYTES,
 )
 from planner.cost.pipeline import inflight_per_device
@@ -246,6 +249,34 @@ def _dtype_bytes(profile: ModelProfile) -> int:
     return 4 if profile.dtype == "fp32" else 2
 
 
+def tp_collectives_s(layer: LayerProfile, tp: int, sequence_parallel: bool, link: comm.Link, scale: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's TP collectives per micro-batch, one call at a time
+    as Megatron-LM and DTensor issue them (each pays its latency). Each row-wise Linear's output is
+    all-reduced in forward (reduce-scattered over the sequence with sequence parallelism, and its
+    gradient all-gathered in backward). Each column-wise Linear's input gradient is all-reduced in
+    backward (runtime/tensor_parallel.py runs ColwiseParallel on each); with sequence parallelism
+    each gathered group's input (the attention's, the MLP's: TPRole.gathers; a column-wise Linear
+    outside them on its own) is all-gathered in forward and its gradient reduce-scattered, and
+    every norm parameter's gradient all-reduced (a partial sum over the sequence shards). Each
+    direction moves the profile's all-reduced bytes, shared among its calls."""
+    info, role = layer.tp, layer.tp_role
+    rows = len(info.rowwise)
+    if sequence_parallel and role is not None:  # a gathered group, or a Linear gathering its own input
+        groups = len(role.gathers) + sum(1 for c in info.colwise if not any(c.startswith(g + ".") for g in role.gathers))
+    else:  # DTensor all-reduces each column-wise Linear's input gradient on its own
+        groups = len(info.colwise)
+    total = info.allreduce_bytes * scale
+
+    def calls(n: int, collective) -> float:
+        return n * collective(tp, link)(total / n) if n else 0.0
+
+    if not sequence_parallel:
+        return calls(rows, comm.allreduce), calls(groups, comm.allreduce)
+    norms = 0 if role is None else (role.norm_params or len(role.norms))
+    return (calls(rows, comm.reduce_scatter) + calls(groups, comm.allgather),
+            calls(rows, comm.allgather) + calls(groups, comm.reduce_scatter) + norms * comm.allreduce(tp, link)(0.0))
+
+
 def ring_bytes(layer: LayerProfile, profile: ModelProfile, micro_batch: int, shard: int) -> tuple[float, float]:
     """A context-parallel ring per micro-batch on one rank: (keys and values of the whole
     sequence for this rank's heads, their fp32 gradients): what forward gathers (and backward
@@ -289,6 +320,12 @@ def _layer_costs(
 ) -> tuple:
     """(fwd_s, bwd_s, tp_comm_s, cp_comm_s, ep_comm_s, extra_s, act_bytes, params, expert params)
     of one layer, per micro-batch."""
+    if cand.ep > 1 and layer.tp is not None and layer.tp.moe:
+        # Expert parallelism leaves the mixture-of-experts blocks whole (torchtitan's ETP = 1): their
+        # Linears are not split by TP, nor counted in its parameters, collectives and host overhead
+        # below; with sequence parallelism (which EP with TP needs) each tp rank runs the block on
+        # its 1/tp of the tokens, so the layer's work and activations divide by tp as the rest do.
+        layer = replace(layer, tp=layer.tp.under_ep())
     scale = _scale(profile, cand.micro_batch, cand.cp)
     shard = _shard(layer, cand.tp)
     gpu = cluster.gpu
@@ -336,10 +373,15 @@ def _layer_costs(
     fwd, bwd, sel_extra, alt_extra = fwd * compute, bwd * compute, sel_extra * compute, alt_extra * compute
     tp_fwd = tp_bwd = 0.0
     if shard > 1:
-        ar = comm.allreduce(shard, lk.tp)
-        volume = layer.tp.allreduce_bytes * scale
-        tp_fwd = ar(volume) if layer.tp.rowwise else 0.0
-        tp_bwd = ar(volume) if layer.tp.colwise else 0.0
+        tp_fwd, tp_bwd = tp_collectives_s(layer, shard, cand.sequence_parallel, lk.tp, scale)
+        # DTensor's work on the host per sharded Linear (plan calibrate measures it): on top of a
+        # CPU's measured seconds; beside a GPU's kernels, which it outlasts only when they are tiny
+        linears = len(layer.tp.colwise) + len(layer.tp.rowwise)
+        host_fwd, host_bwd = linears * gpu.tp_forward_overhead_s, linears * gpu.tp_backward_overhead_s
+        if cpu_factor is not None:
+            fwd, bwd = fwd + host_fwd, bwd + host_bwd
+        else:
+            fwd, bwd = max(fwd, fwd_work.ops * OP_OVERHEAD_S + host_fwd), max(bwd, bwd_work.ops * OP_OVERHEAD_S + host_bwd)
         if cand.tp_overlap and cand.sequence_parallel:
             # chunked beside the Linear GEMMs (their share of the phase's time): what outlasts
             # them, and at least the first chunk
@@ -370,7 +412,9 @@ def _layer_costs(
         # Expert parallelism: forward sends each token's rows to the ranks of the experts it chose
         # and brings their outputs back (two all-to-alls); backward the same for their gradients.
         # Not overlapped with compute (the experts wait for their tokens), as torchtitan runs it.
-        ep_fwd = ep_bwd = 2 * comm.all_to_all(cand.ep, lk.ep)(layer.moe_dispatch_bytes * scale)
+        # With TP (and its sequence parallelism) a rank sends the rows of its 1/tp of the tokens.
+        routed = cand.tp if cand.tp > 1 and cand.sequence_parallel else 1
+        ep_fwd = ep_bwd = 2 * comm.all_to_all(cand.ep, lk.ep)(layer.moe_dispatch_bytes * scale / routed)
     cp_fwd, cp_bwd = cp_fwd * gpu.factor("comm"), cp_bwd * gpu.factor("comm")
     ep_fwd, ep_bwd = ep_fwd * gpu.factor("comm"), ep_bwd * gpu.factor("comm")
     # a recomputed layer exchanges its tokens again (checkpointing keeps matmul outputs at most)
@@ -518,16 +562,25 @@ def stage_costs(
     comm_factor = cluster.gpu.factor("comm")  # refit from this cluster's runs (1 without)
     dense = _dp_traffic(cand, shard, ranks, lk, w, g, comm_factor, hsdp=True)
     in_pipeline = pipelined_fsdp(cand)
-    optimizer_s = memory_bound_s(training.optimizer_traffic_per_param(), cluster.gpu) * cluster.gpu.factor("optimizer")
+    measured = cluster.gpu.optimizer_s_per_param(cluster.num_gpus, training.optimizer)  # plan calibrate's
+    optimizer_s = measured if measured is not None else memory_bound_s(training.optimizer_traffic_per_param(), cluster.gpu)
+    optimizer_s *= cluster.gpu.factor("optimizer")
     experts = {}
     if cand.ep > 1:
         # the experts' own group: the dp / ep ranks that hold the same experts
         replicas = cand.expert_replicas
         ex = _dp_traffic(cand, replicas, replicas, lk, w, g, comm_factor, hsdp=False)
+        sync = ex.grad_sync.per_byte_s
+        if cand.tp > 1:
+            # each tp rank's expert gradients cover its own sequence shard: summed over tp once a
+            # step after the data-parallel reduction (runtime ExpertParallel.sync_grads), on what
+            # the rank holds then (ZeRO-2/3: its 1/replicas); the router's few parameters not counted
+            held = 1 / (replicas if zero >= 2 else 1)
+            sync += comm.allreduce(cand.tp, lk.tp).scaled(comm_factor).per_byte_s * held
         experts = dict(
             expert_state_bytes=_sharded_state(cand, replicas, w, g, o),
             expert_mb_comm_param_s=ex.per_param,
-            expert_grad_sync_per_byte_s=ex.grad_sync.per_byte_s,
+            expert_grad_sync_per_byte_s=sync,
             expert_after_step_param_s=ex.after_step_param_s + optimizer_s / (replicas if zero >= 1 else 1),
         )
     model_flops = atoms.memo("flops", lambda: sum(l.fwd_flops + l.bwd_flops for l in layers)) * training.global_batch / profile.batch_size

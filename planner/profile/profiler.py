@@ -511,9 +511,19 @@ def _tp_info(
         return None
     subs = dict(m.named_modules())
     allreduce = sum(io_bytes.get(id(subs[name]), (0, 0))[1] for name in plan.rowwise)
+    # Mixture-of-experts blocks: expert parallelism leaves their Linears whole (TPInfo.under_ep)
+    moe = tuple(block.name for block in find_moe(m))
+
+    def in_moe(name: str) -> bool:
+        return any(b == "" or name == b or name.startswith(b + ".") for b in moe)
+
+    moe_col, moe_row = [n for n in plan.colwise if in_moe(n)], [n for n in plan.rowwise if in_moe(n)]
+    moe_params = sum(p.numel() for n in moe_col for p in subs[n].parameters()) + sum(subs[n].weight.numel() for n in moe_row)
     return TPInfo(
         plan.colwise, plan.rowwise, min(num_params, tp_param_count(m, plan)), allreduce,
         tuple(sorted(set(plan.divisors) | set(plan.sizes))),
+        moe=moe, moe_sharded_params=moe_params,
+        moe_allreduce_bytes=sum(io_bytes.get(id(subs[name]), (0, 0))[1] for name in moe_row),
     )
 
 

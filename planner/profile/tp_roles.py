@@ -12,7 +12,10 @@ second's role, as repeats.py does for the trace) and gives each layer a `TPRole`
   is the sequence (the last dim of its index input, whose length is the sequence length);
 - ``block`` (a Linear pair): its norm-like submodules (SequenceParallel), the submodules whose single
   input feeds all their column-wise Linears (gathered once: torchtitan's ``PrepareModuleInput`` on
-  ``attention``/``feed_forward``), and the column-wise Linears that gather their own input;
+  ``attention``/``feed_forward``), and the column-wise Linears that gather their own input. Its
+  mixture-of-experts blocks (planner.profile.moe) are judged as expert parallelism with TP runs
+  them (TPInfo.under_ep): whole (router, experts and anything else in them), called on this rank's
+  sequence shard, so each must take and give one [batch, seq, hidden] tensor and is never gathered;
 - ``norm`` (a layer that is one norm-like module, e.g. the final norm);
 - ``head`` (the vocabulary-parallel last Linear): whether its logits may stay sharded into the loss;
 - ``other``: anything else (no sequence-parallel form).
@@ -37,6 +40,7 @@ import torch
 from torch import nn
 
 from planner.model_file import ModelHandle, call_model, logits_of
+from planner.profile.moe import find_moe
 from planner.profile.types import NO_BLOCK, TPInfo, TPRole
 
 TRACE_BATCH = 2
@@ -142,20 +146,37 @@ class _Analysis:
         return TPRole("embedding", self.S, seq_dim, sp_blocker=blocker, tied=tied)
 
     def block(self, name: str, module: nn.Module, tp: TPInfo) -> TPRole:
-        linears = set(tp.colwise) | set(tp.rowwise)
+        # Mixture-of-experts blocks as expert parallelism with TP runs them: whole (their Linears
+        # out of the pairs, their router replicated), on this rank's sequence shard, not gathered.
+        moe = tuple(b.name for b in find_moe(module))
+
+        def in_moe(sub: str) -> bool:
+            return any(b == "" or sub == b or sub.startswith(b + ".") for b in moe)
+
+        colwise = [c for c in tp.colwise if not in_moe(c)]
+        rowwise = [r for r in tp.rowwise if not in_moe(r)]
+        linears = set(colwise) | set(rowwise)
         if self.S is None:
             return TPRole("block", None, sp_blocker="the model has no 2-D integer input (token ids), so no sequence dimension is known")
         why, _ = self.one_hidden_call(name, "layer")
         if why:
             return TPRole("block", self.S, sp_blocker=why)
-        # Submodules whose single input feeds every column-wise Linear under them: gathered once.
+        if moe and (not colwise or not rowwise):
+            return TPRole("block", self.S, sp_blocker=(
+                f"layer {name} has no column/row-wise Linear pair outside its mixture-of-experts block"))
+        for b in moe:
+            why_m, _ = self.one_hidden_call(_join(name, b), "mixture-of-experts block")
+            if why_m:
+                return TPRole("block", self.S, sp_blocker=why_m)
+        # Submodules whose single input feeds every column-wise Linear under them: gathered once
+        # (never one holding a mixture-of-experts block, which runs on the shard).
         gathers: list[str] = []
         by_parent: dict[str, list[str]] = {}
-        for c in tp.colwise:
+        for c in colwise:
             by_parent.setdefault(_parent(c), []).append(c)
         for parent, cols in by_parent.items():
             calls = self.calls.get(_join(name, parent)) or []
-            if not parent or len(calls) != 1:
+            if not parent or len(calls) != 1 or any(b == parent or b.startswith(parent + ".") for b in moe):
                 continue
             args, kwargs, _ = calls[0]
             ts = _tensors(args, kwargs)
@@ -169,7 +190,7 @@ class _Analysis:
 
         norms: list[str] = []
         for sub, m in module.named_modules():
-            if not any(True for _ in m.parameters(recurse=False)) or sub in linears:
+            if not any(True for _ in m.parameters(recurse=False)) or sub in linears or in_moe(sub):
                 continue
             if not is_norm_like(m):
                 return TPRole("block", self.S, sp_blocker=(
@@ -181,17 +202,18 @@ class _Analysis:
             if why_n:
                 return TPRole("block", self.S, sp_blocker=why_n)
             norms.append(sub)
-        for c in tp.colwise:
+        for c in colwise:
             if inside(c):
                 continue
             calls = self.calls.get(_join(name, c)) or []
             if not calls or not all(a and self.hidden(a[0]) for a, _, _ in calls):
                 return TPRole("block", self.S, sp_blocker=f"column-wise {_join(name, c)}'s input is not [batch, seq, hidden]")
-        for r in tp.rowwise:
+        for r in rowwise:
             calls = self.calls.get(_join(name, r)) or []
             if not calls or not all(self.hidden(o) for _, _, o in calls):
                 return TPRole("block", self.S, sp_blocker=f"row-wise {_join(name, r)}'s output is not [batch, seq, hidden]")
-        return TPRole("block", self.S, norms=tuple(norms), gathers=tuple(gathers))
+        params = sum(1 for sub in norms for _ in module.get_submodule(sub).parameters())
+        return TPRole("block", self.S, norms=tuple(norms), gathers=tuple(gathers), norm_params=params)
 
     def head(self, name: str, module: nn.Linear, handle: ModelHandle, output: Any, targets: Any) -> TPRole:
         tied = self.owner_of(module.weight, name)

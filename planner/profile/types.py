@@ -7,7 +7,7 @@ figures (the `per_sample` helpers do). Times are seconds on the device that meas
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import networkx as nx
 
@@ -131,13 +131,55 @@ class TPInfo:
     required: bool = True
     """False for a vocabulary-parallel embedding or head: with a TP degree that does not divide the
     vocabulary it is replicated instead, where a block that cannot be split rules the degree out."""
+    moe: tuple[str, ...] = ()
+    """The mixture-of-experts blocks in this layer (the modules holding a router and its experts,
+    planner.profile.moe; names relative to the layer). With expert parallelism tensor parallelism
+    leaves them whole (`under_ep`): EP splits their experts, not TP (torchtitan's ETP = 1)."""
+    moe_sharded_params: int = 0
+    """Of sharded_params, those of Linears inside `moe` (an expert's pair, a shared expert's)."""
+    moe_allreduce_bytes: int = 0
+    """Of allreduce_bytes, those of row-wise Linears inside `moe`."""
 
     def legal(self, tp: int) -> bool:
         return all(d % tp == 0 for d in self.divisors)
 
+    def under_ep(self) -> "TPInfo":
+        """The split with expert parallelism (ep > 1): the Linears inside the mixture-of-experts
+        blocks stay whole (out of colwise / rowwise, their parameters and all-reduced bytes too),
+        the rest as it is. The divisors keep their sizes (a tp they rule out stays out)."""
+        if not self.moe:
+            return self
+
+        def kept(name: str) -> bool:
+            return not any(m == "" or name == m or name.startswith(m + ".") for m in self.moe)
+
+        return TPInfo(
+            tuple(c for c in self.colwise if kept(c)), tuple(r for r in self.rowwise if kept(r)),
+            self.sharded_params - self.moe_sharded_params, self.allreduce_bytes - self.moe_allreduce_bytes,
+            self.divisors, self.required,
+        )
+
 
 NO_BLOCK = "the model has no block with a column/row-wise Linear pair"
 """The sp_blocker of a model where only embeddings and the head split (nothing to run sequence-parallel)."""
+
+
+def moe_sp_blocker(layers: Iterable[tuple[str, Optional[TPInfo]]], ep: int) -> str:
+    """Why sequence parallelism cannot run at expert-parallel degree `ep` on account of the
+    mixture-of-experts blocks of `layers` ((name, TPInfo) pairs), "" when they do not stop it.
+
+    A layer's TPRole.sp_blocker is found with its MoE blocks run as expert parallelism with tensor
+    parallelism runs them: each tp rank's own sequence shard routed through the experts, which stay
+    whole (TPInfo.under_ep). Without EP (ep 1) tensor parallelism splits a list of experts' Linears,
+    which see routed rows, not [batch, seq, hidden], and the runtime runs no MoE block on the shards."""
+    if ep > 1:
+        return ""
+    for name, tp in layers:
+        if tp is not None and tp.moe:
+            block = ".".join(p for p in (name, tp.moe[0]) if p)
+            return (f"the mixture-of-experts block {block} runs on the sequence shards only with expert "
+                    "parallelism (ep > 1), which keeps its experts whole")
+    return ""
 
 
 @dataclass(frozen=True)
@@ -154,11 +196,16 @@ class TPRole:
     position embeddings [seq, hidden]); None when it has none."""
     norms: tuple[str, ...] = ()
     """block: norm-like submodules on the hidden states, run sequence-parallel."""
+    norm_params: int = 0
+    """block: the parameter tensors of `norms`: with sequence parallelism each one's gradient is
+    all-reduced over the TP group in backward (0 in a profile from before the count: one per norm)."""
     gathers: tuple[str, ...] = ()
     """block: submodules whose one input feeds all their column-wise Linears: gathered once."""
     sp_blocker: str = ""
     """Why sequence parallelism cannot run in this model ("" when it can): the same in every layer,
-    so every pipeline stage, which sees only its own layers, decides the same."""
+    so every pipeline stage, which sees only its own layers, decides the same. Found with the
+    mixture-of-experts blocks (TPInfo.moe) as expert parallelism runs them, on the sequence shards;
+    without EP they block it too (`moe_sp_blocker`)."""
     tied: str = ""
     """embedding/head: the parameter of another layer that shares its weight ("" when none)."""
     loss_blocker: str = ""
@@ -282,12 +329,18 @@ class ModelProfile(schema.Versioned):
 
     @property
     def sp_blocker(self) -> Optional[str]:
-        """Why sequence parallelism cannot run on this model ("" when it can; NO_BLOCK when there
-        is nothing to split); None when the profile has no TP roles (none found, or an old file)."""
+        """Why sequence parallelism cannot run on this model without expert parallelism ("" when it
+        can; NO_BLOCK when there is nothing to split); None when the profile has no TP roles (none
+        found, or an old file). `sp_blocker_at` for an expert-parallel degree."""
+        return self.sp_blocker_at(1)
+
+    def sp_blocker_at(self, ep: int) -> Optional[str]:
+        """`sp_blocker` with expert parallelism of degree `ep` (mixture-of-experts blocks run on the
+        sequence shards only with ep > 1: `moe_sp_blocker`)."""
         roles = [layer.tp_role for layer in self.layers if layer.tp is not None]
         if not roles or any(r is None for r in roles):
             return None
-        return roles[0].sp_blocker  # type: ignore[union-attr]
+        return roles[0].sp_blocker or moe_sp_blocker(((l.name, l.tp) for l in self.layers), ep)  # type: ignore[union-attr]
 
     def plain_from(self) -> int:
         """The first layer index i from which every cut (after i, i + 1, ...) is a plain hand-over:

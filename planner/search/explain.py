@@ -208,7 +208,7 @@ def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int
         )
     if c.tp > 1:
         where = "inside a node (NVLink)" if not best.costs.links.tp_spans_nodes else "ACROSS nodes (slow: keep TP inside a node if you can)"
-        blocker = profile.sp_blocker
+        blocker = profile.sp_blocker_at(c.ep)
         sp = ("with sequence parallelism (norms, residuals and dropout split along the sequence too)" if c.sequence_parallel
               else "without sequence parallelism (norms, residuals and dropout whole on every TP rank"
               + (f": this model cannot run it, {blocker}" if blocker else "") + ")")
@@ -278,11 +278,18 @@ def _expert_parallel_line(best: Scored, profile: ModelProfile) -> str:
     where = "across nodes" if best.costs.links.ep_spans_nodes else "inside a node"
     share = params / profile.num_params if profile.num_params else 0.0
     k = f"its top {top_k}" if top_k else "the experts it chose"
-    return (f"Expert parallelism over {c.ep} GPUs {where}: each GPU holds {experts // c.ep} of the {experts} experts of "
+    line = (f"Expert parallelism over {c.ep} GPUs {where}: each GPU holds {experts // c.ep} of the {experts} experts of "
             f"each of the {layers} mixture-of-experts layers ({share:.0%} of the parameters, 1/{c.ep} of them per GPU), "
             f"and each token goes to {k} and back by two all-to-alls per layer in forward and two in backward, "
-            f"{fmt_seconds(breakdown(best)['ep_comm'])} per step. Each expert's gradients are averaged over the "
-            f"{c.expert_replicas} GPUs that hold it" + (f", and ZeRO-{c.zero} shards its state over them" if c.zero else "") + ".")
+            f"{fmt_seconds(breakdown(best)['ep_comm'])} per step. "
+            + (f"Each expert's gradients are averaged over the {c.expert_replicas} data-parallel GPUs that hold it"
+               + (f", and ZeRO-{c.zero} shards its state over them" if c.zero else "") + "."
+               if c.expert_replicas > 1 else "No other data-parallel GPU holds the same experts (nothing to average)."))
+    if c.tp > 1:
+        line += (f" Tensor parallelism leaves the experts whole (expert parallelism splits them): each of the {c.tp} "
+                 f"tensor-parallel GPUs of an expert's place routes its own 1/{c.tp} of the sequence (sequence "
+                 "parallelism) through its own all-to-alls, and their gradients are summed over the tensor-parallel GPUs.")
+    return line
 
 
 def _no_expert_parallel_line(result: SearchResult, best: Scored) -> str:

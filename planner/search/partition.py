@@ -231,7 +231,7 @@ def solve_partition(
         if dp > 1:
             X = _var(prob, f"X_{i}", 0)
             prob += X >= costs.tail_s * sc
-            if costs.grad_sync.per_byte_s:  # comm.exposed_after_s over one micro-batch's backward
+            if costs.grad_sync.per_byte_s or costs.expert_grad_sync_per_byte_s:  # comm.exposed_after_s over one micro-batch's backward
                 sync_s = costs.grad_sync_s(params, experts) * sc
                 prob += X >= sync_s - e * rank_sum(i, backward)
                 prob += X >= (1 - e) * sync_s

@@ -92,6 +92,21 @@ def candidates(
 ) -> Iterator[Candidate]:
     check_fixed_cp(profile, fixed)
     check_fixed_ep(profile, fixed)
+    # --sequence-parallel on where only expert parallelism lets it run (mixture-of-experts blocks):
+    # refused in one line only when no candidate runs it
+    deferred: list[BadInput] = []
+    with_sp = False
+    for cand in _enumerate(profile, num_gpus, gpus_per_node, num_atoms, global_batch, fixed, stats, deferred):
+        with_sp = with_sp or cand.sequence_parallel
+        yield cand
+    if deferred and not with_sp:
+        raise deferred[0]
+
+
+def _enumerate(
+    profile: ModelProfile, num_gpus: int, gpus_per_node: int, num_atoms: int, global_batch: int, fixed: Fixed,
+    stats: SpaceStats, deferred: list[BadInput],
+) -> Iterator[Candidate]:
     for tp in divisors(num_gpus):
         if fixed.tp is not None and tp != fixed.tp:
             continue
@@ -102,7 +117,6 @@ def candidates(
             continue
         num_cuts = len(profile.pipeline_cuts(tp))
         for cp in _context_parallel(profile, num_gpus // tp, fixed):
-            sp_choices = _sequence_parallel(profile, tp, fixed, stats, cp)
             for pp in divisors(num_gpus // (tp * cp)):
                 if fixed.pp is not None and pp != fixed.pp:
                     continue
@@ -125,7 +139,8 @@ def candidates(
                     sizes = [fixed.micro_batch] if per_replica % fixed.micro_batch == 0 else []
                 replicas = _hsdp_replicas(tp, dp, cp, gpus_per_node, fixed, stats)
                 eps = _expert_parallel(profile, tp, cp, dp, pp, fixed, stats)
-                for sp in sp_choices:
+                sp_by_ep = _sequence_parallel_by_ep(profile, tp, fixed, stats, cp, eps, deferred)
+                for sp in sorted({sp for choices in sp_by_ep.values() for sp in choices}, reverse=True):
                     for b in sizes:
                         if cp > 1 and math.gcd(cp, b) > 1 and fixed.cp is None and fixed.dp is None and fixed.micro_batch is None:
                             # dominated: with g = gcd(cp, b), cp / g CP ranks and dp x g replicas of
@@ -134,8 +149,9 @@ def candidates(
                         for cand in _schedules(tp, pp, dp, b, per_replica // b, num_atoms, fixed, stats, cp):
                             for rep in replicas if cand.zero >= 2 else [] if fixed.hsdp else [1]:
                                 for ep in eps if rep == 1 else [1]:
-                                    yield replace(cand, sequence_parallel=sp, dp_replicate=rep,
-                                                  tp_overlap=bool(fixed.tp_overlap) and sp, ep=ep)
+                                    if sp in sp_by_ep.get(ep, ()):
+                                        yield replace(cand, sequence_parallel=sp, dp_replicate=rep,
+                                                      tp_overlap=bool(fixed.tp_overlap) and sp, ep=ep)
 
 
 def cp_blocker(profile: ModelProfile) -> str:
@@ -186,18 +202,27 @@ def check_fixed_ep(profile: ModelProfile, fixed: Fixed) -> None:
     if experts % fixed.ep:
         raise BadInput(f"--ep {fixed.ep}: the {experts} experts of each mixture-of-experts block do not split evenly "
                        f"over {fixed.ep} ranks")
-    for flag, value in (("--tp", fixed.tp), ("--cp", fixed.cp)):
-        if value is not None and value > 1:
-            raise BadInput(f"--ep {fixed.ep} with {flag} {value}: expert parallelism runs with data and pipeline "
-                           "parallelism only (tp = cp = 1)")
+    if fixed.cp is not None and fixed.cp > 1:
+        raise BadInput(f"--ep {fixed.ep} with --cp {fixed.cp}: expert parallelism runs with data, tensor and pipeline "
+                       "parallelism only (cp = 1)")
+    if fixed.tp is not None and fixed.tp > 1:
+        if fixed.sequence_parallel is False:
+            raise BadInput(f"--ep {fixed.ep} with --tp {fixed.tp} needs sequence parallelism (each tensor-parallel rank "
+                           "routes its own sequence shard through the experts): drop --sequence-parallel off")
+        blocker = profile.sp_blocker_at(fixed.ep)
+        if blocker is None or blocker:
+            why = blocker or "the profile does not say what tensor parallelism may split beyond the Linear pairs"
+            raise BadInput(f"--ep {fixed.ep} with --tp {fixed.tp} needs sequence parallelism (each tensor-parallel rank "
+                           f"routes its own sequence shard through the experts), which cannot run on this model: {why}")
 
 
 def _expert_parallel(profile: ModelProfile, tp: int, cp: int, dp: int, pp: int, fixed: Fixed,
                      stats: SpaceStats) -> list[int]:
     """EP degrees: 1, and on a model with mixture-of-experts blocks each divisor of their experts
-    that divides dp, without TP or CP (as the runtime runs it). On pipeline stages the pipelining
-    tracer splits, only when --ep and --pp are both asked for (a published configuration, say):
-    the runtime does not run that, and `plan run` says so before launching."""
+    that divides dp, without CP (as the runtime runs it; with TP only under sequence parallelism:
+    `_sequence_parallel`). On pipeline stages the pipelining tracer splits, only when --ep and --pp
+    are both asked for (a published configuration, say): the runtime does not run that, and `plan
+    run` says so before launching."""
     experts = moe_experts(profile)
     wanted = [fixed.ep] if fixed.ep is not None else divisors(experts) if experts else [1]
     out = []
@@ -205,8 +230,8 @@ def _expert_parallel(profile: ModelProfile, tp: int, cp: int, dp: int, pp: int, 
         if ep > 1 and dp % ep:
             if fixed.ep is not None:
                 stats.reject(f"ep={ep} must divide dp={dp}")
-        elif ep > 1 and (tp > 1 or cp > 1):
-            stats.reject("expert parallelism with tensor or context parallelism (the runtime does not run it)")
+        elif ep > 1 and cp > 1:
+            stats.reject("expert parallelism with context parallelism (the runtime does not run it)")
         elif ep > 1 and pp > 1 and profile.tracer_splits(tp) and (fixed.ep is None or fixed.pp is None):
             stats.reject("expert parallelism on pipeline stages split by the tracer (the runtime does not run it; "
                          "fix --ep and --pp to plan it anyway)")
@@ -231,15 +256,39 @@ def _hsdp_replicas(tp: int, dp: int, cp: int, gpus_per_node: int, fixed: Fixed, 
     return [1, reps] if hsdp_ok and fixed.hsdp is None else [1]
 
 
-def _sequence_parallel(profile: ModelProfile, tp: int, fixed: Fixed, stats: SpaceStats, cp: int = 1) -> list[bool]:
+def _sequence_parallel_by_ep(profile: ModelProfile, tp: int, fixed: Fixed, stats: SpaceStats, cp: int,
+                             eps: list[int], deferred: list[BadInput]) -> dict[int, list[bool]]:
+    """`_sequence_parallel` for each EP degree of `eps`. Its BadInput (SP asked for, and the model
+    cannot run it) at once where no EP degree would let SP run; where only ep 1 blocks it (the
+    mixture-of-experts blocks run on the sequence shards with EP), into `deferred`: the search
+    refuses in one line only when no candidate runs SP (`candidates`)."""
+    out: dict[int, list[bool]] = {}
+    for ep in eps:
+        try:
+            out[ep] = _sequence_parallel(profile, tp, fixed, stats, cp, ep)
+        except BadInput as exc:
+            if ep > 1 or profile.sp_blocker_at(2) != "":
+                raise
+            stats.reject("sequence parallelism without expert parallelism on mixture-of-experts blocks")
+            deferred.append(exc)
+            out[ep] = []
+    return out
+
+
+def _sequence_parallel(profile: ModelProfile, tp: int, fixed: Fixed, stats: SpaceStats, cp: int = 1,
+                       ep: int = 1) -> list[bool]:
     """Both choices with TP (unless fixed); SP splits the sequence, so tp must divide it, and the
-    model must let it (the profile's TP roles: `ModelProfile.sp_blocker`; unknown in a profile
-    without them, which the runtime then runs without SP)."""
+    model must let it (the profile's TP roles: `ModelProfile.sp_blocker_at(ep)`; unknown in a profile
+    without them, which the runtime then runs without SP). Expert parallelism with TP only with SP:
+    each tp rank routes its own sequence shard (without it every tp rank would route the same tokens)."""
     if tp == 1:
         return [False]
-    blocker = profile.sp_blocker
+    blocker = profile.sp_blocker_at(ep)
     if blocker is None:
         blocker = "the profile does not say what tensor parallelism may split beyond the Linear pairs"
+    if blocker and ep > 1:
+        stats.reject("expert parallelism with tensor parallelism needs sequence parallelism, which this model cannot run")
+        return []
     if blocker:
         if blocker != NO_BLOCK and (fixed.sequence_parallel or fixed.tp_overlap):  # NO_BLOCK: nothing to split
             flag = "--sequence-parallel on" if fixed.sequence_parallel else "--tp-overlap on (it needs sequence parallelism)"
@@ -252,6 +301,11 @@ def _sequence_parallel(profile: ModelProfile, tp: int, fixed: Fixed, stats: Spac
         shard = f"each rank's 1/{cp} of the sequence ({profile.seq_len // cp})" if cp > 1 else f"the sequence ({profile.seq_len})"
         stats.reject(f"sequence parallelism needs tp={tp} to divide {shard}")
         choices.remove(True)
+    if ep > 1 and False in choices:
+        if fixed.sequence_parallel is False or True not in choices:
+            stats.reject("expert parallelism with tensor parallelism without sequence parallelism (each tp rank would "
+                         "route the same tokens; the runtime does not run it)")
+        choices.remove(False)
     return choices
 
 

@@ -1,7 +1,9 @@
 """Expert parallelism run against one process: each mixture-of-experts block's experts split over
 ep ranks of the dp axis, tokens dispatched to them and combined back by all-to-all (CPU/gloo, fp32,
 SGD), with DDP, ZeRO-1 and FSDP2 (ZeRO-2/3) over one and two expert replicas, full and selective
-recompute (the all-to-alls run again in backward) and a pipeline.
+recompute (the all-to-alls run again in backward), a pipeline, and tensor parallelism with
+sequence parallelism (dp2 x tp2, ep2: the experts whole on each tp rank, each routing its own
+sequence shard; ZeRO-1, and FSDP ZeRO-3 with full recompute).
 
 Two models: examples/moe.py's decoder, small (a ModuleList of experts that the block's own loop
 calls: record / replay), and a tiny Hugging Face Mixtral built from a config (stacked expert
@@ -11,8 +13,10 @@ training on the whole global batch. One launch per world size, which also checkp
 steps (with a few AdamW configurations, whose optimizer state a resume must restore); a second
 launch per world size resumes some of them from step 2 to 5, which must match the uninterrupted
 run, and the checkpoints hold every expert once, in the whole model's layout. Also: a plan with ep
-on a model without experts, with ep not dividing the experts or dp is refused before launch, in
-one line (plan files edited: the planner does not make them); ``--dry-run`` shows the split.
+on a model without experts, with ep not dividing the experts or dp, or with tp but without
+sequence parallelism is refused before launch, in one line (plan files edited: the planner does
+not make them); ``--dry-run`` shows the split. (The Hugging Face model runs no sequence
+parallelism, so the planner refuses it EP with TP: tests/unit/test_expert_parallel_cost.py.)
 """
 
 from __future__ import annotations
@@ -103,9 +107,16 @@ MOE_CONFIGS = {
     "ddp": (2, Fixed(dp=2, tp=1, pp=1, zero=0, micro_batch=1, recompute="none", ep=2)),
     "fsdp": (2, Fixed(dp=2, tp=1, pp=1, zero=3, micro_batch=2, recompute="none", ep=2)),
     "recompute": (2, Fixed(dp=2, tp=1, pp=1, zero=1, micro_batch=1, recompute="full", ep=2)),
+    # selective checkpointing of layers whose experts are FSDP units of their own (FSDP2 enters a
+    # record_function in the recompute that the forward did not: runtime/recompute.py passes it)
+    "fsdp_selective": (2, Fixed(dp=2, tp=1, pp=1, zero=3, micro_batch=1, recompute="selective", ep=2)),
     "replicas_zero1": (4, Fixed(dp=4, tp=1, pp=1, zero=1, micro_batch=1, recompute="none", ep=2)),
     "replicas_fsdp": (4, Fixed(dp=4, tp=1, pp=1, zero=3, micro_batch=1, recompute="full", ep=2)),
     "pp": (4, Fixed(dp=2, tp=1, pp=2, zero=1, micro_batch=1, recompute="none", schedule="1f1b", ep=2)),
+    # EP x TP (experts whole on each tp rank, each routing its own sequence shard): ZeRO-1 over 2
+    # micro-batches; FSDP ZeRO-3 with full recompute (the all-to-alls and TP collectives rerun)
+    "tp_zero1": (4, Fixed(dp=2, tp=2, pp=1, zero=1, micro_batch=1, recompute="none", ep=2, sequence_parallel=True)),
+    "tp_fsdp": (4, Fixed(dp=2, tp=2, pp=1, zero=3, micro_batch=2, recompute="full", ep=2, sequence_parallel=True)),
 }
 HF_CONFIGS = {
     "hf_ddp_selective": (2, Fixed(dp=2, tp=1, pp=1, zero=0, micro_batch=1, recompute="selective", ep=2)),
@@ -123,10 +134,11 @@ ADAMW_CONFIGS = {
 }
 WORLD = {**{n: w for n, (w, _) in CONFIGS.items()}, **{n: w for n, (w, _, _) in ADAMW_CONFIGS.items()}}
 # resumed from their step-2 checkpoints, one launch per world size: list and stacked blocks, with
-# ZeRO-0/1/2/3, one and two expert replicas, and a pipeline
+# ZeRO-0/1/2/3, one and two expert replicas, a pipeline, and tensor parallelism (each expert held
+# by both tp ranks of its EP position, saved once)
 RESUMED = {
     2: ("recompute", "fsdp", "hf_fsdp_recompute", "adamw_zero1"),
-    4: ("replicas_zero1", "pp", "hf_replicas_zero2", "hf_adamw_replicas_zero1", "hf_adamw_replicas_fsdp"),
+    4: ("replicas_zero1", "pp", "tp_zero1", "hf_replicas_zero2", "hf_adamw_replicas_zero1", "hf_adamw_replicas_fsdp"),
 }
 
 
@@ -205,6 +217,11 @@ def test_dry_run_shows_the_expert_split(plans, capsys):
     out = capsys.readouterr().out
     assert "expert parallel: each mixture-of-experts block's experts split over 2 ranks" in out
     assert "rank 3: dp 3/4, ep 1/2, tp 0/1" in out
+    assert main(["run", str(plans["tp_zero1"]), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 1: dp 0/2, ep 0/2, tp 1/2" in out and "rank 2: dp 1/2, ep 1/2, tp 0/2" in out
+    assert "expert parallel x tensor parallel: the mixture-of-experts blocks are not split by tp" in out
+    assert "tp shard 1/2 of layers.*.self_attn.q_proj, layers.*.self_attn.k_proj, layers.*.self_attn.v_proj (colwise)" in out
 
 
 def _refused(argv: list[str], capsys) -> str:
@@ -232,6 +249,19 @@ def test_ep_not_dividing_the_experts_or_dp_is_refused_before_launch(plans, workd
     err = _refused(["run", str(with_ep(plans["ddp"], 4, workdir / "ep4_dp2.json"))], capsys)
     assert "ep 4 does not divide dp 2" in err  # planner.schema refuses it on load
     assert not (workdir / "ep4.run.d").exists() and not (workdir / "ep4_dp2.run.d").exists()
+
+
+def test_ep_with_tp_without_sequence_parallelism_is_refused_before_launch(plans, workdir, capsys):
+    """Without sequence parallelism every tp rank would route the same tokens through the experts."""
+    data = json.loads(plans["tp_zero1"].read_text())
+    data["parallel"]["sequence_parallel"] = False
+    edited = workdir / "tp_no_sp.json"
+    edited.write_text(json.dumps(data))
+    err = _refused(["run", str(edited)], capsys)
+    assert err.endswith("parallel.ep 2 with tp 2 needs sequence parallelism (each tp rank routes its own sequence shard "
+                        "through the experts; without it every tp rank would route the same tokens): re-plan with "
+                        "--sequence-parallel on")
+    assert not (workdir / "tp_no_sp.run.d").exists()
 
 
 # --- checkpoint and resume (runtime/checkpoint.py) --------------------------------------------
@@ -279,6 +309,7 @@ def test_resume_matches_uninterrupted(name, resumed, runs, workdir):
 
 @pytest.mark.parametrize("name, key, experts", [
     ("recompute", "model.layers.{i}.mlp.experts.{e}.gate_proj.weight", NUM_EXPERTS),
+    ("tp_fsdp", "model.layers.{i}.mlp.experts.{e}.gate_proj.weight", NUM_EXPERTS),
     ("hf_fsdp_recompute", "model.model.layers.0.mlp.experts.gate_up_proj", 4),
     ("hf_replicas_zero2", "model.model.layers.0.mlp.experts.gate_up_proj", 4),
     ("hf_adamw_replicas_fsdp", "optim.state.model.layers.1.mlp.experts.down_proj.exp_avg", 4),
@@ -300,6 +331,9 @@ def test_checkpoint_holds_every_expert_once(name, key, experts, runs, workdir):
         for i in range(2):
             for e in range(experts):
                 assert key.format(i=i, e=e) in meta, f"{name}: no {key.format(i=i, e=e)} in the checkpoint"
+                entry = meta[key.format(i=i, e=e)]
+                covered = sum(torch.Size(c.sizes).numel() for c in entry.chunks)  # once, whatever holds it
+                assert covered == torch.Size(entry.size).numel(), f"{name}: {key.format(i=i, e=e)} saved {len(entry.chunks)} times"
         return
     entry = meta[key]
     assert entry.size[0] == experts, f"{name}: {key} saved as {tuple(entry.size)}, not the whole {experts} experts"

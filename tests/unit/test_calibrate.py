@@ -107,6 +107,14 @@ def test_plan_calibrate_cpu_keeps_the_figures_for_cpu_plans(capsys, tmp_path, mo
     assert [n for n, _ in spec.process_slowdown] == [1, 2] and spec.process_slowdown[0][1] == 1.0
     assert {(n, kind) for n, kind, _, _ in spec.collectives} == {(2, k) for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}
     assert "plan calibrate" in spec.sources["process_slowdown"]
+    assert {(n, name) for n, name, _ in spec.optimizer_steps} == {(n, k) for n in (1, 2) for k in ("adamw", "sgd")}
+    assert spec.optimizer_s_per_param(2, "adamw") > spec.optimizer_s_per_param(2, "sgd") > 0  # AdamW does more per parameter
+    # DTensor's host work per sharded Linear, measured in the one-process launch (backward does more)
+    assert 0 < spec.tp_forward_overhead_s < spec.tp_backward_overhead_s < 0.1
+    from planner.local_device import share_host
+
+    assert share_host(spec, 2 * spec.gpus_per_node).tp_forward_overhead_s == pytest.approx(2 * spec.tp_forward_overhead_s)
+    assert share_host(spec, 1).tp_forward_overhead_s == spec.tp_forward_overhead_s  # a core of its own
     import json
 
     from tests.conftest import EXAMPLES
@@ -114,6 +122,9 @@ def test_plan_calibrate_cpu_keeps_the_figures_for_cpu_plans(capsys, tmp_path, mo
     assert main([str(EXAMPLES / "gpt.py"), "--gpu", "cpu", "--gpus", "2", "--global-batch", "4", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)  # the plan says which calibration it used
     assert any(a.startswith("calibration: process_slowdown plan calibrate on") for a in plan["assumptions"])
+    assert main([str(EXAMPLES / "gpt.py"), "--gpu", "cpu", "--gpus", "2", "--global-batch", "4", "--tp", "2", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert any(a.startswith("tensor parallelism costs the host") for a in plan["assumptions"])
     assert main(["calibrate", "--gpus", "2", "-o", str(out)]) == 2  # not overwritten without --force
     assert "already exists" in capsys.readouterr().err
     assert main(["calibrate", "--gpu", "a100-80gb"]) == 2
@@ -195,4 +206,30 @@ def test_phase_factors_from_a_catalogue_file_scale_their_phases(tmp_path):
     assert (b.grad_sync.fixed_s, b.grad_sync.per_byte_s) == pytest.approx((a.grad_sync.fixed_s, a.grad_sync.per_byte_s))
     path.write_text(base + "phase_factors:\n  network: 2.0\n")
     with pytest.raises(BadInput, match="mine.yaml: field 'phase_factors' must map phases"):
+        load_gpu_file(path)
+
+
+def test_measured_optimizer_step_and_tp_host_time_from_a_catalogue_file(tmp_path):
+    """What `plan calibrate` writes into a GPU file: the optimizer step per parameter replaces the
+    memory-bound estimate (ZeRO-1 divides it over the shards as before); DTensor's host time per
+    sharded Linear shows only where it outlasts the kernels (a GPU runs them beside the host)."""
+    from planner.cost.setup import Candidate, Training
+    from planner.cost.stage_costs import stage_costs
+    from planner.errors import BadInput
+    from planner.hardware import load_gpu_file
+    from tests.unit.test_partition import synthetic_profile
+
+    base = (Path(__file__).parents[2] / "profiles" / "a100-80gb.yaml").read_text().replace("name: a100-80gb", "name: mine")
+    path = tmp_path / "mine.yaml"
+    path.write_text(base + "optimizer_ns_per_param:\n  adamw: 2.0\n  sgd: 0.5\n")
+    gpu = load_gpu_file(path)
+    assert gpu.optimizer_s_per_param(64, "adamw") == 2e-9 and gpu.optimizer_s_per_param(1, "sgd") == 5e-10
+    profile = synthetic_profile()
+    for optimizer, ns in (("adamw", 2.0), ("sgd", 0.5)):
+        training = Training("bf16", optimizer, 8, 80 * 2**30)
+        for zero, shard in ((0, 1), (1, 2)):
+            costs = stage_costs(profile, make_cluster(gpu, 2), training, Candidate(1, 1, 2, 4, 1, zero, "1f1b"))
+            assert costs.optimizer_s_per_param == pytest.approx(ns * 1e-9 / shard)
+    path.write_text(base + "optimizer_ns_per_param:\n  lamb: 1.0\n")
+    with pytest.raises(BadInput, match="mine.yaml: field 'optimizer_ns_per_param' must map optimizers"):
         load_gpu_file(path)

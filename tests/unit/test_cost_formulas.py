@@ -231,7 +231,31 @@ def test_sequence_parallelism_splits_the_rest(gpt_bf16):
     tp_part = block.activation_tp_bytes
     assert off[i].act_bytes[NONE] == pytest.approx((tp_part / 2 + block.activation_bytes - tp_part) * scale)
     assert off[i].fwd_s > on[i].fwd_s  # norms and residuals run whole on both ranks (memory-bound at 256 x 256 tokens)
-    assert off[i].params == on[i].params and off[i].tp_comm_s == pytest.approx(on[i].tp_comm_s)
+    assert off[i].params == on[i].params
+
+
+def test_tp_collectives_are_one_call_per_linear_group_and_norm_parameter(gpt_bf16):
+    """gpt.py's block under tp=2: two row-wise Linears (proj, down), four column-wise ones (q, k,
+    v, up) in two gathered groups (attention, MLP). Without SP: an all-reduce per row-wise output
+    in forward, per column-wise Linear's input gradient in backward (DTensor's ColwiseParallel
+    each on its own), the bytes shared among the calls. With SP a reduce-scatter and an all-gather
+    per row-wise output and per group (half an all-reduce's volume apiece), and backward also
+    all-reduces each norm parameter's gradient (ln_1, ln_2: weight and bias)."""
+    from planner.cost.comm import Link
+    from planner.cost.stage_costs import tp_collectives_s
+
+    block = next(l for l in gpt_bf16.layers if l.name == "blocks.0")
+    assert block.tp_role.gathers == ("attn", "mlp") and block.tp_role.norm_params == 4
+    latency, bw, scale = 1e-3, 1e9, 2.0
+    link = Link(bw, latency)
+    nbytes = block.tp.allreduce_bytes * scale / 2
+    ar = latency + nbytes / (bw * LINK_EFFICIENCY)  # 2 (n - 1) / n = 1 at n = 2; log2(2) = 1 latency
+    half = latency + nbytes / 2 / (bw * LINK_EFFICIENCY)
+    off = tp_collectives_s(block, 2, False, link, scale)
+    on = tp_collectives_s(block, 2, True, link, scale)
+    quarter = latency + nbytes / 2 / (bw * LINK_EFFICIENCY)  # 4 calls share the backward's bytes
+    assert off == pytest.approx((2 * ar, 4 * quarter))
+    assert on == pytest.approx((4 * half, 4 * half + 4 * latency))
 
 
 def test_fp8_runs_the_linear_matmuls_at_the_fp8_peak(gpt_bf16):
@@ -347,3 +371,24 @@ def test_tp_overlap_hides_the_collectives_behind_the_linear_gemms(gpt_bf16):
     expect = max(per_phase / 2, per_phase - gemm_fwd) + max(per_phase / 2, per_phase - gemm_bwd)
     assert b.tp_comm_s == pytest.approx(expect) and b.tp_comm_s < a.tp_comm_s
     assert b.fwd_s + b.bwd_s - b.tp_comm_s == pytest.approx(a.fwd_s + a.bwd_s - a.tp_comm_s)  # same math
+
+
+def test_dtensor_host_time_shows_beside_gpu_kernels_only_where_it_outlasts_them(gpt_bf16):
+    """A GPU runs its kernels while the host issues the next: a TP layer's phase takes the longer
+    of the two. gpt.py's block has six sharded Linears (q, k, v, proj, up, down)."""
+    from planner.cost.stage_costs import atom_table
+    from planner.hardware import get_gpu
+
+    gpu, training = get_gpu("a100-80gb"), Training("bf16", "adamw", 8, 80 * 2**30)
+
+    def block(**host) -> object:
+        cluster = make_cluster(replace(gpu, **host), 2)
+        table = atom_table(gpt_bf16, cluster, training, tp=2, micro_batch=64, sequence_parallel=True)
+        return next(a for a in table if gpt_bf16.layers[a.first].name == "blocks.0")
+
+    base, tiny = block(), block(tp_forward_overhead_s=1e-9, tp_backward_overhead_s=1e-9)
+    assert (tiny.fwd_s, tiny.bwd_s) == (base.fwd_s, base.bwd_s)  # hidden behind the kernels
+    slow = block(tp_forward_overhead_s=1e-2, tp_backward_overhead_s=2e-2)
+    slower = block(tp_forward_overhead_s=2e-2, tp_backward_overhead_s=4e-2)
+    assert slow.fwd_s > base.fwd_s and slow.bwd_s > base.bwd_s  # host-bound: 60 ms forward against a millisecond
+    assert slower.fwd_s - slow.fwd_s == pytest.approx(6 * 1e-2) and slower.bwd_s - slow.bwd_s == pytest.approx(6 * 2e-2)

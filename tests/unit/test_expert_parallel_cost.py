@@ -190,7 +190,15 @@ def test_plan_runs_ep_where_asked_and_explains_it(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["llama.py", "--ep", "2"], "--ep 2: expert parallelism needs mixture-of-experts blocks and this model has none"),
     (["moe.py", "--ep", "3"], "--ep 3: the 8 experts of each mixture-of-experts block do not split evenly over 3 ranks"),
-    (["moe.py", "--ep", "2", "--tp", "2"], "expert parallelism runs with data and pipeline parallelism only"),
+    (["moe.py", "--ep", "2", "--cp", "2"], "--ep 2 with --cp 2: expert parallelism runs with data, tensor and pipeline "
+                                          "parallelism only (cp = 1)"),
+    (["moe.py", "--ep", "2", "--tp", "2", "--sequence-parallel", "off"],
+     "--ep 2 with --tp 2 needs sequence parallelism (each tensor-parallel rank routes its own sequence shard through "
+     "the experts): drop --sequence-parallel off"),
+    # without EP a list of experts is split by TP and sees routed rows: no sequence parallelism
+    (["moe.py", "--tp", "2", "--dp", "2", "--ep", "1", "--sequence-parallel", "on"],
+     "--sequence-parallel on: sequence parallelism cannot run on this model: the mixture-of-experts block "
+     "layers.0.mlp runs on the sequence shards only with expert parallelism (ep > 1)"),
     (["moe.py", "--ep", "4", "--dp", "2"], "--ep 4: expert parallelism splits the experts over data-parallel ranks"),
 ])
 def test_bad_ep_is_refused_in_one_line(args, message, capsys):
@@ -254,3 +262,114 @@ def test_ep_on_traced_pipeline_stages_only_when_both_are_fixed(tmp_path):
     plan = json.loads(fixed.read_text())
     assert plan["parallel"]["ep"] == 2
     assert any("plan run does not run expert parallelism on pipeline stages" in w for w in plan["warnings"])
+
+
+# --- expert parallelism with tensor parallelism (experts whole on each tp rank) ----------------
+
+ATTENTION = 2 * DIM * DIM + 2 * DIM * 32  # q, o: 64 x 64; k, v: 64 x 32 (2 kv heads of 16)
+EXPERT_PARAMS = EXPERTS * 3 * DIM * FFN  # gate, up, down of 8 SwiGLU experts
+REPLICATED = EXPERTS * DIM + 2 * DIM  # the router (8 x 64) and the block's two RMSNorms
+
+
+def test_the_profile_names_what_ep_leaves_whole(moe):
+    """A MoE layer's TP split lists its experts' Linears (TP alone splits them); under EP they stay
+    whole: the split keeps the attention's Linears, parameters and all-reduced bytes alone."""
+    layer = next(l for l in moe.layers if l.moe_experts)
+    assert layer.num_params == ATTENTION + EXPERT_PARAMS + REPLICATED
+    tp = layer.tp
+    assert tp.moe == ("mlp",) and "mlp.experts.0.gate_proj" in tp.colwise
+    assert (tp.sharded_params, tp.moe_sharded_params) == (ATTENTION + EXPERT_PARAMS, EXPERT_PARAMS)
+    ep = tp.under_ep()
+    assert ep.colwise == ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj") and ep.rowwise == ("self_attn.o_proj",)
+    assert ep.sharded_params == ATTENTION
+    # all-reduced: o_proj's output alone, 4 sequences x 64 tokens x 64 bf16 values
+    assert ep.allreduce_bytes == 4 * SEQ * DIM * 2
+    role = layer.tp_role
+    assert role.sp_blocker == "" and role.gathers == ("self_attn",)  # never the MoE block: it runs on the shard
+    assert role.norms == ("input_layernorm", "post_attention_layernorm")
+    assert moe.sp_blocker_at(2) == ""
+    assert moe.sp_blocker.startswith("the mixture-of-experts block layers.0.mlp runs on the sequence shards only with "
+                                     "expert parallelism (ep > 1)")
+
+
+@pytest.mark.parametrize("ep, experts", [(2, EXPERT_PARAMS // 2), (4, EXPERT_PARAMS // 4)])
+def test_ep_with_tp_divides_the_experts_by_ep_only(moe, ep, experts):
+    """tp 2 with sequence parallelism: attention halves, the experts divide by ep (never also by
+    tp), the router and norms stay whole: tp2 ep2 holds 6,144 + 98,304 + 640 parameters of a MoE
+    layer (as tp2 alone, whose TP halves the experts instead), tp2 ep4 6,144 + 49,152 + 640."""
+    cluster = make_cluster("h100-sxm-80gb", 8)
+    training = Training("bf16", "adamw", 16, 80 * GIB)
+    table = atom_table(moe, cluster, training, 2, 2, ep=ep)
+    for atom in table:
+        layer = moe.layers[atom.first]
+        if not layer.moe_experts:
+            continue
+        assert atom.params == ATTENTION // 2 + experts + REPLICATED
+        assert atom.expert_params == experts
+    alone = atom_table(moe, cluster, training, 2, 2)  # tp 2 without EP: TP halves the experts
+    moe_atom = next(a for a in alone if moe.layers[a.first].moe_experts)
+    assert moe_atom.params == ATTENTION // 2 + EXPERT_PARAMS // 2 + REPLICATED and moe_atom.expert_params == 0
+
+
+def test_ep_with_tp_sends_each_rank_s_own_tokens(moe):
+    """With tp 2 (sequence parallel) each rank routes its 1/2 of the tokens: the all-to-alls move
+    half the rows of tp 1's; the FLOPs and activations are those of tp 2 without EP."""
+    cluster = make_cluster("h100-sxm-80gb", 4)
+    training = Training("bf16", "adamw", 16, 80 * GIB)
+    link = links(cluster, Candidate(2, 1, 2, 2, 1, 0, "1f1b", sequence_parallel=True, ep=2)).ep
+    a2a = comm.all_to_all(2, link)
+    table = atom_table(moe, cluster, training, 2, 2, ep=2)
+    plain = atom_table(moe, cluster, training, 2, 2)
+    for atom, without in zip(table, plain):
+        layer = moe.layers[atom.first]
+        rows = layer.moe_dispatch_bytes * 2 / moe.batch_size  # micro-batch 2
+        assert atom.ep_comm_s == pytest.approx(4 * a2a(rows / 2) if layer.moe_experts else 0.0)
+        assert atom.act_bytes == without.act_bytes
+
+
+def test_expert_gradients_are_summed_over_tp_once_a_step(moe):
+    """dp 2 x tp 2, ep 2: one replica of each expert (nothing to reduce over dp), but each tp rank's
+    expert gradients cover its own tokens: one all-reduce over the 2 tp ranks per gradient byte.
+    ZeRO-3 on dp 4: the same over the half each rank holds after FSDP's reduce-scatter."""
+    cluster = make_cluster("h100-sxm-80gb", 8)
+    training = Training("bf16", "adamw", 16, 80 * GIB)
+    ddp = stage_costs(moe, cluster, training, Candidate(2, 1, 2, 2, 1, 0, "1f1b", sequence_parallel=True, ep=2))
+    assert ddp.expert_grad_sync_per_byte_s == pytest.approx(comm.allreduce(2, ddp.links.tp).per_byte_s)
+    fsdp = stage_costs(moe, cluster, training, Candidate(2, 1, 4, 2, 1, 3, "1f1b", sequence_parallel=True, ep=2))
+    assert fsdp.expert_grad_sync_per_byte_s == pytest.approx(comm.allreduce(2, fsdp.links.tp).per_byte_s / 2)
+    alone = stage_costs(moe, cluster, training, Candidate(1, 1, 4, 2, 1, 3, "1f1b", ep=2))
+    assert alone.expert_grad_sync_per_byte_s == 0.0  # tp 1: FSDP's reduce-scatter is all
+
+
+def test_plan_runs_ep_with_tp_under_sequence_parallelism(tmp_path):
+    out = tmp_path / "plan.json"
+    assert main([str(EXAMPLES / "moe.py"), "--gpu", "cpu", "--gpus", "4", "--global-batch", "8", "--ep", "2",
+                 "--tp", "2", "-o", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    p = plan["parallel"]
+    assert (p["dp"], p["tp"], p["ep"], p["sequence_parallel"]) == (2, 2, 2, True)
+    assert any("Tensor parallelism leaves the experts whole" in line for line in plan["explanation"])
+    layer = next(l for l in plan["model"]["layers"] if l["name"] == "layers.0")
+    assert layer["tp"]["moe"] == ["mlp"] and layer["role"]["sp_blocker"] == ""
+
+
+def test_hugging_face_ep_with_tp_is_refused_without_sequence_parallelism(tmp_path, capsys):
+    """A Hugging Face decoder layer takes more than its hidden states (position embeddings, mask):
+    no sequence parallelism, so no EP with TP (every tp rank would route the same tokens)."""
+    pytest.importorskip("transformers")
+    model = tmp_path / "hf_moe.py"
+    model.write_text(
+        "import torch\n"
+        "from transformers import MixtralConfig, MixtralForCausalLM\n"
+        "CFG = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,\n"
+        "                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,\n"
+        "                    max_position_embeddings=16, use_cache=False)\n"
+        "def build_model():\n"
+        "    return MixtralForCausalLM(CFG)\n"
+        "def sample_batch(n):\n"
+        "    ids = torch.randint(0, 64, (n, 17))\n"
+        "    return ids[:, :-1], ids[:, 1:]\n")
+    code = main([str(model), "--gpu", "cpu", "--gpus", "4", "--global-batch", "8", "--ep", "2", "--tp", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "--ep 2 with --tp 2 needs sequence parallelism" in err and "which cannot run on this model" in err

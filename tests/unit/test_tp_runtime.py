@@ -144,3 +144,43 @@ def test_dropout_on_sequence_shards_found(model_file):
     assert tuple(n for l in layers for n in l.role.shard_dropout) == (
         "drop", "blocks.0.attn.resid_dropout", "blocks.0.mlp.dropout", "blocks.1.attn.resid_dropout", "blocks.1.mlp.dropout",
     )
+
+
+MOE = """
+import torch
+from moe import MoEConfig, build_moe
+from llama import llama_batch
+
+CFG = MoEConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab=64, seq_len=16, n_experts=4, top_k=2)
+
+
+def build_model():
+    return build_moe(CFG)
+
+
+def sample_batch(batch_size):
+    return llama_batch(CFG, batch_size)
+"""
+
+
+def test_mixture_of_experts_blocks_stay_whole_under_expert_parallelism(model_file):
+    """With ep > 1 tensor parallelism leaves each MoE block (router and experts) whole: only the
+    attention's Linears split, and the block runs on the sequence shard (never gathered). Without
+    EP tensor parallelism splits the experts' Linears, whose inputs are routed rows: no sequence
+    parallelism, with a warning saying why."""
+    layers = _layers(model_file, MOE)
+    with_ep = tp_layout(layers, 2, ep=2)
+    assert with_ep.sequence_parallel and with_ep.loss_parallel and with_ep.warnings == (SP_GATHER_WARNING,)
+    block = with_ep.blocks[0]
+    assert block.tp.colwise == ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    assert block.tp.rowwise == ("self_attn.o_proj",) and block.role.gathers == ("self_attn",)
+    lines = shard_lines(layers, 2, 1, ep=2)
+    assert lines[0] == ("tp shard 1/2 of layers.*.self_attn.q_proj, layers.*.self_attn.k_proj, layers.*.self_attn.v_proj "
+                        "(colwise); layers.*.self_attn.o_proj (rowwise)")
+    assert ("not split by tp (mixture-of-experts blocks: experts split by ep, the rest replicated; on this rank's "
+            "sequence shard): layers.*.mlp") in lines
+    alone = tp_layout(layers, 2)
+    assert not alone.sequence_parallel
+    assert "mlp.experts.0.gate_proj" in alone.blocks[0].tp.colwise
+    assert alone.warnings[0].startswith("tensor parallelism runs without sequence parallelism: the mixture-of-experts "
+                                        "block layers.0.mlp runs on the sequence shards only with expert parallelism")
