@@ -28,6 +28,21 @@ GIB = 2**30
 DIM, FFN, EXPERTS, SEQ = 64, 128, 8, 64  # examples/moe.py's CONFIG
 
 
+TINY_MIXTRAL = (
+    "import torch\n"
+    "from transformers import MixtralConfig, MixtralForCausalLM\n"
+    "CFG = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,\n"
+    "                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,\n"
+    "                    max_position_embeddings=16, use_cache=False)\n"
+    "def build_model():\n"
+    "    return MixtralForCausalLM(CFG)\n"
+    "def sample_batch(n):\n"
+    "    ids = torch.randint(0, 64, (n, 17))\n"
+    "    return ids[:, :-1], ids[:, 1:]\n"
+)
+"""A model file: a 2-layer Hugging Face Mixtral of 4 experts built from a config."""
+
+
 @pytest.fixture(scope="module")
 def moe():
     """examples/moe.py (2 layers of 8 SwiGLU experts, top 2), batch 4, on fake tensors."""
@@ -239,19 +254,9 @@ def test_ep_on_traced_pipeline_stages_only_when_both_are_fixed(tmp_path):
     are both given, and then the plan warns that plan run will refuse it."""
     pytest.importorskip("transformers")
     model = tmp_path / "hf_moe.py"
-    model.write_text(
-        "import torch\n"
-        "from transformers import MixtralConfig, MixtralForCausalLM\n"
-        "CFG = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,\n"
-        "                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,\n"
-        "                    max_position_embeddings=16, use_cache=False)\n"
-        "def build_model():\n"
-        "    return MixtralForCausalLM(CFG)\n"
-        "def sample_batch(n):\n"
-        "    ids = torch.randint(0, 64, (n, 17))\n"
-        "    return ids[:, :-1], ids[:, 1:]\n"
+    model.write_text(TINY_MIXTRAL + (
         "def loss_fn(outputs, targets):\n"
-        "    return torch.nn.functional.cross_entropy(outputs.logits.reshape(-1, 64), targets.reshape(-1))\n")
+        "    return torch.nn.functional.cross_entropy(outputs.logits.reshape(-1, 64), targets.reshape(-1))\n"))
     free, fixed = tmp_path / "free.json", tmp_path / "fixed.json"
     base = [str(model), "--gpu", "cpu", "--gpus", "4", "--global-batch", "8", "--pp", "2", "--top", "20"]
     assert main([*base, "-o", str(free)]) == 0
@@ -358,17 +363,7 @@ def test_hugging_face_ep_with_tp_is_refused_without_sequence_parallelism(tmp_pat
     no sequence parallelism, so no EP with TP (every tp rank would route the same tokens)."""
     pytest.importorskip("transformers")
     model = tmp_path / "hf_moe.py"
-    model.write_text(
-        "import torch\n"
-        "from transformers import MixtralConfig, MixtralForCausalLM\n"
-        "CFG = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,\n"
-        "                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,\n"
-        "                    max_position_embeddings=16, use_cache=False)\n"
-        "def build_model():\n"
-        "    return MixtralForCausalLM(CFG)\n"
-        "def sample_batch(n):\n"
-        "    ids = torch.randint(0, 64, (n, 17))\n"
-        "    return ids[:, :-1], ids[:, 1:]\n")
+    model.write_text(TINY_MIXTRAL)
     code = main([str(model), "--gpu", "cpu", "--gpus", "4", "--global-batch", "8", "--ep", "2", "--tp", "2"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
