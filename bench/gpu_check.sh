@@ -24,7 +24,7 @@ PLAN="python3 -m planner.cli"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 status=0
-echo "== plan calibrate (the H200 as this node runs it: matmul ceiling, causal SDPA, NCCL all-reduce)"
+echo "== plan calibrate (the H200 as this node runs it: matmul ceiling, causal SDPA, NCCL collectives, DTensor host time per TP Linear, optimizer step per parameter)"
 $PLAN calibrate --gpu h200 -o "$OUT/h200_calibrated.yaml" --force 2>&1 | tee "$OUT/calibrate.txt" || status=1
 for name in default gb8 calibrated; do
     extra=()
