@@ -64,11 +64,13 @@ def _median_s(fn: Callable[[], Any], repeats: int = REPEATS, sync: Callable[[], 
 
 def step_seconds(device: torch.device, sync: Callable[[], None]) -> float:
     """Seconds of one forward and backward of the fixed model while every rank runs them: the
-    ranks start together (a barrier) and run REPEATS steps back to back, as training's ranks do
-    in lockstep. The fastest of 3 such rounds (other load on the machine comes in bursts). Timing
-    steps one by one, each rank on its own, measured less sharing than training meets: a rank's
-    fastest step was one where others happened to wait (4 processes on 2 cores measured 1.2x
-    the time of 2, where lockstep training takes 2x)."""
+    ranks start together and run REPEATS steps in lockstep, a barrier after each, as training's
+    ranks wait for each other at every step's gradient all-reduce. The fastest of 3 such rounds
+    (other load on the machine comes in bursts). Timing steps one by one, each rank on its own,
+    measured less sharing than training meets: a rank's fastest step was one where others
+    happened to wait (4 processes on 2 cores measured 1.2x the time of 2, where lockstep training
+    takes 2x); so did rounds without the barriers (ranks that finished early left the cores to
+    the rest: 1.8x and 2.05x in two calibrations an hour apart)."""
     torch.manual_seed(0)
     b, t, d = STEP_SHAPE
     layer = torch.nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True).to(device)
@@ -86,7 +88,9 @@ def step_seconds(device: torch.device, sync: Callable[[], None]) -> float:
         start = time.perf_counter()
         for _ in range(REPEATS):
             step()
-        sync()
+            sync()
+            if dist.is_initialized():
+                dist.barrier()
         rounds.append((time.perf_counter() - start) / REPEATS)
     return min(rounds)
 
