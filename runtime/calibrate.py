@@ -5,8 +5,8 @@ runtime.calibrate``), every rank measuring at once, so that what the ranks share
 a node's power and memory system) is measured as training meets it:
 
 - one training step (forward, backward) of a fixed model (a ``torch.nn.TransformerEncoderLayer``,
-  d_model 256, 4 heads, 1,024 wide, batch 8 x 128 tokens, fp32): 9 steps back to back on every
-  rank at once (from a barrier, as training's ranks run in lockstep), the fastest of 3 such rounds
+  d_model 256, 4 heads, 1,024 wide, batch 8 x 128 tokens, fp32): 9 steps on every rank at once,
+  a barrier after each (training's ranks run in lockstep), the fastest of 3 such rounds
   (other load on the machine comes in bursts), the median over the ranks. Calibrate an otherwise idle machine. On
   the CPU, the step's time with N processes over its time in one process with every core is
   ``GPUSpec.process_slowdown``, which the planner uses instead of assuming that N processes on C
