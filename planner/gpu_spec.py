@@ -35,6 +35,11 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", 
 """What `plan calibrate` measures between processes, in its tables' order (comm.py costs each)."""
 
 
+def _nearest(counts: set[int], processes: int) -> int:
+    """The measured process count nearest `processes` in ratio (the smaller on a tie)."""
+    return min(counts, key=lambda n: (abs(math.log(n / processes)), n))
+
+
 @dataclass(frozen=True)
 class GPUSpec:
     """One accelerator: peaks, memory and links, all in SI units (FLOP/s, bytes, B/s, s)."""
@@ -113,7 +118,7 @@ class GPUSpec:
         """(kind, latency s, bus bandwidth B/s) measured for the nearest process count; () if none."""
         if not self.collectives:
             return ()
-        nearest = min({c[0] for c in self.collectives}, key=lambda n: (abs(math.log(n / group_size)), n))
+        nearest = _nearest({c[0] for c in self.collectives}, group_size)
         return tuple((kind, latency, busbw) for n, kind, latency, busbw in self.collectives if n == nearest)
 
     def optimizer_s_per_param(self, processes: int, optimizer: str) -> float | None:
@@ -121,7 +126,7 @@ class GPUSpec:
         counts = {n for n, name, _ in self.optimizer_steps if name == optimizer}
         if not counts:
             return None
-        nearest = min(counts, key=lambda n: (abs(math.log(n / processes)), n))
+        nearest = _nearest(counts, processes)
         return next(s for n, name, s in self.optimizer_steps if n == nearest and name == optimizer)
 
     def peak(self, dtype: str) -> float:

@@ -30,6 +30,7 @@ selective figure is what runs (tests/unit/test_recompute.py: 90,112 bytes both, 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Any, Callable
 
@@ -51,23 +52,28 @@ def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
     return CheckpointPolicy.MUST_SAVE if is_matmul_like(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+@functools.lru_cache(maxsize=None)
+def _passing(mode_type: type) -> type:
+    """`mode_type` (one of selective checkpointing's dispatch modes) passing the profiler's ops
+    through; made once per type (every checkpointed call makes a pair of modes)."""
+    class Passing(mode_type):  # type: ignore[misc, valid-type]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            if getattr(func, "namespace", None) == "profiler":
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return Passing
+
+
 def _without_profiler_ops(modes: tuple[Any, Any]) -> tuple[Any, Any]:
     """Selective checkpointing's two dispatch modes (forward, recompute), passing the profiler's
     record-function ops straight through instead of counting them: the recompute must meet the
     forward's ops one for one, and FSDP2 enters a record_function ("FSDP::root_pre_forward") when
     one of its units runs first in a recompute (an expert's, inside a checkpointed layer), which
     the forward, under the model's root, never did."""
-    def passing(mode: Any) -> Any:
-        class Passing(type(mode)):  # type: ignore[misc]
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-                if getattr(func, "namespace", None) == "profiler":
-                    return func(*args, **(kwargs or {}))
-                return super().__torch_dispatch__(func, types, args, kwargs)
-
-        mode.__class__ = Passing
-        return mode
-
-    return passing(modes[0]), passing(modes[1])
+    for mode in modes:
+        mode.__class__ = _passing(type(mode))
+    return modes
 
 
 def _selective_context() -> Any:
