@@ -3,16 +3,19 @@ predicted step time and memory for a handful of plans (gloo, one process per pla
 with the rank correlation (Kendall tau) of predicted and measured step times. Run
 `plan calibrate --gpu cpu` first to plan with this machine's measured figures.
 
-    python bench/bench_runtime.py [--steps 6] [--model examples/gpt.py]
+    python bench/bench_runtime.py [--steps 6] [--repeats 2] [--model examples/gpt.py]
     python bench/bench_runtime.py --refit [--calibrate]   # does refitting from run reports converge?
 
-Each run is a fresh torchrun launch; step times are medians after one warm-up step. CPU timings
-on a shared 2-core machine move 5-10% run to run: read the ratios, not the third digit.
+Every plan is made from one profile of the model. Each run is a fresh torchrun launch; step times
+are medians after one warm-up step, and each plan runs --repeats times (in rounds over all the
+plans; its figure is the median). CPU timings on a shared 2-core machine move 5-15% run to run: the
+bench prints that spread, and how the prediction orders the pairs of plans measured further apart.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
@@ -25,30 +28,41 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from planner.model_file import load_model_file  # noqa: E402
-from planner.planning import PlanRequest, make_plan  # noqa: E402
+from planner.planning import PlanRequest, make_plan, profile_for  # noqa: E402
 from planner.search.space import Fixed  # noqa: E402
 from runtime.launch import free_port, launch  # noqa: E402
 
 PLANS = [  # (label, world size, fixed choices)
     ("DDP dp=2", 2, Fixed(dp=2, tp=1, pp=1, zero=0)),
     ("FSDP dp=2 ZeRO-3", 2, Fixed(dp=2, tp=1, pp=1, zero=3)),
+    ("FSDP dp=2 ZeRO-3, 4 micro-batches", 2, Fixed(dp=2, tp=1, pp=1, zero=3, micro_batch=1)),
     ("TP tp=2", 2, Fixed(dp=1, tp=2, pp=1)),
     ("DDP dp=2, full recompute", 2, Fixed(dp=2, tp=1, pp=1, zero=0, recompute="full")),
     ("DDP dp=2, selective recompute", 2, Fixed(dp=2, tp=1, pp=1, zero=0, recompute="selective")),
     ("ZeRO-1 dp=2", 2, Fixed(dp=2, tp=1, pp=1, zero=1)),
     ("PP pp=2 1F1B, 4 micro-batches", 2, Fixed(dp=1, tp=1, pp=2, micro_batch=2, schedule="1f1b")),
+    ("PP pp=2 GPipe, 1 micro-batch", 2, Fixed(dp=1, tp=1, pp=2, micro_batch=8, schedule="gpipe")),
     ("DDP dp=4", 4, Fixed(dp=4, tp=1, pp=1, zero=0)),
     ("TP tp=2 x dp=2", 4, Fixed(dp=2, tp=2, pp=1, zero=0)),
 ]
 
 
-def plan_file(handle, world: int, fixed: Fixed, global_batch: int, tmp: Path, label: str) -> Path:
+def _request(world: int, fixed: Fixed, global_batch: int) -> PlanRequest:
     if fixed.micro_batch is None:  # one micro-batch per step unless the row says otherwise
         fixed = Fixed(**{**vars(fixed), "micro_batch": global_batch // (fixed.dp or 1)})
-    request = PlanRequest(gpus=world, gpu="cpu", global_batch=global_batch, precision="fp32", optimizer="adamw", fixed=fixed)
-    path = tmp / (label.replace(" ", "_").replace(",", "").replace("=", "") + ".json")
-    path.write_text(make_plan(handle, request).to_json())
-    return path
+    return PlanRequest(gpus=world, gpu="cpu", global_batch=global_batch, precision="fp32", optimizer="adamw", fixed=fixed)
+
+
+def plan_files(handle, global_batch: int, tmp: Path, tag: str = "") -> list[Path]:
+    """Every plan of PLANS from one profile of the model (as the planner ranks its candidates: a
+    profile per plan would time each one's layers afresh, and their order would move with that)."""
+    profile = profile_for(handle, _request(*PLANS[0][1:], global_batch))
+    paths = []
+    for label, world, fixed in PLANS:
+        path = tmp / ((tag + " " + label).strip().replace(" ", "_").replace(",", "").replace("=", "") + ".json")
+        path.write_text(make_plan(handle, _request(world, fixed, global_batch), profile).to_json())
+        paths.append(path)
+    return paths
 
 
 def baseline(model: Path, world: int, micro_batch: int, steps: int, tmp: Path) -> float:
@@ -75,11 +89,9 @@ def kendall_tau(pairs: list[tuple[float, float]]) -> float:
 
 def run_all(handle, args, tmp: Path, tag: str) -> list:
     """Every plan of PLANS made with this machine's current calibration, each run once: the reports."""
-    reports = []
-    for label, world, fixed in PLANS:
-        path = plan_file(handle, world, fixed, args.global_batch, tmp, f"{tag} {label}")
-        reports.append(launch([path], world, steps=args.steps, run_dir=tmp / path.stem).reports[0])
-    return reports
+    paths = plan_files(handle, args.global_batch, tmp, tag)
+    return [launch([path], world, steps=args.steps, run_dir=tmp / path.stem).reports[0]
+            for path, (_, world, _) in zip(paths, PLANS)]
 
 
 def refit_rounds(handle, args, tmp: Path) -> None:
@@ -139,6 +151,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--model", default=str(ROOT / "examples" / "gpt.py"))
     ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2, help="launches of each plan (default 2), in rounds over all plans")
     ap.add_argument("--refit", action="store_true", help="instead: two rounds of runs and refits (does refitting converge?)")
     ap.add_argument("--calibrate", action="store_true", help="with --refit: run `plan calibrate --gpu cpu` first (in the copy)")
     args = ap.parse_args()
@@ -152,28 +165,44 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         print(f"{handle.name}, global batch {args.global_batch}, {args.steps} steps per run, fp32, AdamW, gloo")
-        print(f"{'plan':32s} {'predicted':>10s} {'measured':>10s} {'ratio':>6s} {'pred. mem':>10s} {'meas. mem':>10s} {'ratio':>6s}")
-        ddp2_path = None
-        pairs = []
-        for label, world, fixed in PLANS:
-            path = plan_file(handle, world, fixed, args.global_batch, tmp, label)
-            report = launch([path], world, steps=args.steps, run_dir=tmp / path.stem).reports[0]
-            pred, meas = report.predicted, report.measured
-            pairs.append((pred.step_time_s, meas.step_time_s))
-            mem = max(meas.peak_memory_bytes)
+        paths = plan_files(handle, args.global_batch, tmp)
+        # each plan launched --repeats times, the rounds one after another (the machine's load
+        # drifts over minutes: interleaving spreads it over every plan): the median of a plan's runs
+        runs: list[list] = [[] for _ in PLANS]
+        for n in range(args.repeats):
+            for i, (path, (label, world, _)) in enumerate(zip(paths, PLANS)):
+                runs[i].append(launch([path], world, steps=args.steps, run_dir=tmp / f"{path.stem}.{n}").reports[0])
+                print(f"  round {n + 1}: {label}: {runs[i][-1].measured.step_time_s:.3f} s", flush=True)
+        print(f"{'plan':34s} {'predicted':>10s} {'measured':>10s} {'ratio':>6s} {'runs':>15s} {'pred. mem':>10s} "
+              f"{'meas. mem':>10s} {'ratio':>6s}")
+        pairs, noise = [], []
+        for (label, _, _), reports in zip(PLANS, runs):
+            pred, steps = reports[0].predicted, [r.measured.step_time_s for r in reports]
+            meas = statistics.median(steps)
+            pairs.append((pred.step_time_s, meas))
+            noise.append(max(steps) / min(steps) - 1)
+            mem = max(max(r.measured.peak_memory_bytes) for r in reports)
             print(
-                f"{label:32s} {pred.step_time_s:9.3f}s {meas.step_time_s:9.3f}s {meas.step_time_s / pred.step_time_s:6.2f} "
-                f"{pred.peak_memory_bytes / 1e9:9.2f}G {mem / 1e9:9.2f}G {mem / pred.peak_memory_bytes:6.2f}",
-                flush=True,
+                f"{label:34s} {pred.step_time_s:9.3f}s {meas:9.3f}s {meas / pred.step_time_s:6.2f} "
+                f"{'/'.join(f'{t:.2f}' for t in steps):>15s} "
+                f"{pred.peak_memory_bytes / 1e9:9.2f}G {mem / 1e9:9.2f}G {mem / pred.peak_memory_bytes:6.2f}"
             )
-            for warning in report.warnings:  # where the run differs from what the plan assumed
+            for warning in reports[0].warnings:  # where the run differs from what the plan assumed
                 print(f"    warning: {warning}")
-            if label == "DDP dp=2":
-                ddp2_path = path
         ratios = sorted(m / p for p, m in pairs)
         print(f"measured / predicted step time: median {statistics.median(ratios):.2f}, range {ratios[0]:.2f}-{ratios[-1]:.2f}, "
               f"within 15%: {sum(abs(r - 1) <= 0.15 for r in ratios)} of {len(ratios)}; "
               f"Kendall tau (order of predicted against measured) {kendall_tau(pairs):.2f}")
+        if args.repeats > 1:
+            # the order the machine itself can tell: pairs whose measured times differ by more
+            # than the run-to-run spread of the same plan (the median over the plans)
+            spread = statistics.median(noise)
+            apart = [(a, b) for a, b in itertools.combinations(pairs, 2) if max(a[1], b[1]) / min(a[1], b[1]) - 1 > spread]
+            concordant = sum((a[0] - b[0]) * (a[1] - b[1]) > 0 for a, b in apart)
+            print(f"run-to-run spread of a plan's step (max / min of its {args.repeats} runs - 1): median {spread:.1%}, "
+                  f"largest {max(noise):.1%}; of the {len(apart)} pairs of plans measured further apart than that, "
+                  f"the prediction orders {concordant} as measured (tau over them {(2 * concordant - len(apart)) / max(1, len(apart)):.2f})")
+        ddp2_path = paths[[label for label, _, _ in PLANS].index("DDP dp=2")]
         # The overhead: the runtime's DDP and a hand-written DDP loop back to back, three times over
         # (the load on a shared machine drifts over minutes): the median of the pairs' ratios.
         ratios = []
