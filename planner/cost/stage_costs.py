@@ -560,7 +560,8 @@ def stage_costs(
     ranks, zero, shard = cand.grad_ranks, cand.zero, cand.dp_shard
     grads_per_rank = atoms.param_totals[0] / cand.pp * g  # a model smaller than a bucket
     comm_factor = cluster.gpu.factor("comm")  # refit from this cluster's runs (1 without)
-    dense = _dp_traffic(cand, shard, ranks, lk, w, g, comm_factor, hsdp=True)
+    copy_s = memory_bound_s(1.0, cluster.gpu)
+    dense = _dp_traffic(cand, shard, ranks, lk, w, g, comm_factor, hsdp=True, copy_s_per_byte=copy_s)
     in_pipeline = pipelined_fsdp(cand)
     measured = cluster.gpu.optimizer_s_per_param(cluster.num_gpus, training.optimizer)  # plan calibrate's
     optimizer_s = measured if measured is not None else memory_bound_s(training.optimizer_traffic_per_param(), cluster.gpu)
@@ -569,7 +570,7 @@ def stage_costs(
     if cand.ep > 1:
         # the experts' own group: the dp / ep ranks that hold the same experts
         replicas = cand.expert_replicas
-        ex = _dp_traffic(cand, replicas, replicas, lk, w, g, comm_factor, hsdp=False)
+        ex = _dp_traffic(cand, replicas, replicas, lk, w, g, comm_factor, hsdp=False, copy_s_per_byte=copy_s)
         sync = ex.grad_sync.per_byte_s
         if cand.tp > 1:
             # each tp rank's expert gradients cover its own sequence shard: summed over tp once a
@@ -631,11 +632,21 @@ class _DPTraffic:
 
 
 def _dp_traffic(cand: Candidate, shard: int, ranks: int, lk: Links, w: int, g: int, comm_factor: float,
-                hsdp: bool) -> _DPTraffic:
+                hsdp: bool, copy_s_per_byte: float = 0.0) -> _DPTraffic:
     """The data-parallel collectives (StageCosts: mb_comm_*, grad_sync, after_step_*) of
     parameters sharded by ZeRO over `shard` ranks of the `ranks` that average their gradients
-    (HSDP: replicas of the shard groups, when `hsdp`)."""
+    (HSDP: replicas of the shard groups, when `hsdp`).
+
+    ZeRO-2/3 (FSDP2) also copy what they gather and reduce, a memory-bound pass each
+    (`copy_s_per_byte`: seconds per byte read or written): an all-gather copies the rank's shard
+    into the collective's buffer and the gathered buffer out into the layer's parameters
+    (torch.distributed.fsdp: foreach_all_gather, foreach_all_gather_copy_out), a reduce-scatter
+    the layer's gradients into its buffer and the reduced shard out (foreach_reduce). On a CPU
+    these are a tenth of a ZeRO-3 step with 4 micro-batches (examples/gpt.py, 2 processes:
+    aten::copy_ 0.22 s of 2.3 s in a torch.profiler trace); on a GPU, a few milliseconds a layer."""
     zero = cand.zero
+    gather_copy = copy_s_per_byte * 2 * (w / shard + w)  # per parameter: read and write, in and out
+    reduce_copy = copy_s_per_byte * 2 * (g + g / shard) if shard > 1 else 0.0
     ag, rs = comm.allgather(shard, lk.dp), comm.reduce_scatter(shard, lk.dp)
     if hsdp and lk.dp_replicate is not None:
         # HSDP: each shard group's reduce-scatter, then the replicas all-reduce their 1/shard
@@ -650,14 +661,14 @@ def _dp_traffic(cand: Candidate, shard: int, ranks: int, lk: Links, w: int, g: i
         # Once per step: the first forward gathers the stage's weights, the last backward
         # reduce-scatters its gradients (an all-reduce's volume), overlapped like DDP's sync.
         # ZeRO-3 also frees the weights after each forward, so each backward gathers them again.
-        grad_sync = comm.Affine(ag.fixed_s + rs.fixed_s, ag.per_byte_s * w / g + rs.per_byte_s)
+        grad_sync = comm.Affine(ag.fixed_s + rs.fixed_s, (ag.per_byte_s * w + gather_copy + reduce_copy) / g + rs.per_byte_s)
         if zero == 3:
-            per_atom, per_param = ag.fixed_s, ag.per_byte_s * w
+            per_atom, per_param = ag.fixed_s, ag.per_byte_s * w + gather_copy
     elif zero == 3 and ranks > 1:
         per_atom = 2 * ag.fixed_s + rs.fixed_s
-        per_param = 2 * ag.per_byte_s * w + rs.per_byte_s * g
+        per_param = 2 * (ag.per_byte_s * w + gather_copy) + rs.per_byte_s * g + reduce_copy
     elif zero == 2 and ranks > 1:
-        per_atom, per_param = rs.fixed_s, rs.per_byte_s * g
+        per_atom, per_param = rs.fixed_s, rs.per_byte_s * g + reduce_copy
     after = zero in (1, 2) and not in_pipeline
     return _DPTraffic(grad_sync, rs_or_ar, per_atom, per_param, ag.per_byte_s * w if after else 0.0,
                       ag.fixed_s if after else 0.0)

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from planner.cost import comm
-from planner.cost.constants import DDP_BUCKET_BYTES, LINK_EFFICIENCY, OVERLAP_EFFICIENCY
+from planner.cost.constants import DDP_BUCKET_BYTES, LINK_EFFICIENCY, MEMORY_EFFICIENCY, OVERLAP_EFFICIENCY
 from planner.cost.evaluate import evaluate
 from planner.cost.pipeline import inflight_per_device, pipeline_s
 from planner.cost.setup import Candidate, Training
@@ -124,6 +124,10 @@ def test_zero3_gathers_every_micro_batch_overlapped_except_latency():
     ag, rs = comm.allgather(4, link), comm.reduce_scatter(4, link)
     params, atoms = profile.num_params, len(costs.atoms)
     per_mb_bytes_s = (2 * ag.per_byte_s * 2 + rs.per_byte_s * 2) * params  # gather twice, scatter grads
+    # FSDP2's copies, read and written: each gather's 1/4 shard in and whole weights out, the
+    # reduce-scatter's whole gradients in and 1/4 shard out (16-bit: 2 bytes), at the HBM's rate
+    copy_bytes = 2 * 2 * (2 / 4 + 2) + 2 * (2 + 2 / 4)
+    per_mb_bytes_s += copy_bytes * params / (make_cluster("a100-80gb", 4, 1).gpu.hbm_bandwidth_Bps * MEMORY_EFFICIENCY)
     per_mb_latency = (2 * ag.fixed_s + rs.fixed_s) * atoms
     ev = evaluate(costs, [0, atoms], [NONE] * atoms)
     compute = sum(a.fwd_s + a.bwd_s for a in costs.atoms)
@@ -304,10 +308,14 @@ def test_fsdp_under_a_pipeline_keeps_the_stage_whole_and_syncs_once(zero):
     assert costs.zero3_gather_bytes == 0
     link = comm.Link(25 * GB, 15e-6, comm.ring_step_s(4, 4))
     ag, rs = comm.allgather(4, link), comm.reduce_scatter(4, link)
-    assert costs.grad_sync(2e9) == pytest.approx(ag(2e9) + rs(2e9))  # weights and gradients: 2 B each
+    # FSDP2's copies per parameter, read and written: a gather's shard in and whole weights out,
+    # the reduce-scatter's whole gradients in and shard out (2 B each)
+    copy = 2 * (2 / 4 + 2) / (make_cluster("a100-80gb", 8, 1).gpu.hbm_bandwidth_Bps * MEMORY_EFFICIENCY)
+    # weights and gradients: 2 B each
+    assert costs.grad_sync(2e9) == pytest.approx(ag(2e9) + rs(2e9) + 2 * copy * 2e9 / 2)
     assert costs.after_step_param_s == 0 and costs.after_step_atom_s == 0
     if zero == 3:
-        assert costs.mb_comm_param_s == pytest.approx(ag.per_byte_s * 2) and costs.mb_comm_atom_s == pytest.approx(ag.fixed_s)
+        assert costs.mb_comm_param_s == pytest.approx(ag.per_byte_s * 2 + copy) and costs.mb_comm_atom_s == pytest.approx(ag.fixed_s)
     else:
         assert costs.mb_comm_param_s == 0 and costs.mb_comm_atom_s == 0
     # without a pipeline the same ZeRO stage shards gradients (and ZeRO-3 weights) and syncs every micro-batch
@@ -347,7 +355,9 @@ def test_hsdp_shards_inside_a_node_and_all_reduces_the_shards_across():
     inside = comm.Link(300 * GB, 8e-6, comm.ring_step_s(8, 1))
     across = comm.Link(25 * GB, 15e-6, comm.ring_step_s(2, 2))
     ag, rs, ar = comm.allgather(8, inside), comm.reduce_scatter(8, inside), comm.allreduce(2, across)
-    assert costs.mb_comm_param_s == pytest.approx(2 * ag.per_byte_s * 2 + (rs.per_byte_s + ar.per_byte_s / 8) * 2)
+    # and FSDP2's copies (2 B weights and gradients, read and written; test_zero3_gathers_every_micro_batch...)
+    copies = (2 * 2 * (2 / 8 + 2) + 2 * (2 + 2 / 8)) / (cluster.gpu.hbm_bandwidth_Bps * MEMORY_EFFICIENCY)
+    assert costs.mb_comm_param_s == pytest.approx(2 * ag.per_byte_s * 2 + (rs.per_byte_s + ar.per_byte_s / 8) * 2 + copies)
     assert costs.mb_comm_atom_s == pytest.approx(2 * ag.fixed_s + rs.fixed_s + ar.fixed_s)
     # plain FSDP over all 16 moves every byte over the network (8 rings, one per NIC: 200 GB/s)
     flat = stage_costs(profile, cluster, training, replace(cand, dp_replicate=1))
