@@ -330,6 +330,11 @@ def store_phase_factors(factors: dict[str, float], note: str) -> GPUSpec:
     return measure_local_cpu()
 
 
+MIN_SLOWDOWN = 0.9
+"""Below this, a process count's step over the one-process step is not a measurement of sharing
+(N processes each slower than one, less noise): `store_calibration` refuses it."""
+
+
 def store_calibration(results: list[dict[str, Any]]) -> GPUSpec:
     """Keep what `plan calibrate --gpu cpu` measured (runtime.calibrate: one result per process
     count, one process among them) with this machine's other figures; the spec every later
@@ -337,6 +342,15 @@ def store_calibration(results: list[dict[str, Any]]) -> GPUSpec:
     single = next((r for r in results if r["processes"] == 1), None)
     if single is None:
         raise PlanError("plan calibrate: the local CPU needs a measurement with one process")
+    for r in results:
+        # one process among N cannot step faster than one process alone with every core: where it
+        # seems to, other load slowed the one-process launch (on this VM a neighbour's burst once
+        # made it 0.34 s against its usual 0.04), and every plan would inherit the error
+        if r["processes"] > 1 and r["step_s"] < MIN_SLOWDOWN * single["step_s"]:
+            raise PlanError(
+                f"plan calibrate: the machine was busy while measuring: one process's step took {single['step_s']:.3f} s, "
+                f"each of {r['processes']} processes' {r['step_s']:.3f} s; nothing kept (the last calibration stays): "
+                "calibrate again when the machine is idle")
     counts = {}
     for r in results:
         entry: dict[str, Any] = {"step_s": r["step_s"], "slowdown": r["step_s"] / single["step_s"], "collectives": {

@@ -72,6 +72,22 @@ def test_slowdown_and_collectives_read_from_the_calibration():
     assert (one.fixed_s, one.per_byte_s) == pytest.approx((2e-4, 1 / 2e9))
 
 
+def test_a_calibration_measured_on_a_busy_machine_is_refused_and_the_last_one_kept(tmp_path, monkeypatch):
+    """N processes each stepping faster than one process alone cannot be sharing: the one-process
+    launch met other load. plan calibrate says so in one line and keeps the calibration it had."""
+    from planner.errors import PlanError
+    from planner.local_device import calibration_path, store_calibration
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    good = [{"processes": 1, "step_s": 0.036}, {"processes": 2, "step_s": 0.070}]
+    assert store_calibration(good).slowdown(2) == pytest.approx(0.070 / 0.036)
+    kept = calibration_path().read_text()
+    busy = [{"processes": 1, "step_s": 0.341}, {"processes": 2, "step_s": 0.195}, {"processes": 4, "step_s": 0.277}]
+    with pytest.raises(PlanError, match="busy while measuring: one process's step took 0.341 s, each of 2 processes' 0.195 s"):
+        store_calibration(busy)
+    assert calibration_path().read_text() == kept
+
+
 def test_alpha_beta_fit():
     sizes = (4096, 65536, 1 << 20, 1 << 24)
     seconds = [2e-4 + s * 1.5 / 2e9 for s in sizes]
