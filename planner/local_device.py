@@ -331,8 +331,9 @@ def store_phase_factors(factors: dict[str, float], note: str) -> GPUSpec:
 
 
 MIN_SLOWDOWN = 0.9
-"""Below this, a process count's step over the one-process step is not a measurement of sharing
-(N processes each slower than one, less noise): `store_calibration` refuses it."""
+"""The least a process count's step may take over the one-process step: N processes sharing the
+cores each step at least as slowly as one process alone, less a margin for noise. Below it,
+`store_calibration` refuses the measurement."""
 
 
 def store_calibration(results: list[dict[str, Any]]) -> GPUSpec:
