@@ -646,8 +646,10 @@ def _dp_traffic(cand: Candidate, shard: int, ranks: int, lk: Links, w: int, g: i
     aten::copy_ 0.22 s of 2.3 s in a torch.profiler trace); on an H100, about half a millisecond
     per micro-batch for a layer of a 70B model at tp 8."""
     zero = cand.zero
-    gather_copy = copy_s_per_byte * 2 * (w / shard + w)  # per parameter: read and write, in and out
-    reduce_copy = copy_s_per_byte * 2 * (g + g / shard) if shard > 1 else 0.0
+    # per parameter, read and written, in and out; none where the group is one rank (as its
+    # collectives: HSDP with tp filling a node shards over 1 rank)
+    copy = copy_s_per_byte if shard > 1 else 0.0
+    gather_copy, reduce_copy = copy * 2 * (w / shard + w), copy * 2 * (g + g / shard)
     ag, rs = comm.allgather(shard, lk.dp), comm.reduce_scatter(shard, lk.dp)
     if hsdp and lk.dp_replicate is not None:
         # HSDP: each shard group's reduce-scatter, then the replicas all-reduce their 1/shard

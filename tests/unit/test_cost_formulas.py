@@ -341,6 +341,19 @@ def test_alternate_recompute_sits_between_selective_and_full(gpt_bf16):
     assert a.act_bytes[SELECTIVE] - a.act_bytes[ALTERNATE] == pytest.approx(dropped)
 
 
+def test_hsdp_with_tp_filling_a_node_shards_over_one_rank_and_copies_nothing():
+    """tp 8 fills each 8-GPU node, so HSDP's shard groups are one rank: no all-gather, no
+    reduce-scatter and none of FSDP2's copies around them; only the replicas' all-reduce across
+    the 2 nodes (bf16 gradients, 2 B)."""
+    profile = synthetic_profile(n_blocks=4, h=1024, s=512, heads=16, vocab=32768)
+    cluster = make_cluster("a100-80gb", 16)
+    training = Training("bf16", "adamw", 8, 80 * 2**30)
+    cand = Candidate(tp=8, pp=1, dp=2, micro_batch=1, num_microbatches=4, zero=3, schedule="1f1b", dp_replicate=2)
+    costs = stage_costs(profile, cluster, training, cand)
+    assert cand.dp_shard == 1
+    assert costs.mb_comm_param_s == pytest.approx(comm.allreduce(2, costs.links.dp_replicate).per_byte_s * 2)
+
+
 def test_hsdp_shards_inside_a_node_and_all_reduces_the_shards_across():
     """16 A100s in 2 nodes, ZeRO-3 over dp = 16 as HSDP 2 x 8: state sharded over the 8 ranks of a
     node (bf16 + AdamW: 16 / 8 B per parameter); each micro-batch gathers twice and reduce-scatters
