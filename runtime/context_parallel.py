@@ -58,6 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_leaves, tree_map
 
 from planner.plan import Plan
+from runtime.phases import CP_SCOPE, scope
 
 log = logging.getLogger(__name__)
 
@@ -188,10 +189,11 @@ def _ring_forward(mesh: DeviceMesh, query: torch.Tensor, key: torch.Tensor, valu
                   dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask: torch.Tensor | None = None,
                   scale: float | None = None) -> tuple[torch.Tensor, ...]:
     cp = _torch_internals()
-    return cp.attention._templated_ring_attention(
-        mesh.get_group(), _SEQ_DIM, cp.forward_op, query=query, key=key, value=value,
-        is_causal=is_causal, dropout_p=dropout_p, scale=scale,
-    )
+    with scope(CP_SCOPE):
+        return cp.attention._templated_ring_attention(
+            mesh.get_group(), _SEQ_DIM, cp.forward_op, query=query, key=key, value=value,
+            is_causal=is_causal, dropout_p=dropout_p, scale=scale,
+        )
 
 
 def _ring_backward(mesh: DeviceMesh, grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
@@ -199,11 +201,12 @@ def _ring_backward(mesh: DeviceMesh, grad_out: torch.Tensor, query: torch.Tensor
                    is_causal: bool, *, attn_mask: torch.Tensor | None = None,
                    scale: float | None = None) -> tuple[torch.Tensor, ...]:
     cp = _torch_internals()
-    return cp.attention._templated_ring_attention_backward(
-        mesh.get_group(), _SEQ_DIM, cp.backward_op, grad_out=grad_out, grad_out_name="grad_out",
-        query=query, key=key, value=value, out=out, logsumexp=logsumexp, is_causal=is_causal,
-        dropout_p=dropout_p, scale=scale,
-    )
+    with scope(CP_SCOPE):
+        return cp.attention._templated_ring_attention_backward(
+            mesh.get_group(), _SEQ_DIM, cp.backward_op, grad_out=grad_out, grad_out_name="grad_out",
+            query=query, key=key, value=value, out=out, logsumexp=logsumexp, is_causal=is_causal,
+            dropout_p=dropout_p, scale=scale,
+        )
 
 
 def _refuse_unsupported(dropout_p: float, attn_mask: torch.Tensor | None) -> None:

@@ -86,6 +86,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from planner.errors import BadInput
 from planner.plan import Plan
 from planner.profile.moe import MoEBlock, find_moe
+from runtime.phases import EP_SCOPE, scope
 
 log = logging.getLogger(__name__)
 
@@ -148,18 +149,21 @@ def exchange(
     num_experts = counts.numel()
     per = num_experts // ep
     received_counts = torch.empty_like(counts)
-    dist.all_to_all_single(received_counts, counts, group=group)
+    with scope(EP_SCOPE):
+        dist.all_to_all_single(received_counts, counts, group=group)
     by_sender = received_counts.view(ep, per)  # [sender, local expert]
     send_splits = counts.view(ep, per).sum(1).tolist()
     recv_splits = by_sender.sum(1).tolist()
     # Functional collectives: autograd runs the reverse all-to-all in backward. Waited for at once
     # (the rows are needed next; a result left unwaited stays in torch's registry of pending work).
-    received = wait_tensor(all_to_all_single_autograd(rows, recv_splits, send_splits, group))
+    with scope(EP_SCOPE):
+        received = wait_tensor(all_to_all_single_autograd(rows, recv_splits, send_splits, group))
     local_ids = torch.repeat_interleave(torch.arange(per, device=rows.device).repeat(ep), by_sender.reshape(-1))
     order = torch.argsort(local_ids, stable=True)  # received order -> by local expert, senders in rank order
     outputs = compute(received[order], by_sender.sum(0).tolist())
     back = outputs[torch.argsort(order)]
-    return wait_tensor(all_to_all_single_autograd(back, send_splits, recv_splits, group))
+    with scope(EP_SCOPE):
+        return wait_tensor(all_to_all_single_autograd(back, send_splits, recv_splits, group))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ from runtime.context_parallel import ContextParallel
 from runtime.data_parallel import data_mesh, full_parameters
 from runtime.expert_parallel import META_REFUSAL as META_EP_REFUSAL, expert_parallel_of
 from runtime.meta_init import BuildInfo, materialize_sharded, use_meta
+from runtime.phases import BACKWARD_SCOPE, FORWARD_SCOPE, scope
 from runtime.pipeline_traced import pipeline_group, sum_tied_grads, traced_stages
 from runtime.types import LayerSplit
 from runtime.parallelize import parallelize
@@ -223,6 +224,21 @@ class PipelineRun:
     build: BuildInfo
 
 
+def _scoped(stage: Any) -> Any:
+    """`stage` (a PipelineStage) with its forward and backward of a micro-batch in the profiler's
+    phase scopes (runtime.phases): the schedule's own scopes around them then hold only its waits
+    for the neighbouring stages."""
+    for method, name in (("forward_one_chunk", FORWARD_SCOPE), ("backward_one_chunk", BACKWARD_SCOPE)):
+        inner = getattr(stage, method)
+
+        def run(*args: Any, _inner: Callable[..., Any] = inner, _name: str = name, **kwargs: Any) -> Any:
+            with scope(_name):
+                return _inner(*args, **kwargs)
+
+        setattr(stage, method, run)
+    return stage
+
+
 def run_pipeline(
     handle: ModelHandle,
     plan: Plan,
@@ -305,7 +321,7 @@ def run_pipeline(
             if s == 0 or any(n.startswith(layer + ".") for layer in names)
         })
         modules.append(module)
-        wrapped_stages.append(PipelineStage(wrapped, s, len(stages), device, group=pp_group))
+        wrapped_stages.append(_scoped(PipelineStage(wrapped, s, len(stages), device, group=pp_group)))
     if not_sequential is None:
         copies = tied_copies(full, stages, all_names, modules, [s for s, _ in mine], mesh)
     del full
@@ -367,7 +383,7 @@ def run_pipeline(
     # the loss: from the last stage to every pipeline rank, then averaged over dp
     groups = ((pp_group, 1), *(((dp_group, data.size()),) if dp_group is not None else ()))
     result = run_steps(steps, start_step, device, rank, optimizer, load, forward_backward, groups,
-                       with_step1_hash(after_step, build, owned, start_step))
+                       with_step1_hash(after_step, build, owned, start_step), p)
     gathered = None
     if save_params:
         mine_full = full_parameters(params)

@@ -37,6 +37,7 @@ from typing import Any, Callable
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from runtime.phases import RECOMPUTE_SCOPE, in_backward, scope
 from planner.profile.flops import is_linear_matmul, kept_by_selective  # also registers the CPU flash-attention formula
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,8 @@ def _checkpointed(module: nn.Module, forward: Callable[..., Any], kind: str = "f
         # `_forward_context` the module carries (DDP over TP swapping its shards' DTensor views in:
         # runtime.data_parallel.localize_tp_for_ddp) is entered here, in forward and in recompute.
         context = getattr(module, "_forward_context", None)
-        with context() if context is not None else contextlib.nullcontext():
+        with context() if context is not None else contextlib.nullcontext(), \
+                scope(RECOMPUTE_SCOPE) if in_backward() else contextlib.nullcontext():
             return forward(*args, **kwargs)
 
     def run(*args: Any, **kwargs: Any) -> Any:

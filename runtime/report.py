@@ -47,9 +47,36 @@ class PhaseRun:
 
 
 @dataclass(frozen=True)
+class ProfiledStep:
+    """The last step of the run, under torch.profiler, on the rank where it took longest."""
+
+    rank: int
+    step_time_s: float
+    phases_s: dict[str, float]
+    """Seconds per measured phase (runtime.phases.PHASES)."""
+
+
+PHASE_ROWS = (  # (row, predicted breakdown keys, measured phases)
+    ("forward and backward compute", ("compute",), ("forward", "backward", "host")),
+    ("recompute", ("recompute",), ("recompute",)),
+    ("TP communication", ("tp_comm",), ("tp_comm",)),
+    ("CP communication", ("cp_comm",), ("cp_comm",)),
+    ("EP communication", ("ep_comm",), ("ep_comm",)),
+    ("DP communication (exposed)", ("dp_comm",), ("dp_comm",)),
+    ("pipeline communication and bubble", ("pp_comm", "bubble"), ("pp_comm",)),
+)
+"""The report's phases: the cost model's breakdown keys and the profiled step's phases each row
+sums (a stage's wait for its neighbour is pipeline transfer and bubble at once)."""
+HOST_ROW = "of which host time between operators"
+"""Measured only, inside the compute row: the cost model counts it in the compute it times on a CPU
+(and a GPU's kernels hide it)."""
+OPTIMIZER_ROW = "optimizer step"
+
+
+@dataclass(frozen=True)
 class MeasuredRun:
     step_time_s: float
-    """Median step after one warm-up step, slowest rank."""
+    """Median step after one warm-up step (and without the profiled last step), slowest rank."""
     step_times_s: tuple[float, ...]
     """Every step on rank 0, warm-up included."""
     peak_memory_bytes: tuple[int, ...]
@@ -97,9 +124,10 @@ class RunReport(schema.Versioned):
     notes: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     phases: tuple[PhaseRun, ...] = ()
-    """The step in the phases the runtime times apart: the optimizer step, and the rest (forward,
-    backward, recompute and their communication, the pipeline's bubble)."""
-    """Where the runtime departs from the plan (e.g. embeddings replicated under TP)."""
+    """The step phase by phase, predicted against measured: from the profiled step (`profiled`),
+    each phase of the cost model's breakdown (PHASE_ROWS) and the optimizer step; without one (a
+    run of under 3 steps), the optimizer step (the timed steps' median) and the rest of the step."""
+    profiled: Optional[ProfiledStep] = None
     wall_s: Optional[float] = None
     mesh: tuple[MeshRank, ...] = ()
     """Every rank's node, host and (pp, dp, cp, tp) coordinates, as the run placed them."""
@@ -153,17 +181,15 @@ def build_report(
     warnings: Sequence[str] = (),
     optimizer_s: float | None = None,
     mesh: Sequence[MeshRank] = (),
+    phases_s: dict[str, float] | None = None,
+    profiled_step_s: float = 0.0,
+    profiled_rank: int = 0,
 ) -> RunReport:
     world_size = plan.parallel.world_size
     predicted = PredictedRun(plan.predicted.step_time_s, plan.predicted.peak_memory_bytes, dict(plan.predicted.breakdown_s),
                              dict(plan.predicted.phase_factors), plan.parallel.tp)
-    phases: tuple[PhaseRun, ...] = ()
-    if optimizer_s is not None:
-        opt = predicted.breakdown_s.get("optimizer", 0.0)
-        phases = (
-            PhaseRun("forward, backward, communication, bubble", predicted.step_time_s - opt, step_time_s - optimizer_s),
-            PhaseRun("optimizer step", opt, optimizer_s),
-        )
+    profiled = ProfiledStep(profiled_rank, profiled_step_s, dict(phases_s)) if phases_s else None
+    phases = _phases(predicted, step_time_s, optimizer_s, profiled)
     ratios = Ratios(
         step_time=step_time_s / predicted.step_time_s if predicted.step_time_s else float("inf"),
         memory=max(peak_memory_bytes) / predicted.peak_memory_bytes if predicted.peak_memory_bytes else float("inf"),
@@ -181,18 +207,49 @@ def build_report(
         notes=tuple(_notes(device, world_size, ratios, steps) + _phase_notes(phases)),
         warnings=tuple(warnings),
         phases=phases,
+        profiled=profiled,
         mesh=tuple(mesh),
     )
 
 
-def _phase_notes(phases: Sequence[PhaseRun]) -> list[str]:
-    """The phase furthest from its prediction (by the time it is off), when that is over DISAGREE."""
-    off = [p for p in phases if p.predicted_s > 0 and abs(p.measured_s / p.predicted_s - 1) > DISAGREE]
+def _phases(predicted: PredictedRun, step_time_s: float, optimizer_s: float | None,
+            profiled: ProfiledStep | None) -> tuple[PhaseRun, ...]:
+    """The report's phase rows: each row of PHASE_ROWS the plan predicts or the profiled step
+    measured (the compute's host time between operators also on a line of its own), the optimizer
+    step."""
+    if optimizer_s is None:
+        return ()
+    b = predicted.breakdown_s
+    opt = b.get("optimizer", 0.0)
+    if profiled is None:
+        return (PhaseRun("forward, backward, communication, bubble", predicted.step_time_s - opt, step_time_s - optimizer_s),
+                PhaseRun(OPTIMIZER_ROW, opt, optimizer_s))
+    rows = []
+    for name, keys, measured in PHASE_ROWS:
+        pred = sum(b.get(k, 0.0) for k in keys)
+        meas = sum(profiled.phases_s.get(k, 0.0) for k in measured)
+        if pred > 0 or meas > 1e-3 * profiled.step_time_s:
+            rows.append(PhaseRun(name, pred, meas))
+        if keys == ("compute",):
+            rows.append(PhaseRun(HOST_ROW, 0.0, profiled.phases_s.get("host", 0.0)))
+    # the profiled step's: a ZeRO-1 step's broadcast of the updated shards is DP communication there
+    rows.append(PhaseRun(OPTIMIZER_ROW, opt, profiled.phases_s.get("optimizer", optimizer_s)))
+    return tuple(rows)
+
+
+def _phase_notes(phases: Sequence[PhaseRun], most: int = 2) -> list[str]:
+    """The (at most `most`) phases furthest from their prediction by the time they are off, among
+    those off by more than DISAGREE: a phase predicted as none and measured at more than a tenth of
+    the step counts too."""
+    total = sum(p.measured_s for p in phases if p.name != HOST_ROW)
+    off = [p for p in phases if p.name != HOST_ROW and (
+        abs(p.measured_s / p.predicted_s - 1) > DISAGREE if p.predicted_s > 0 else p.measured_s > 0.1 * total)]
+    off = sorted(off, key=lambda p: -abs(p.measured_s - p.predicted_s))[:most]
     if not off:
         return []
-    worst = max(off, key=lambda p: abs(p.measured_s - p.predicted_s))
-    return [f"the largest departure: {worst.name}, {fmt_seconds(worst.measured_s)} measured against "
-            f"{fmt_seconds(worst.predicted_s)} predicted ({worst.measured_s / worst.predicted_s:.2f}x)"]
+    parts = [f"{p.name}, {fmt_seconds(p.measured_s)} measured against {fmt_seconds(p.predicted_s)} predicted"
+             + (f" ({p.measured_s / p.predicted_s:.2f}x)" if p.predicted_s > 0 else "") for p in off]
+    return [f"the largest departure{'s' * (len(parts) > 1)}: " + "; ".join(parts)]
 
 
 def tp_groups_across_nodes(mesh: Sequence[MeshRank]) -> list[tuple[int, ...]]:
@@ -246,12 +303,17 @@ def render_report(report: RunReport, console: Console | None = None) -> None:
     )
     for phase in report.phases:
         ratio = f"{phase.measured_s / phase.predicted_s:.2f}x" if phase.predicted_s > 0 else "-"
-        table.add_row(f"  {phase.name}", fmt_seconds(phase.predicted_s), fmt_seconds(phase.measured_s), ratio)
+        indent = "    " if phase.name == HOST_ROW else "  "
+        predicted = "-" if phase.name == HOST_ROW else fmt_seconds(phase.predicted_s)
+        table.add_row(f"{indent}{phase.name}", predicted, fmt_seconds(phase.measured_s), ratio)
     table.add_row(
         "peak memory per rank", fmt_bytes(report.predicted.peak_memory_bytes),
         fmt_bytes(max(report.measured.peak_memory_bytes)), f"{report.ratios.memory:.2f}x",
     )
     console.print(table)
+    if report.profiled is not None:
+        console.print(f"phases: the last step, under torch.profiler, on rank {report.profiled.rank} (the slowest there: "
+                      f"{fmt_seconds(report.profiled.step_time_s)}; left out of the step time)")
     lines = mesh_lines(report.mesh)
     if lines:
         console.print(f"mesh over {len({r.node for r in report.mesh})} nodes:")

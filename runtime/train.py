@@ -17,7 +17,7 @@ import resource
 import statistics
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -27,6 +27,7 @@ from torch import nn
 from planner.model_file import ModelHandle, call_model
 from planner.plan import Plan
 from runtime.data_parallel import set_grad_sync
+from runtime.phases import BACKWARD_SCOPE, FORWARD_SCOPE, OPTIMIZER_SCOPE, phase_times, profiled, scope
 
 if TYPE_CHECKING:
     from runtime.context_parallel import ContextParallel
@@ -37,6 +38,9 @@ MODEL_SEED = 1234
 """torch.manual_seed before build_model() on every rank: identical initial weights everywhere."""
 DATA_SEED = 5678
 LEARNING_RATE = {"sgd": 0.05, "adamw": 3e-4}
+PROFILE_MIN_STEPS = 3
+"""A run of at least this many steps profiles its last (runtime.phases), which the median step
+time leaves out (the first is the warm-up): one step is left to time at 3."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,11 @@ class RankResult:
     optimizer_times_s: tuple[float, ...] = ()
     """Per step, the optimizer step's seconds (the rest of the step is forward, backward and their
     communication)."""
+    phases_s: dict[str, float] = field(default_factory=dict)
+    """The last step, profiled: seconds per phase (runtime.phases.PHASES); {} when the run has too
+    few steps to spare one (PROFILE_MIN_STEPS)."""
+    profiled_step_s: float = 0.0
+    """That step's time under the profiler, the phases' sum (the step is left out of the median)."""
 
 
 def make_optimizer(
@@ -181,6 +190,7 @@ def run_steps(
     forward_backward: Callable[[Any], torch.Tensor],
     loss_groups: tuple[tuple[dist.ProcessGroup | None, int], ...],
     after_step: Callable[[int], None] | None = None,
+    parallel: Any = None,
 ) -> RankResult:
     """The training step every run uses, plain or pipelined: for steps `start_step`..`steps - 1`,
     this rank's data `load(step)` (not timed), then zero the gradients, `forward_backward(data)`
@@ -188,8 +198,13 @@ def run_steps(
     step, then the loss summed over each of
     `loss_groups` and divided by its count (the pipeline ranks, whose last stage alone holds the
     loss; the data-parallel ranks, averaged). Per step: that loss and the wall time; the peak memory.
-    `after_step(n)` runs after the n-th step (n counted from 1: a checkpoint hook)."""
+    `after_step(n)` runs after the n-th step (n counted from 1: a checkpoint hook). With at least
+    PROFILE_MIN_STEPS steps the last runs under the profiler, which splits it into the phases of
+    runtime.phases (`parallel`: the plan's degrees, which tell its communication apart)."""
     losses: list[float] = []
+    phases: dict[str, float] = {}
+    profiled_s = 0.0
+    profile_step = steps - 1 if steps - start_step >= PROFILE_MIN_STEPS else None
     times: list[float] = []
     opt_times: list[float] = []
     if device.type == "cuda":
@@ -199,15 +214,20 @@ def run_steps(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        total = forward_backward(data).detach().float().reshape(())
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        before = time.perf_counter()
-        optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        opt_times.append(time.perf_counter() - before)
+        with profiled(device, step == profile_step) as events:
+            optimizer.zero_grad(set_to_none=True)
+            total = forward_backward(data).detach().float().reshape(())
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            before = time.perf_counter()
+            with scope(OPTIMIZER_SCOPE):
+                optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            opt_times.append(time.perf_counter() - before)
+        if step == profile_step:  # the step's time inside the profiler (not its start and stop)
+            phases = phase_times(events(), parallel, cuda=device.type == "cuda")
+            profiled_s = sum(phases.values())
         for group, count in loss_groups:
             if group is not None:
                 dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
@@ -218,7 +238,7 @@ def run_steps(
         losses.append(float(total))
         if after_step is not None:
             after_step(step + 1)
-    return RankResult(rank, tuple(losses), tuple(times), peak_memory_bytes(device), tuple(opt_times))
+    return RankResult(rank, tuple(losses), tuple(times), peak_memory_bytes(device), tuple(opt_times), phases, profiled_s)
 
 
 def train(
@@ -255,16 +275,19 @@ def train(
         for m, batch in enumerate(batches):
             sharded = cp.sharded(*batch) if cp else nullcontext(batch)
             with set_grad_sync(wrapped, m == num_mb - 1), sharded as (inputs, targets):
-                with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                with scope(FORWARD_SCOPE), torch.autocast(device.type, dtype=autocast_dtype,
+                                                          enabled=autocast_dtype is not None):
                     loss = handle.loss(call_model(wrapped, inputs), targets) / num_mb
-                loss.backward()
+                with scope(BACKWARD_SCOPE):
+                    loss.backward()
             total += loss.detach()
         if experts is not None:
             experts.sync_grads()
         return total
 
     groups = ((dp_group, dist.get_world_size(dp_group)),) if dp_group is not None else ()
-    return run_steps(steps, start_step, device, rank, optimizer, load, forward_backward, groups, after_step)
+    return run_steps(steps, start_step, device, rank, optimizer, load, forward_backward, groups, after_step,
+                     plan.parallel)
 
 
 def with_step1_hash(
@@ -286,6 +309,9 @@ def with_step1_hash(
     return hook
 
 
-def median_step_time(times: tuple[float, ...]) -> float:
-    """The median step time after one warm-up step (the only step when there is one)."""
+def median_step_time(times: tuple[float, ...], profiled: bool = False) -> float:
+    """The median step time after one warm-up step (the only step when there is one), without
+    the last when it was `profiled`."""
+    if profiled and len(times) > 2:
+        times = times[:-1]
     return statistics.median(times[1:] if len(times) > 1 else times)

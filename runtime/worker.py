@@ -208,10 +208,13 @@ def _finish(
         torch.save(gathered, out / "params.pt")
     if rank == 0:
         done = [r for r in results if r is not None]
+        profiled = bool(done[0].phases_s)
+        slowest = max(done, key=lambda r: r.profiled_step_s)  # the profiled step's bottleneck rank
         report = build_report(
             plan, str(prepared.plan_path), device_type, args.steps - ctx.start_step,
-            step_time_s=max(median_step_time(r.step_times_s) for r in done),
-            optimizer_s=max(median_step_time(r.optimizer_times_s) for r in done) if done[0].optimizer_times_s else None,
+            step_time_s=max(median_step_time(r.step_times_s, profiled) for r in done),
+            optimizer_s=max(median_step_time(r.optimizer_times_s, profiled) for r in done) if done[0].optimizer_times_s else None,
+            phases_s=slowest.phases_s, profiled_step_s=slowest.profiled_step_s, profiled_rank=slowest.rank,
             step_times_s=done[0].step_times_s,
             peak_memory_bytes=[r.peak_memory_bytes for r in done],
             losses=done[0].losses,

@@ -78,6 +78,10 @@ def test_matches_single_process(name, plans, runs):
     assert "sequence buffers sharded: layers.*.self_attn.rope_cos, layers.*.self_attn.rope_sin" in log  # RoPE tables
     parallel = json.loads(plans[name].read_text())["parallel"]
     assert parallel["cp"] == 2 and parallel["dp_replicate"] == (2 if name == "hsdp_cp" else 1)
+    # the profiled step (runtime.phases): the ring's traffic is CP's, apart from TP's
+    phases = report.profiled.phases_s
+    assert phases["cp_comm"] > 0 and (phases["tp_comm"] > 0) == (parallel["tp"] > 1), phases
+    assert "CP communication" in {r.name for r in report.phases}
 
 
 def test_dry_run_shows_the_sequence_split(plans, capsys):

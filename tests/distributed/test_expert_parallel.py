@@ -210,6 +210,9 @@ def test_matches_single_process(name, plans, runs):
     log = (params_path.parent.parent / "launch.log").read_text(errors="replace")
     blocks, experts, each = ("1 block", 6, 3) if name == "pp" else ("2 blocks", *((4, 2) if name.startswith("hf") else (6, 3)))
     assert f"expert parallel: {blocks}, {experts} experts over 2 ranks ({each} each), dispatch by all-to-all" in log
+    phases = report.profiled.phases_s  # the profiled step (runtime.phases): the dispatch is EP's
+    tp = json.loads(plans[name].read_text())["parallel"]["tp"]
+    assert phases["ep_comm"] > 0 and phases["cp_comm"] == 0 and (phases["tp_comm"] > 0) == (tp > 1), phases
 
 
 def test_dry_run_shows_the_expert_split(plans, capsys):

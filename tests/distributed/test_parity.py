@@ -194,6 +194,26 @@ def test_matches_single_process(name, runs, reference, request):
     assert report.measured.step_time_s > 0 and len(report.measured.peak_memory_bytes) == CONFIGS[name][0]
 
 
+def test_each_run_measures_the_cost_models_phases(runs):
+    """Each run profiles its last step (runtime.phases) into the phases of the plan's prediction:
+    forward, backward and the optimizer everywhere; TP, pipeline (with its bubble), FSDP's data
+    parallel traffic and recompute where the plan has them, and none where it has not."""
+    for name, (report, _) in runs.items():
+        fixed = CONFIGS[name][1]
+        step = report.profiled
+        assert step is not None and step.rank in range(CONFIGS[name][0]), name
+        phases = step.phases_s
+        assert all(phases[k] > 0 for k in ("forward", "backward", "optimizer")), (name, phases)
+        assert (phases["tp_comm"] > 0) == (fixed.tp > 1), (name, phases)
+        assert (phases["pp_comm"] > 0) == (fixed.pp > 1), (name, phases)
+        assert (phases["recompute"] > 0) == (fixed.recompute != "none"), (name, phases)
+        if fixed.zero == 3:
+            assert phases["dp_comm"] > 0, (name, phases)
+        rows = {r.name: r for r in report.phases}
+        assert rows["optimizer step"].predicted_s == report.predicted.breakdown_s["optimizer"]
+        assert ("TP communication" in rows) == (fixed.tp > 1) and ("pipeline communication and bubble" in rows) == (fixed.pp > 1)
+
+
 @pytest.mark.parametrize("env, expected", [
     ({"PLAN_TEST_FAIL_RANK": "1"}, ("rank 1 failed", "injected failure")),
     # killed by a signal (no Python error to record): named from torchrun's own summary
