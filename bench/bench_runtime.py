@@ -3,11 +3,12 @@ predicted step time and memory for a handful of plans (gloo, one process per pla
 with the rank correlation (Kendall tau) of predicted and measured step times. Run
 `plan calibrate --gpu cpu` first to plan with this machine's measured figures.
 
-    python bench/bench_runtime.py [--steps 6] [--repeats 2] [--model examples/gpt.py]
+    python bench/bench_runtime.py [--steps 10] [--repeats 2] [--model examples/gpt.py]
     python bench/bench_runtime.py --refit [--calibrate]   # does refitting from run reports converge?
 
-Every plan is made from one profile of the model. Each run is a fresh torchrun launch; step times
-are medians after one warm-up step, and each plan runs --repeats times (in rounds over all the
+Every plan is made from one profile of the model. Each run is a fresh torchrun launch; its step
+time is the runtime's (the median over the later half of the steps after the first, the last
+profiled apart: runtime.train.timed_steps), and each plan runs --repeats times (in rounds over all the
 plans; its figure is the median). CPU timings on a shared 2-core machine move 5-15% run to run: the
 bench prints that spread, and how the prediction orders the pairs of plans measured further apart.
 """
@@ -148,7 +149,7 @@ def refit_rounds(handle, args, tmp: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--model", default=str(ROOT / "examples" / "gpt.py"))
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2, help="launches of each plan (default 2), in rounds over all plans")

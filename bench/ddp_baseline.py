@@ -3,14 +3,14 @@
     python -m torch.distributed.run --nproc-per-node N bench/ddp_baseline.py MODEL.py MICRO_BATCH STEPS OUT.json
 
 Same model file, same micro-batch per rank, AdamW, fp32, gloo; no planner code on the hot path.
-Rank 0 writes the median step time after one warm-up step.
+Rank 0 writes the median step time over the steps the runtime times (runtime.train.timed_steps:
+the later half after the first, the runtime's profiled last step left out).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 from datetime import timedelta
@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from planner.model_file import call_model, load_model_file  # noqa: E402
+from runtime.train import PROFILE_MIN_STEPS, median_step_time  # noqa: E402
 
 
 def main() -> None:
@@ -43,7 +44,7 @@ def main() -> None:
         times.append(time.perf_counter() - start)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"step_time_s": statistics.median(times[1:])}, f)
+            json.dump({"step_time_s": median_step_time(tuple(times), profiled=steps >= PROFILE_MIN_STEPS)}, f)
     dist.destroy_process_group()
 
 

@@ -20,7 +20,8 @@ def _run_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="plan run", description="Execute a saved plan with torch.distributed and report measured against predicted.")
     p.add_argument("plan", help="a plan JSON written by `plan MODEL.py ... -o plan.json`")
     p.add_argument("--model", help="the model file (default: the plan's model.path)")
-    p.add_argument("--steps", type=_positive_int, default=10, help="training steps; the first is a warm-up (default 10)")
+    p.add_argument("--steps", type=_positive_int, default=10, help="training steps (default 10): the step time is the median of "
+                   "the later half after the first; the last (of 3 or more) is profiled into phases")
     p.add_argument("--dry-run", action="store_true", help="print the launch command and the per-rank layout; start nothing")
     p.add_argument("--json", action="store_true", help="print the run report as JSON instead of a table")
     p.add_argument("--timeout-s", type=_positive_float, default=600.0, help="stop the whole run after this many seconds (default 600)")

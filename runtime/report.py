@@ -76,7 +76,8 @@ OPTIMIZER_ROW = "optimizer step"
 @dataclass(frozen=True)
 class MeasuredRun:
     step_time_s: float
-    """Median step after one warm-up step (and without the profiled last step), slowest rank."""
+    """The slowest rank's median step over the later half of the steps after the first (without the
+    profiled last step): runtime.train.timed_steps."""
     step_times_s: tuple[float, ...]
     """Every step on rank 0, warm-up included."""
     peak_memory_bytes: tuple[int, ...]

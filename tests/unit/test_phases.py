@@ -120,3 +120,12 @@ def test_the_report_puts_each_phase_beside_its_prediction_and_names_the_largest_
     # a run too short to profile a step: the optimizer step and the rest
     assert [r.name for r in _phases(predicted, 2.4, 0.31, None)] == ["forward, backward, communication, bubble",
                                                                      "optimizer step"]
+
+
+def test_the_step_time_is_the_later_half_of_the_steps_after_the_first_without_the_profiled_one():
+    from runtime.train import median_step_time, timed_steps
+
+    assert [list(timed_steps(n)) for n in (1, 2, 4, 8)] == [[0], [1], [2, 3], [4, 5, 6, 7]]
+    assert [list(timed_steps(n, profiled=True)) for n in (3, 5, 8)] == [[1], [2, 3], [4, 5, 6]]
+    # a CPU run warming up over its first steps, the profiled last one slowed by the profiler
+    assert median_step_time((2.3, 1.85, 1.62, 1.33, 1.46, 1.35, 1.36, 1.86), profiled=True) == 1.36
