@@ -150,8 +150,9 @@ def _notes(device: str, world_size: int, ratios: Ratios, steps: int) -> list[str
                 "gloo collectives on CPU are slower than the link the cost model assumes" if slower
                 else "the cost model's CPU link and per-collective latency are pessimistic for a model this small"
             )
-        if slower and steps <= 2:
-            causes.append("with so few steps the first step's warm-up (allocation, kernel choice) weighs in")
+        if slower and steps < 6:
+            causes.append("with so few steps the first steps' warm-up (allocation, kernel choice) weighs in: "
+                          "the step time is the median of the later half of the steps after the first")
         notes.append(
             f"the step took {ratios.step_time:.2f}x the predicted time ({'slower' if slower else 'faster'}); likely: "
             + "; ".join(causes or ["the cost model's efficiencies do not match this machine"]) + "."
