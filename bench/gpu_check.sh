@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, as one prepared script: plan a GPT of about 1B parameters for one H200
 # (`--gpu h200 --gpus 1`), run it on CUDA, and print predicted against measured step time and peak
-# memory. Run it once on a machine with an NVIDIA GPU, from the repository root:
+# memory, and each run's phases (its last step under torch.profiler: kernel time per phase) beside
+# the prediction's. Run it once on a machine with an NVIDIA GPU, from the repository root:
 #
 #     bash bench/gpu_check.sh [STEPS]          # writes under $OUT (default /tmp/gpu_check)
 #
@@ -52,5 +53,8 @@ for name in ("default", "gb8", "calibrated"):
     pm, mm = max(p["peak_memory_bytes"]) if isinstance(p["peak_memory_bytes"], list) else p["peak_memory_bytes"], max(m["peak_memory_bytes"])
     print(f"{name:8} {p['step_time_s']:10.3f} {m['step_time_s']:10.3f} {m['step_time_s'] / p['step_time_s']:6.2f} "
           f"{pm / 1e9:12.2f} {mm / 1e9:12.2f} {mm / pm:6.2f}")
+    for ph in r.get("phases", []):  # the profiled step's phases (kernel time on CUDA) beside the prediction
+        ratio = f"{ph['measured_s'] / ph['predicted_s']:6.2f}" if ph["predicted_s"] > 0 else "     -"
+        print(f"    {ph['name']:40} {ph['predicted_s']:10.4f} {ph['measured_s']:10.4f} {ratio}")
 PY
 exit $status

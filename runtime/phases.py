@@ -116,12 +116,12 @@ def classify(name: str, chain: list[str], functional: str = "tp_comm") -> str:
             return "recompute"
         if s == CP_SCOPE:
             return "forward" if BACKWARD_SCOPE not in chain and not any(c.startswith("Backward ") for c in chain) else "backward"
-    if name.startswith("phase::") or name.startswith(_PIPELINE_SCOPES[:2]) or "#" in name:
+    if name.startswith("phase::") or "#" in name:
         return "host"  # a scope's own time: Python between its operators
     for s in chain:
-        if s == BACKWARD_SCOPE or s.startswith("Backward ") or s.startswith("PP:B") or s.startswith("PP:W"):
+        if s == BACKWARD_SCOPE or s.startswith("Backward "):
             return "backward"
-        if s == FORWARD_SCOPE or s.startswith("Forward ") or s.startswith("PP:F"):
+        if s == FORWARD_SCOPE or s.startswith("Forward "):
             return "forward"
     return "backward" if name.startswith("autograd::") or "Backward" in name else "forward"
 

@@ -124,6 +124,7 @@ class RunReport(schema.Versioned):
     ratios: Ratios
     notes: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    """Where the runtime departs from the plan (e.g. embeddings replicated under TP)."""
     phases: tuple[PhaseRun, ...] = ()
     """The step phase by phase, predicted against measured: from the profiled step (`profiled`),
     each phase of the cost model's breakdown (PHASE_ROWS) and the optimizer step; without one (a

@@ -195,23 +195,28 @@ def test_matches_single_process(name, runs, reference, request):
 
 
 def test_each_run_measures_the_cost_models_phases(runs):
-    """Each run profiles its last step (runtime.phases) into the phases of the plan's prediction:
-    forward, backward and the optimizer everywhere; TP, pipeline (with its bubble), FSDP's data
-    parallel traffic and recompute where the plan has them, and none where it has not."""
-    for name, (report, _) in runs.items():
-        fixed = CONFIGS[name][1]
-        step = report.profiled
-        assert step is not None and step.rank in range(CONFIGS[name][0]), name
-        phases = step.phases_s
-        assert all(phases[k] > 0 for k in ("forward", "backward", "optimizer")), (name, phases)
-        assert (phases["tp_comm"] > 0) == (fixed.tp > 1), (name, phases)
-        assert (phases["pp_comm"] > 0) == (fixed.pp > 1), (name, phases)
-        assert (phases["recompute"] > 0) == (fixed.recompute != "none"), (name, phases)
+    """Each run profiles its last step (runtime.phases) into the phases of the plan's prediction,
+    on every rank (its rank<r>.json): forward, backward and the optimizer everywhere; TP, pipeline
+    (with its bubble), FSDP's data-parallel traffic and recompute on some rank where the plan has
+    them (a pipeline stage may hold no TP-split layer), on none where it has not. The report shows
+    the rank whose profiled step was slowest."""
+    for name, (report, params_path) in runs.items():
+        fixed, world = CONFIGS[name][1], CONFIGS[name][0]
+        ranks = [json.loads((params_path.parent / f"rank{r}.json").read_text())["phases_s"] for r in range(world)]
+        assert report.profiled is not None and report.profiled.phases_s == ranks[report.profiled.rank], name
+        for phases in ranks:
+            assert all(phases[k] > 0 for k in ("forward", "backward", "optimizer")), (name, phases)
+
+        def some(kind: str) -> bool:
+            return any(phases[kind] > 0 for phases in ranks)
+
+        assert some("tp_comm") == (fixed.tp > 1) and some("pp_comm") == (fixed.pp > 1), (name, ranks)
+        assert some("recompute") == (fixed.recompute != "none"), (name, ranks)
         if fixed.zero == 3:
-            assert phases["dp_comm"] > 0, (name, phases)
+            assert some("dp_comm"), (name, ranks)
         rows = {r.name: r for r in report.phases}
         assert rows["optimizer step"].predicted_s == report.predicted.breakdown_s["optimizer"]
-        assert ("TP communication" in rows) == (fixed.tp > 1) and ("pipeline communication and bubble" in rows) == (fixed.pp > 1)
+        assert ("pipeline communication and bubble" in rows) == (fixed.pp > 1), name
 
 
 @pytest.mark.parametrize("env, expected", [
