@@ -55,7 +55,7 @@ PHASES = ("forward", "backward", "recompute", "tp_comm", "cp_comm", "ep_comm", "
 """The measured phases, in the report's order (pp_comm includes the pipeline's bubble)."""
 
 _COMM_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::", "_c10d_functional_autograd::", "gloo:",
-                  "nccl:", "record_param_comms")
+                  "record_param_comms")  # and any name with "nccl" in it (_is_comm)
 _FSDP_COMM = ("FSDP::all_gather", "FSDP::post_backward_reduce", "FSDP::post_backward_rs_wait",
               "FSDP::root_post_backward_callback")
 _PIPELINE_SCOPES = ("Forward ", "Backward ", "PP:")
@@ -114,8 +114,6 @@ def classify(name: str, chain: list[str], functional: str = "tp_comm") -> str:
             return "optimizer"
         if s == RECOMPUTE_SCOPE:
             return "recompute"
-        if s == CP_SCOPE:
-            return "forward" if BACKWARD_SCOPE not in chain and not any(c.startswith("Backward ") for c in chain) else "backward"
     if name.startswith("phase::") or "#" in name:
         return "host"  # a scope's own time: Python between its operators
     for s in chain:
@@ -146,11 +144,11 @@ def phase_times(events: Any, parallel: Any = None, cuda: bool = False) -> dict[s
         if event is root:
             return
         phase = classify(event.name, chain, functional)
-        own = event.self_cpu_time_total / 1e6
-        counted += own
         if cuda:  # the kernels' time on the device, not the host's in launching them
-            own = 0.0 if phase == "host" else event.self_device_time_total / 1e6
-        out[phase] += own
+            out[phase] += 0.0 if phase == "host" else event.self_device_time_total / 1e6
+        else:
+            counted += event.self_cpu_time_total / 1e6
+            out[phase] += event.self_cpu_time_total / 1e6
 
     walk(root, [])
     if cuda:  # the step's time the device ran none of its kernels (its wall: the step synchronises)

@@ -129,3 +129,10 @@ def test_the_step_time_is_the_later_half_of_the_steps_after_the_first_without_th
     assert [list(timed_steps(n, profiled=True)) for n in (3, 5, 8)] == [[1], [2, 3], [4, 5, 6]]
     # a CPU run warming up over its first steps, the profiled last one slowed by the profiler
     assert median_step_time((2.3, 1.85, 1.62, 1.33, 1.46, 1.35, 1.36, 1.86), profiled=True) == 1.36
+
+
+def test_a_ring_attentions_own_python_time_is_host_time_and_its_kernel_the_phase_it_runs_in():
+    assert classify(CP_SCOPE, [FORWARD_SCOPE]) == "host"
+    assert classify("aten::_scaled_dot_product_flash_attention_for_cpu", [CP_SCOPE, FORWARD_SCOPE]) == "forward"
+    assert classify("aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+                    [CP_SCOPE, "autograd::engine::evaluate_function: X", BACKWARD_SCOPE]) == "backward"
