@@ -125,8 +125,9 @@ def test_plan_calibrate_cpu_keeps_the_figures_for_cpu_plans(capsys, tmp_path, mo
     assert "plan calibrate" in spec.sources["process_slowdown"]
     assert {(n, name) for n, name, _ in spec.optimizer_steps} == {(n, k) for n in (1, 2) for k in ("adamw", "sgd")}
     assert spec.optimizer_s_per_param(2, "adamw") > spec.optimizer_s_per_param(2, "sgd") > 0  # AdamW does more per parameter
-    # DTensor's host work per sharded Linear, measured in the one-process launch (backward does more)
-    assert 0 < spec.tp_forward_overhead_s < spec.tp_backward_overhead_s < 0.1
+    # DTensor's host work per sharded Linear, measured in the one-process launch: each direction
+    # measured and recorded (how they compare is this machine's timing, not a contract)
+    assert 0 < spec.tp_forward_overhead_s < 0.1 and 0 < spec.tp_backward_overhead_s < 0.1
     from planner.local_device import share_host
 
     assert share_host(spec, 2 * spec.gpus_per_node).tp_forward_overhead_s == pytest.approx(2 * spec.tp_forward_overhead_s)
