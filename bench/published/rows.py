@@ -71,12 +71,15 @@ class Row:
     """What the cost model cannot express and was approximated."""
     assumed: tuple[str, ...]
     """Figures the row does not publish, left to the search or assumed."""
+    recompute_whole_forward: bool = True
+    """The trainer's full recompute reruns the whole forward (Training.recompute_whole_forward)."""
 
     def cluster(self) -> Cluster:
         return make_cluster(self.gpu, self.num_gpus, self.gpus_per_node)
 
     def training(self) -> Training:
-        return Training(self.precision, "adamw", self.global_batch, self.gpu.memory_bytes)
+        return Training(self.precision, "adamw", self.global_batch, self.gpu.memory_bytes,
+                        recompute_whole_forward=self.recompute_whole_forward)
 
     def config(self) -> str:
         f = self.fixed
@@ -269,6 +272,21 @@ def _schedule(p: dict, pp: int, assumed: list[str]) -> tuple[str | None, int | N
     return "1f1b", None
 
 
+# Trainers whose full recompute stops once backward has what it reads: torchtitan wraps blocks in
+# torch's non-reentrant checkpoint (early stop on by default since torch 2.1) and compiles them
+# (AOTAutograd reruns only what backward reads). Megatron-LM's CheckpointFunction, DeepSpeed's
+# (SC'21 Table 2's ZeRO-3) and Composer's FSDP default (activation_checkpointing_reentrant=True,
+# llm-foundry) are reentrant: the whole forward again. A trainer not named is taken as reentrant,
+# torch.utils.checkpoint's long-standing default.
+STOPPING_RECOMPUTE = ("torchtitan",)
+
+
+def _recompute_whole_forward(e: dict) -> bool:
+    src = e["source"]
+    text = " ".join(str(src.get(k, "")) for k in ("repo", "paper", "path")).lower()
+    return not any(t in text for t in STOPPING_RECOMPUTE)
+
+
 def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
     notes: list[str] = []
     assumed: list[str] = []
@@ -327,7 +345,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
         precision=precision, global_batch=gb, fixed=fixed,
         measured_step_s=measured_step(e, shape, gb, gpus),
         measured_peak_bytes=peak_gib * GIB if peak_gib else None,
-        notes=tuple(notes), assumed=tuple(assumed),
+        notes=tuple(notes), assumed=tuple(assumed), recompute_whole_forward=_recompute_whole_forward(e),
     )
 
 

@@ -40,6 +40,12 @@ class Work:
     attention_flops: float = 0.0
     """Of flops, the fused attention kernels' (16-bit whatever the precision)."""
 
+    def minus(self, other: "Work") -> "Work":
+        """This work without `other` (a part of it)."""
+        return Work(max(0.0, self.flops - other.flops), max(0.0, self.matmul_bytes - other.matmul_bytes),
+                    max(0.0, self.other_bytes - other.other_bytes), max(0, self.ops - other.ops),
+                    max(0.0, self.fp8_flops - other.fp8_flops), max(0.0, self.attention_flops - other.attention_flops))
+
     def scaled(self, factor: float) -> "Work":
         return Work(self.flops * factor, self.matmul_bytes * factor, self.other_bytes * factor, self.ops,
                     self.fp8_flops * factor, self.attention_flops * factor)

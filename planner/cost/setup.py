@@ -29,6 +29,11 @@ class Training:
     global_batch: int
     memory_limit_bytes: int
     """Usable memory per device (the GPU's memory, or --memory-limit)."""
+    recompute_whole_forward: bool = False
+    """Full recompute reruns a layer's whole forward: a reentrant checkpoint (Megatron-LM's own,
+    Composer's FSDP default). False: it stops once backward has every tensor it reads (torch's
+    non-reentrant checkpoint with early stop, which this runtime and torchtitan run; a compiled
+    recompute likewise): a block's last matmul is not rerun (LayerProfile.fwd_tail_*)."""
 
     def bytes_per_param(self) -> tuple[int, int, int]:
         """(weights, gradients, optimizer state) bytes per parameter before any sharding.

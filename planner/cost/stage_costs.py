@@ -352,6 +352,18 @@ def _layer_costs(
     fwd_work, bwd_work = fwd_work.scaled(scale / shard), bwd_work.scaled(scale / shard)
     fwd_work = replace(fwd_work, other_bytes=fwd_work.other_bytes + layer.fwd_other_io_bytes * whole * scale)
     bwd_work = replace(bwd_work, other_bytes=bwd_work.other_bytes + layer.bwd_other_io_bytes * whole * scale)
+    # full recompute reruns the forward but its tail (LayerProfile.fwd_tail_*) unless the trainer's
+    # checkpoint reruns it whole: the share of the forward's roofline it reruns
+    rerun = rerun_tp = 1.0
+    if not training.recompute_whole_forward and (layer.fwd_tail_ops or layer.fwd_tail_flops):
+        tail_skip = layer.fwd_tail_causal_attention_flops / 2
+        tail = Work(layer.fwd_tail_flops - tail_skip, layer.fwd_tail_matmul_io_bytes, layer.fwd_tail_other_io_bytes,
+                    layer.fwd_tail_ops, layer.fwd_tail_linear_flops if fp8 else 0.0,
+                    layer.fwd_tail_attention_flops - tail_skip).scaled(scale / shard)
+        whole_s = roofline_s(fwd_work, gpu, training.precision)
+        rerun = roofline_s(fwd_work.minus(tail), gpu, training.precision) / whole_s if whole_s > 0 else 1.0
+        if shard > 1 and layer.tp is not None and layer.tp.rowwise:  # a row-wise Linear's collective follows it
+            rerun_tp = 1.0 - min(1.0, layer.fwd_tail_rowwise_linears / len(layer.tp.rowwise))
     if cpu_factor is not None and layer.fwd_s is not None and layer.bwd_s is not None:
         # measured seconds split as the roofline splits them (more than 1/tp without SP)
         even = Work(layer.fwd_flops - skip[0], layer.fwd_matmul_io_bytes, layer.fwd_other_io_bytes, layer.fwd_ops,
@@ -419,6 +431,7 @@ def _layer_costs(
     ep_fwd, ep_bwd = ep_fwd * gpu.factor("comm"), ep_bwd * gpu.factor("comm")
     # a recomputed layer exchanges its tokens again (checkpointing keeps matmul outputs at most)
     sel_extra, alt_extra = sel_extra + ep_fwd, alt_extra + ep_fwd
+    full_extra = fwd * rerun + tp_fwd * rerun_tp + cp_fwd + ep_fwd
     fwd += tp_fwd + cp_fwd + ep_fwd
     bwd += tp_bwd + cp_bwd + ep_bwd
 
@@ -437,7 +450,7 @@ def _layer_costs(
     sharded = layer.tp.sharded_params if shard > 1 and layer.tp is not None else 0
     experts = layer.expert_params / cand.ep if cand.ep > 1 else 0.0
     params = layer.num_params - sharded + sharded / shard - (layer.expert_params - experts if cand.ep > 1 else 0.0)
-    return (fwd, bwd, tp_fwd + tp_bwd, cp_fwd + cp_bwd, ep_fwd + ep_bwd, (0.0, sel_extra, alt_extra, fwd),
+    return (fwd, bwd, tp_fwd + tp_bwd, cp_fwd + cp_bwd, ep_fwd + ep_bwd, (0.0, sel_extra, alt_extra, full_extra),
             (act, act_sel, act_alt, act_full), params, experts)
 
 

@@ -88,6 +88,11 @@ class TraceResult:
     """Of matmul_out_bytes, the outputs made inside such a region."""
     fwd_other_io_tp_bytes: Counter = field(default_factory=Counter)
     """Of fwd.other_io_bytes, the memory-bound traffic inside such a region."""
+    tail: PhaseCosts = field(default_factory=lambda: PhaseCosts())
+    """Per unit, the forward's work after the last tensor it saved for backward (summed over its
+    calls): what torch's non-reentrant checkpoint does not rerun (_Tail)."""
+    tail_rowwise: Counter = field(default_factory=Counter)
+    """Per unit, the row-wise Linear matmuls in that tail (their TP collectives are not rerun)."""
 
     @property
     def uncounted_ops(self) -> Counter:
@@ -170,6 +175,50 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class _Tail:
+    """What a unit's forward runs after the last tensor it saves for backward.
+
+    torch's non-reentrant checkpoint (``use_reentrant=False``, early stop on by default; torchtitan
+    and this runtime) reruns a checkpointed forward only until the last saved tensor is rebuilt,
+    and compiled recompute (AOTAutograd's partitioner) reruns only what backward reads: a block's
+    last matmul (its inputs are saved before it runs) and the residual add after it are not rerun,
+    nor a checkpointed head's matmul. The autograd layer saves an op's inputs before the dispatch
+    mode sees the op and its outputs after, so the ops recorded since the unit's last ``pack`` are
+    its tail, with the glue charged to the unit after it returns (a loss: outside any checkpoint).
+    A unit's tail closes when it is called again and at the end of the forward."""
+
+    def __init__(self) -> None:
+        self.costs = PhaseCosts()
+        self.rowwise: Counter = Counter()
+        self.pending: dict[int, list[int]] = {}  # unit -> [flops, matmul io, other io, ops, linear, attention, causal, rowwise]
+
+    def enter(self, unit: int) -> None:
+        self.close(unit)
+        self.pending[unit] = [0] * 8
+
+    def saved(self, unit: int) -> None:
+        if unit in self.pending:
+            self.pending[unit] = [0] * 8
+
+    def add(self, unit: int, *figures: int) -> None:
+        row = self.pending.get(unit)
+        if row is not None:
+            for i, v in enumerate(figures):
+                row[i] += v
+
+    def close(self, unit: int | None = None) -> None:
+        """Add `unit`'s open tail (every unit's: None) to the costs."""
+        for u in list(self.pending) if unit is None else [unit]:
+            row = self.pending.pop(u, None)
+            if row is None:
+                continue
+            c = self.costs
+            for counter, v in zip((c.flops, c.matmul_io_bytes, c.other_io_bytes, c.ops, c.linear_flops,
+                                   c.attention_flops, c.causal_attention_flops, self.rowwise), row):
+                if v:
+                    counter[u] += v
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, seg: _Segments, param_keys: set[int], loose_keys: set[int]) -> None:
         super().__init__()
@@ -191,6 +240,7 @@ class _Recorder(TorchDispatchMode):
         self.matmul_out_tp: Counter = Counter()
         self.linear_calls: Counter = Counter()  # per unit, the forward's Linear matmuls so far
         self.other_io_tp: Counter = Counter()
+        self.tail = _Tail()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -234,6 +284,12 @@ class _Recorder(TorchDispatchMode):
             costs.other_io_bytes[seg] += other_io
             costs.ops[seg] += 1
         if not self.seg.backward:
+            if formula is not None or not getattr(func, "is_view", False):
+                linear = is_linear_matmul(func)
+                attention = flops if formula is not None and is_attention(func) else 0
+                causal = attention if attention and _arg(func, args, kwargs, "is_causal") else 0
+                self.tail.add(seg, flops, matmul_io, other_io, 1, flops if linear else 0, attention, causal,
+                              int(linear and self.in_rowwise > 0))
             sharded = self._in_region(args, kwargs)
             if sharded:
                 self.other_io_tp[seg] += other_io
@@ -352,6 +408,8 @@ def run_trace(
     seen_storages: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        for unit in seg.stack:  # parameters too: a checkpoint waits for every tensor saved inside it
+            recorder.tail.saved(unit)
         key = storage_key(t)
         if key not in param_keys and key not in seen_storages:
             seen_storages.add(key)
@@ -365,6 +423,7 @@ def run_trace(
         if index not in order:
             order.append(index)
         seg.stack.append(index)
+        recorder.tail.enter(index)
 
     def leave(index: int, output: Any) -> None:
         seg.stack.pop()
@@ -383,6 +442,7 @@ def run_trace(
         with saved_tensors_hooks(pack, lambda t: t):
             outputs = handle.forward(model, inputs)
             loss = handle.loss(outputs, targets)
+        recorder.tail.close()
         seg.backward = True
         seg.bwd_unit = seg.last
         if loss.requires_grad:
@@ -401,6 +461,8 @@ def run_trace(
         saved_tp_bytes=tp_saved,
         matmul_out_tp_bytes=recorder.matmul_out_tp,
         fwd_other_io_tp_bytes=recorder.other_io_tp,
+        tail=recorder.tail.costs,
+        tail_rowwise=recorder.tail.rowwise,
     )
 
 

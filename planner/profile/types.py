@@ -88,6 +88,19 @@ class LayerProfile:
     """FLOPs of the Linear matmuls the alternate policy recomputes (every second one)."""
     fwd_alternate_io_bytes: int = 0
     """Bytes those matmuls read and write."""
+    # -- what full recompute does not rerun -------------------------------------------------------
+    # The forward's work after the last tensor it saves for backward (trace._Tail): torch's
+    # non-reentrant checkpoint stops its rerun there, and a compiled recompute reruns only what
+    # backward reads (a block's last matmul and residual add are not rerun). Of the fwd_ figures.
+    fwd_tail_flops: int = 0
+    fwd_tail_matmul_io_bytes: int = 0
+    fwd_tail_other_io_bytes: int = 0
+    fwd_tail_ops: int = 0
+    fwd_tail_linear_flops: int = 0
+    fwd_tail_attention_flops: int = 0
+    fwd_tail_causal_attention_flops: int = 0
+    fwd_tail_rowwise_linears: int = 0
+    """Row-wise Linear matmuls in the tail: their TP collectives are not rerun either."""
     tp_role: Optional["TPRole"] = None
     """What tensor parallelism does to this layer besides its TPInfo (tp_roles.py); None when the
     model has no TPInfo, or its roles could not be found."""

@@ -40,6 +40,13 @@ def test_every_row_has_a_model_a_cluster_and_a_configuration(rows):
         assert r.training().memory_limit_bytes == r.gpu.memory_bytes
 
 
+def test_the_trainers_recompute_is_known(rows):
+    """Megatron-LM, DeepSpeed and Composer (llm-foundry) checkpoint reentrantly, rerunning the whole
+    forward; torchtitan's non-reentrant (or compiled) checkpoint stops at the last saved tensor."""
+    stops = {r.source for r in rows if not r.training().recompute_whole_forward}
+    assert stops == {"torchtitan"}
+
+
 def test_sources_come_from_the_source_fields(rows):
     by_source = {}
     for r in rows:

@@ -415,3 +415,34 @@ def test_dtensor_host_time_shows_beside_gpu_kernels_only_where_it_outlasts_them(
     slower = block(tp_forward_overhead_s=2e-2, tp_backward_overhead_s=4e-2)
     assert slow.fwd_s > base.fwd_s and slow.bwd_s > base.bwd_s  # host-bound: 60 ms forward against a millisecond
     assert slower.fwd_s - slow.fwd_s == pytest.approx(6 * 1e-2) and slower.bwd_s - slow.bwd_s == pytest.approx(6 * 2e-2)
+
+
+def test_full_recompute_reruns_the_forward_but_its_tail(gpt_bf16):
+    """torch's non-reentrant checkpoint (this runtime's, torchtitan's) does not rerun a block's last
+    matmul nor a checkpointed head's; a reentrant one (Megatron-LM's: recompute_whole_forward)
+    reruns the whole forward."""
+    from planner.cost.compute import Work, roofline_s
+    from planner.cost.stage_costs import FULL, atom_table
+
+    block = next(l for l in gpt_bf16.layers if l.name == "blocks.0")
+    assert block.fwd_tail_flops == 2 * 256 * (4 * 384) * 384 and block.fwd_tail_rowwise_linears == 1  # the MLP's down
+    cluster = make_cluster("a100-80gb", 1)
+
+    def atoms(whole: bool) -> dict:
+        training = Training("bf16", "adamw", 8, 80 * 2**30, recompute_whole_forward=whole)
+        return {gpt_bf16.layers[a.first].name: a for a in atom_table(gpt_bf16, cluster, training, tp=1, micro_batch=64)}
+
+    whole, stop = atoms(True), atoms(False)
+    assert whole["blocks.0"].extra_s[FULL] == whole["blocks.0"].fwd_s and whole["lm_head"].extra_s[FULL] == whole["lm_head"].fwd_s
+    assert stop["lm_head"].extra_s[FULL] == 0.0  # its matmul saves its inputs before it runs: nothing to rerun
+
+    def work(flops, matmul, other, ops, attention, causal):  # causal attention runs half its counted FLOPs
+        return Work((flops - causal / 2) * 64, matmul * 64, other * 64, ops, 0.0, (attention - causal / 2) * 64)
+
+    b = block
+    fwd = work(b.fwd_flops, b.fwd_matmul_io_bytes, b.fwd_other_io_bytes, b.fwd_ops, b.fwd_attention_flops, b.fwd_causal_attention_flops)
+    tail = work(b.fwd_tail_flops, b.fwd_tail_matmul_io_bytes, b.fwd_tail_other_io_bytes, b.fwd_tail_ops,
+                b.fwd_tail_attention_flops, b.fwd_tail_causal_attention_flops)
+    share = roofline_s(fwd.minus(tail), cluster.gpu, "bf16") / roofline_s(fwd, cluster.gpu, "bf16")
+    assert 0.6 < share < 0.8  # the down projection is 4/12 of the block's Linear FLOPs
+    assert stop["blocks.0"].extra_s[FULL] == pytest.approx(stop["blocks.0"].fwd_s * share)

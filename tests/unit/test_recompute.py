@@ -118,3 +118,61 @@ def test_selective_keeps_what_the_profile_says(attn, kind, tmp_path):
         y = model["block"](x)
     kept = mode.live_bytes({y.untyped_storage().data_ptr(), *(p.untyped_storage().data_ptr() for p in model.parameters())})
     assert kept == pytest.approx(predicted, rel=0.05), (kept, predicted)
+
+
+class _CountFlops(TorchDispatchMode):
+    """FLOPs of the ops dispatched while `on` (torch's formula registry, as the profile counts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops, self.on = 0, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from planner.profile.flops import formula_for
+
+        out = func(*args, **(kwargs or {}))
+        formula = formula_for(func)
+        if self.on and formula is not None:
+            self.flops += int(formula(*args, **(kwargs or {}), out_val=out))
+        return out
+
+
+@pytest.mark.parametrize("attn, dropout", [("sdpa", 0.0), ("math", 0.1)])
+def test_full_recompute_reruns_what_the_profile_says(attn, dropout, tmp_path):
+    """torch's non-reentrant checkpoint (the runtime's full recompute) stops once backward has every
+    tensor it saved: a block's last matmul (unless a dropout after it saves its mask) and a
+    checkpointed head's matmul are not rerun. The profile's forward less its tail
+    (fwd_tail_flops) is what backward reruns, FLOP for FLOP."""
+    from planner.model_file import load_model_file
+    from planner.profile import profile_model
+
+    sizes = dict(vocab=64, seq_len=16, n_layer=2, n_head=2, n_embd=32, dropout=dropout, attn=attn)
+    path = tmp_path / "tiny_gpt.py"
+    path.write_text(
+        f"import sys\nsys.path.insert(0, {str(EXAMPLES)!r})\nfrom gpt import GPT, GPTConfig, gpt_batch\n"
+        f"CFG = GPTConfig(**{sizes!r})\ndef build_model():\n    return GPT(CFG)\n"
+        f"def sample_batch(n):\n    return gpt_batch(CFG, n)\n"
+    )
+    handle = load_model_file(path)
+    profile = profile_model(handle, batch_size=4, dtype="fp32", force_meta=True, measure=False)
+    block = next(l for l in profile.layers if l.name == "blocks.0")
+    # gpt.py's block ends with the MLP's down projection (4h -> h), dropout and the residual add
+    down = 2 * 4 * 16 * 4 * 32 * 32
+    assert (block.fwd_tail_flops, block.fwd_tail_rowwise_linears) == ((down, 1) if dropout == 0 else (0, 0))
+    head = next(l for l in profile.layers if l.name == "lm_head")
+    assert head.fwd_tail_flops == head.fwd_flops  # its matmul saves its inputs before it runs
+
+    def backward_flops(recompute: bool) -> int:
+        torch.manual_seed(0)
+        model = handle.build_model()
+        if recompute:
+            apply_recompute_layers(model, {l.name: "full" for l in profile.layers})
+        inputs, targets = handle.sample_batch(4)
+        with _CountFlops() as mode:
+            loss = handle.loss(handle.forward(model, inputs), targets)
+            mode.on = True
+            loss.backward()
+        return mode.flops
+
+    rerun = backward_flops(True) - backward_flops(False)
+    assert rerun == sum(l.fwd_flops - l.fwd_tail_flops for l in profile.layers) > 0
