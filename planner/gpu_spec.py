@@ -87,6 +87,11 @@ class GPUSpec:
     """`plan calibrate`'s (processes, optimizer, seconds per parameter) of one optimizer step over
     fp32 parameters ("adamw", "sgd"), every process stepping at once; empty: the step is costed as
     memory-bound traffic."""
+    loss_parallel_steps: tuple[tuple[int, str, float], ...] = ()
+    """`plan calibrate`'s (processes, "forward" | "backward", seconds per fp32 logit element) that
+    torch's loss_parallel (the runtime's loss on a vocabulary-split head) adds to a fused
+    cross-entropy, every process at once (backward may be below 0: the runtime takes the loss's
+    gradient in forward); empty: not measured (counted as the fused loss)."""
     process_slowdown: tuple[tuple[int, float], ...] = ()
     """The local CPU after `plan calibrate --gpu cpu`: (processes, how much longer one training step
     of a fixed model takes in each of that many processes sharing the cores, each with its share of
@@ -128,6 +133,16 @@ class GPUSpec:
             return None
         nearest = _nearest(counts, processes)
         return next(s for n, name, s in self.optimizer_steps if n == nearest and name == optimizer)
+
+    def loss_parallel_s_per_element(self, processes: int) -> tuple[float, float]:
+        """(forward, backward) of `loss_parallel_steps` at the measured process count nearest
+        `processes`; (0, 0) if not measured."""
+        counts = {n for n, _, _ in self.loss_parallel_steps}
+        if not counts:
+            return 0.0, 0.0
+        nearest = _nearest(counts, processes)
+        got = {phase: s for n, phase, s in self.loss_parallel_steps if n == nearest}
+        return got.get("forward", 0.0), got.get("backward", 0.0)
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for `dtype` (``bf16``, ``torch.bfloat16``, ``float32`` ...)."""

@@ -83,7 +83,8 @@ def _to_si(key: str, value: float) -> float:
 _TEXTS = ("name", "display_name", "vendor")
 PHASES = ("compute", "comm", "optimizer", "tp_compute")
 OPTIMIZERS = ("adamw", "sgd")
-KNOWN_KEYS = (*_TEXTS, "peak_tflops", *_SCALARS, "optimizer_ns_per_param", "phase_factors", "sources", "uncertain")
+KNOWN_KEYS = (*_TEXTS, "peak_tflops", *_SCALARS, "optimizer_ns_per_param", "loss_parallel_ns_per_element", "phase_factors",
+              "sources", "uncertain")
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,11 @@ def parse_gpu(data: Any, *, where: str, default_name: str, origin: str) -> GPUSp
         raise _fail(where, f"field 'optimizer_ns_per_param' must map optimizers ({', '.join(OPTIMIZERS)}) to nanoseconds")
     values["optimizer_steps"] = tuple((1, k, float(_positive(where, f"optimizer_ns_per_param.{k}", v)) / 1e9)
                                       for k, v in steps.items())
+    lp = data.get("loss_parallel_ns_per_element") or {}
+    if not isinstance(lp, dict) or any(k not in ("forward", "backward") or isinstance(v, bool) or not isinstance(v, (int, float))
+                                       for k, v in lp.items()):
+        raise _fail(where, "field 'loss_parallel_ns_per_element' must map forward and backward to nanoseconds")
+    values["loss_parallel_steps"] = tuple((1, k, float(v) / 1e9) for k, v in lp.items())
     sources, uncertain = _parse_sources(data, where, origin)
     defaults = {"intra_node_latency_us": DEFAULT_INTRA_LATENCY_US, "inter_node_latency_us": DEFAULT_INTER_LATENCY_US}
     for key, default_us in defaults.items():
@@ -234,6 +240,8 @@ def _spec_key(where: str, key: str, context: str = "sources") -> str:
         return "phase_factors"
     if head == "optimizer_ns_per_param" and not dtype:
         return "optimizer_steps"
+    if head == "loss_parallel_ns_per_element" and not dtype:
+        return "loss_parallel_steps"
     raise _fail(where, f"field '{context}' names unknown field {key!r}")
 
 

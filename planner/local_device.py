@@ -223,7 +223,7 @@ def _spec_from(data: dict[str, Any]) -> GPUSpec:
     }
     sources["inter_node_bandwidth_Bps"] = sources["intra_node_bandwidth_Bps"] + " (one host: same as intra-node)"
     sources["inter_node_latency_s"] = sources["intra_node_latency_s"] + " (one host: same as intra-node)"
-    slowdown, collectives, optimizer_steps, tp_host = (), (), (), {}
+    slowdown, collectives, optimizer_steps, loss_parallel, tp_host = (), (), (), (), {}
     stored = _read_calibration()
     calibration = stored.get("calibration")
     if calibration:
@@ -243,6 +243,11 @@ def _spec_from(data: dict[str, Any]) -> GPUSpec:
         if optimizer_steps:
             sources["optimizer_steps"] = (f"{at}: median seconds of a torch.optim AdamW / SGD step over 4.2 M fp32 "
                                           "parameters, N processes stepping at once")
+        loss_parallel = tuple(sorted((n, phase, float(v)) for n, c in counts.items()
+                                     for phase, v in c.get("loss_parallel_s_per_element", {}).items()))
+        if loss_parallel:
+            sources["loss_parallel_steps"] = (f"{at}: loss_parallel's seconds per fp32 logit element beyond a fused "
+                                              "cross-entropy, N processes at once (runtime.calibrate.loss_parallel_s)")
         for phase in ("forward", "backward"):
             if f"tp_{phase}_overhead_s" in calibration:
                 tp_host[f"tp_{phase}_overhead_s"] = float(calibration[f"tp_{phase}_overhead_s"])
@@ -270,6 +275,7 @@ def _spec_from(data: dict[str, Any]) -> GPUSpec:
         process_slowdown=slowdown,
         collectives=collectives,
         optimizer_steps=optimizer_steps,
+        loss_parallel_steps=loss_parallel,
         phase_factors=factors,
         **tp_host,
     )
@@ -358,8 +364,9 @@ def store_calibration(results: list[dict[str, Any]]) -> GPUSpec:
             kind: {k: r[kind][k] for k in ("latency_s", "busbw_Bps")}
             for kind in COLLECTIVE_KINDS if kind in r
         }}
-        if "optimizer_s_per_param" in r:
-            entry["optimizer_s_per_param"] = r["optimizer_s_per_param"]
+        for key in ("optimizer_s_per_param", "loss_parallel_s_per_element"):
+            if key in r:
+                entry[key] = r[key]
         counts[str(r["processes"])] = entry
     tp = {k: single[k] for k in ("tp_forward_overhead_s", "tp_backward_overhead_s") if k in single}
     # phase factors refit against the old figures are dropped: refit again from new runs

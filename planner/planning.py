@@ -178,7 +178,7 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
         "parallelism as parallel.sequence_parallel says; ranks ordered tp, cp, dp, pp",
     ]
     gpu = cluster.gpu
-    for field_name in ("process_slowdown", "collectives", "optimizer_steps", "phase_factors"):
+    for field_name in ("process_slowdown", "collectives", "optimizer_steps", "loss_parallel_steps", "phase_factors"):
         if getattr(gpu, field_name):  # plan calibrate's figures: say which were used, and from where
             what = (", ".join(f"{k} x{v:.2f}" for k, v in gpu.phase_factors) + ": ") if field_name == "phase_factors" else ""
             assumptions.append(f"calibration: {field_name} {what}{gpu.sources.get(field_name, gpu.origin)}")

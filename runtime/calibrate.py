@@ -186,6 +186,49 @@ def tp_overhead_s(device: torch.device, sync: Callable[[], None]) -> tuple[float
     return max(0.0, fwd / 2), max(0.0, (both - fwd) / 2)
 
 
+# tokens x vocabulary shard, fp32 logits: 34 MB on the CPU (past a 32 MB last-level cache, as a
+# model's logits are), 2 GB on a GPU
+LOSS_PARALLEL_SHAPE = {"cpu": (2048, 4096), "cuda": (16384, 32768)}
+
+
+def loss_parallel_s(device: torch.device, sync: Callable[[], None]) -> tuple[float, float]:
+    """Seconds per logit element that the runtime's loss on a head TP splits over the vocabulary
+    (planner.model_file.sharded_cross_entropy: torch's ``loss_parallel``, whose max, shift, exp,
+    sum, log and target pick run as separate DTensor ops, and whose gradient it takes in forward)
+    adds to a fused cross-entropy over the same logits, (forward, backward): fp32 logits sharded
+    over the vocabulary on a mesh of this rank alone (the collectives are costed apart), against
+    F.cross_entropy on a plain tensor. Medians of REPEATS calls, every rank at once."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from planner.model_file import sharded_cross_entropy
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    mesh = DeviceMesh.from_group(groups[rank], device.type)
+    n, v = LOSS_PARALLEL_SHAPE["cuda" if device.type == "cuda" else "cpu"]
+    torch.manual_seed(0)
+    logits = torch.randn(n, v, device=device)
+    targets = torch.randint(v, (n,), device=device)
+    sharded = distribute_tensor(logits, mesh, [Shard(1)])
+
+    def timed(x: torch.Tensor, parallel: bool, backward: bool) -> float:
+        def call() -> None:
+            y = x.detach().requires_grad_()
+            loss = (sharded_cross_entropy if parallel else torch.nn.functional.cross_entropy)(y, targets)
+            if backward:
+                loss.backward()
+        return _median_s(call, sync=sync) / (n * v)
+
+    fwd = max(0.0, timed(sharded, True, False) - timed(logits, False, False))
+    both = max(0.0, timed(sharded, True, True) - timed(logits, False, True))
+    for g in groups:
+        dist.destroy_process_group(g)
+    # backward may come out below 0: the fused loss's backward (timed with the head's, in the
+    # profile) does not run there, its gradient having been taken in forward
+    return fwd, both - fwd
+
+
 OPTIMIZER_SHAPES = ((1024, 1024),) * 4 + ((1024,),) * 8  # 4.2 M fp32 parameters in 12 tensors
 
 
@@ -210,6 +253,7 @@ def measure(device: torch.device) -> dict[str, Any]:
     out: dict[str, Any] = {"step_s": step_seconds(device, sync)}
     out["tp_forward_overhead_s"], out["tp_backward_overhead_s"] = tp_overhead_s(device, sync)
     out["optimizer_s_per_param"] = optimizer_s_per_param(device, sync)
+    out["loss_parallel_s_per_element"] = dict(zip(("forward", "backward"), loss_parallel_s(device, sync)))
     if device.type == "cuda":
         out["matmul_bf16_flops"] = matmul_flops(device, sync)
         out["attention_bf16_flops"] = attention_flops(device, sync)
@@ -296,8 +340,8 @@ def main(argv: list[str] | None = None) -> None:
                 "step_s": statistics.median(r["step_s"] for r in everyone),
                 "step_s_per_rank": [r["step_s"] for r in everyone],
                 **{k: statistics.median(r[k] for r in everyone) for k in ("tp_forward_overhead_s", "tp_backward_overhead_s")},
-                "optimizer_s_per_param": {k: statistics.median(r["optimizer_s_per_param"][k] for r in everyone)
-                                          for k in mine["optimizer_s_per_param"]},
+                **{key: {k: statistics.median(r[key][k] for r in everyone) for k in mine[key]}
+                   for key in ("optimizer_s_per_param", "loss_parallel_s_per_element")},
                 **{k: mine[k] for k in (*COLLECTIVES, "intra_node_all_reduce") if k in mine},
                 "processes_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                 **{k: min(r[k] for r in everyone) for k in ("matmul_bf16_flops", "attention_bf16_flops") if k in mine},

@@ -248,6 +248,10 @@ def cmd_calibrate(argv: Sequence[str]) -> int:
         if spec.tp_forward_overhead_s or spec.tp_backward_overhead_s:
             print(f"tensor parallelism (DTensor) on the host: {spec.tp_forward_overhead_s * 1e6:.0f} us forward, "
                   f"{spec.tp_backward_overhead_s * 1e6:.0f} us backward per sharded Linear (one process)")
+        for n in sorted({n for n, _, _ in spec.loss_parallel_steps}):
+            f, b = spec.loss_parallel_s_per_element(n)
+            print(f"loss_parallel (vocabulary-split head) beyond a fused cross-entropy, {n} process{'es' * (n > 1)}: "
+                  f"{f * 1e9:.1f} ns forward, {b * 1e9:.1f} ns backward per logit element")
         if args.output:
             from planner.files import atomic_write_text
 
@@ -326,6 +330,10 @@ def gpu_catalogue(base: Any, result: dict[str, Any], name: str, at: str) -> dict
         data["optimizer_ns_per_param"] = {k: v * 1e9 for k, v in result["optimizer_s_per_param"].items()}
         data["sources"]["optimizer_ns_per_param"] = (f"{at}: median torch.optim AdamW / SGD step over 4.2 M fp32 "
                                                      f"parameters, median of {world} GPUs at once")
+    if "loss_parallel_s_per_element" in result:
+        data["loss_parallel_ns_per_element"] = {k: v * 1e9 for k, v in result["loss_parallel_s_per_element"].items()}
+        data["sources"]["loss_parallel_ns_per_element"] = (f"{at}: loss_parallel's seconds per fp32 logit element beyond a "
+                                                           f"fused cross-entropy, median of {world} GPUs at once")
     for phase in ("forward", "backward"):
         if f"tp_{phase}_overhead_s" in result:
             data[f"tp_{phase}_overhead_us"] = result[f"tp_{phase}_overhead_s"] * 1e6

@@ -289,13 +289,20 @@ def _shard(layer: LayerProfile, tp: int) -> int:
     return tp if layer.tp is not None and tp > 1 and layer.tp.legal(tp) else 1
 
 
+def _vocab_split(profile: ModelProfile, layer: LayerProfile, tp: int) -> bool:
+    """Whether `layer` is the model's head and TP splits it over the vocabulary (column-wise), so
+    that the default loss runs as torch's loss_parallel on the logits shards."""
+    return (layer.index == len(profile.layers) - 1 and _shard(layer, tp) > 1 and layer.tp is not None
+            and not layer.tp.rowwise and layer.kind == "Linear")
+
+
 def loss_working_bytes(profile: ModelProfile, tp: int, micro_batch: int, cp: int = 1) -> float:
     """The default loss's working set in backward when TP splits the head over the vocabulary:
     torch's loss_parallel (max, shift, exp, sum, subtract as separate ops) holds
     LOSS_PARALLEL_EXTRA more fp32 copies of the logits shard (which the head's activations are:
     its saved log-probabilities) than the two of a fused cross-entropy. 0 without a split head."""
     head = profile.layers[-1]
-    if _shard(head, tp) == 1 or head.tp is None or head.tp.rowwise or head.kind != "Linear":
+    if not _vocab_split(profile, head, tp):
         return 0.0
     return (2 + LOSS_PARALLEL_EXTRA) * head.activation_bytes * _scale(profile, micro_batch, cp) / tp
 
@@ -394,6 +401,13 @@ def _layer_costs(
             fwd, bwd = fwd + host_fwd, bwd + host_bwd
         else:
             fwd, bwd = max(fwd, fwd_work.ops * OP_OVERHEAD_S + host_fwd), max(bwd, bwd_work.ops * OP_OVERHEAD_S + host_bwd)
+        if _vocab_split(profile, layer, cand.tp):
+            # the loss on the logits shards as torch's loss_parallel runs it, beyond the fused
+            # cross-entropy the profile timed with the head (plan calibrate measures it per element);
+            # the head's activations are the loss's saved fp32 log-probabilities (loss_working_bytes)
+            per_fwd, per_bwd = gpu.loss_parallel_s_per_element(cluster.num_gpus)
+            logits = layer.activation_bytes / 4 * scale / shard
+            fwd, bwd = fwd + per_fwd * logits, bwd + per_bwd * logits
         if cand.tp_overlap and cand.sequence_parallel:
             # chunked beside the Linear GEMMs (their share of the phase's time): what outlasts
             # them, and at least the first chunk

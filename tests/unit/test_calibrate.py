@@ -128,6 +128,12 @@ def test_plan_calibrate_cpu_keeps_the_figures_for_cpu_plans(capsys, tmp_path, mo
     # DTensor's host work per sharded Linear, measured in the one-process launch: each direction
     # measured and recorded (how they compare is this machine's timing, not a contract)
     assert 0 < spec.tp_forward_overhead_s < 0.1 and 0 < spec.tp_backward_overhead_s < 0.1
+    # loss_parallel beyond a fused cross-entropy, per logit element, per process count: measured
+    # and recorded; forward and backward together never below 0 (backward alone may be)
+    assert {(n, phase) for n, phase, _ in spec.loss_parallel_steps} == {(n, k) for n in (1, 2) for k in ("forward", "backward")}
+    for n in (1, 2):
+        fwd, bwd = spec.loss_parallel_s_per_element(n)
+        assert 0 <= fwd < 1e-6 and fwd + bwd >= 0
     from planner.local_device import share_host
 
     assert share_host(spec, 2 * spec.gpus_per_node).tp_forward_overhead_s == pytest.approx(2 * spec.tp_forward_overhead_s)
@@ -249,4 +255,9 @@ def test_measured_optimizer_step_and_tp_host_time_from_a_catalogue_file(tmp_path
             assert costs.optimizer_s_per_param == pytest.approx(ns * 1e-9 / shard)
     path.write_text(base + "optimizer_ns_per_param:\n  lamb: 1.0\n")
     with pytest.raises(BadInput, match="mine.yaml: field 'optimizer_ns_per_param' must map optimizers"):
+        load_gpu_file(path)
+    path.write_text(base + "loss_parallel_ns_per_element:\n  forward: 12.0\n  backward: -2.0\n")
+    assert load_gpu_file(path).loss_parallel_s_per_element(8) == (12e-9, -2e-9)
+    path.write_text(base + "loss_parallel_ns_per_element:\n  forward: fast\n")
+    with pytest.raises(BadInput, match="mine.yaml: field 'loss_parallel_ns_per_element' must map forward and backward"):
         load_gpu_file(path)

@@ -446,3 +446,25 @@ def test_full_recompute_reruns_the_forward_but_its_tail(gpt_bf16):
     share = roofline_s(fwd.minus(tail), cluster.gpu, "bf16") / roofline_s(fwd, cluster.gpu, "bf16")
     assert 0.6 < share < 0.8  # the down projection is 4/12 of the block's Linear FLOPs
     assert stop["blocks.0"].extra_s[FULL] == pytest.approx(stop["blocks.0"].fwd_s * share)
+
+
+def test_loss_parallel_adds_its_measured_time_per_logit_element(gpt_bf16):
+    """A head TP splits over the vocabulary runs the loss as torch's loss_parallel: plan calibrate's
+    seconds per logit element (beyond the fused cross-entropy the profile timed) times the logits
+    of one micro-batch on one rank (tokens x vocabulary / tp), on the head only, with tp > 1 only."""
+    from planner.cost.stage_costs import atom_table
+
+    cluster = make_cluster("a100-80gb", 2)
+    measured = make_cluster(replace(cluster.gpu, loss_parallel_steps=((2, "forward", 3e-9), (2, "backward", -1e-9))), 2)
+    training = Training("bf16", "adamw", 8, 80 * 2**30)
+
+    def atoms(c, tp):
+        return {gpt_bf16.layers[a.first].name: a for a in atom_table(gpt_bf16, c, training, tp=tp, micro_batch=4)}
+
+    head = gpt_bf16.layers[-1]
+    logits = 4 * 256 * 8192 / 2  # micro-batch x sequence x vocabulary, over tp = 2
+    plain, split = atoms(cluster, 2), atoms(measured, 2)
+    assert split["lm_head"].fwd_s - plain["lm_head"].fwd_s == pytest.approx(3e-9 * logits)
+    assert split["lm_head"].bwd_s - plain["lm_head"].bwd_s == pytest.approx(-1e-9 * logits)
+    assert head.name == "lm_head" and split["blocks.0"].fwd_s == plain["blocks.0"].fwd_s
+    assert atoms(measured, 1)["lm_head"].fwd_s == atoms(cluster, 1)["lm_head"].fwd_s  # no TP, no split loss
