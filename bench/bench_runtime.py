@@ -3,7 +3,7 @@ predicted step time and memory for a handful of plans (gloo, one process per pla
 with the rank correlation (Kendall tau) of predicted and measured step times. Run
 `plan calibrate --gpu cpu` first to plan with this machine's measured figures.
 
-    python bench/bench_runtime.py [--steps 10] [--repeats 2] [--model examples/gpt.py]
+    python bench/bench_runtime.py [--steps 10] [--repeats 3] [--model examples/gpt.py]
     python bench/bench_runtime.py --refit [--calibrate]   # does refitting from run reports converge?
 
 Every plan is made from one profile of the model. Each run is a fresh torchrun launch; its step
@@ -152,7 +152,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--model", default=str(ROOT / "examples" / "gpt.py"))
     ap.add_argument("--global-batch", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=2, help="launches of each plan (default 2), in rounds over all plans")
+    ap.add_argument("--repeats", type=int, default=3, help="launches of each plan (default 3), in rounds over all plans")
     ap.add_argument("--refit", action="store_true", help="instead: two rounds of runs and refits (does refitting converge?)")
     ap.add_argument("--calibrate", action="store_true", help="with --refit: run `plan calibrate --gpu cpu` first (in the copy)")
     args = ap.parse_args()
@@ -168,10 +168,14 @@ def main() -> None:
         print(f"{handle.name}, global batch {args.global_batch}, {args.steps} steps per run, fp32, AdamW, gloo")
         paths = plan_files(handle, args.global_batch, tmp)
         # each plan launched --repeats times, the rounds one after another (the machine's load
-        # drifts over minutes: interleaving spreads it over every plan): the median of a plan's runs
+        # drifts over minutes: interleaving spreads it over every plan), each round starting a
+        # further share of the list on (the first launches after a pause read slow; no plan is
+        # always first): the median of a plan's runs
         runs: list[list] = [[] for _ in PLANS]
         for n in range(args.repeats):
-            for i, (path, (label, world, _)) in enumerate(zip(paths, PLANS)):
+            first = n * -(-len(PLANS) // args.repeats) % len(PLANS)
+            for i in [*range(first, len(PLANS)), *range(first)]:
+                path, (label, world, _) = paths[i], PLANS[i]
                 runs[i].append(launch([path], world, steps=args.steps, run_dir=tmp / f"{path.stem}.{n}").reports[0])
                 print(f"  round {n + 1}: {label}: {runs[i][-1].measured.step_time_s:.3f} s", flush=True)
         print(f"{'plan':34s} {'predicted':>10s} {'measured':>10s} {'ratio':>6s} {'runs':>15s} {'pred. mem':>10s} "
