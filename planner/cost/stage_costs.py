@@ -353,16 +353,22 @@ def _layer_costs(
                     layer.fwd_ops, layer.fwd_linear_flops if fp8 else 0.0, layer.fwd_attention_flops - skip[0])
     bwd_work = Work(layer.bwd_flops - skip[1], layer.bwd_matmul_io_bytes, layer.bwd_other_io_bytes * (1 - whole) + cast[1],
                     layer.bwd_ops, layer.bwd_linear_flops if fp8 else 0.0, layer.bwd_attention_flops - skip[1])
+    # Recompute reruns a layer's forward up to the last tensor backward reads (LayerProfile.fwd_tail_*:
+    # torch's non-reentrant checkpoint stops there) unless the trainer's checkpoint reruns it whole
+    stops = not training.recompute_whole_forward
     # the Linear matmuls the alternate policy recomputes (column- or row-wise: split by TP)
-    alt_work = Work(layer.fwd_alternate_flops, layer.fwd_alternate_io_bytes, 0.0, 0,
-                    layer.fwd_alternate_flops if fp8 else 0.0).scaled(scale / shard)
+    alt_flops = layer.fwd_alternate_flops - (layer.fwd_tail_alternate_flops if stops else 0)
+    alt_work = Work(alt_flops, layer.fwd_alternate_io_bytes - (layer.fwd_tail_alternate_io_bytes if stops else 0), 0.0, 0,
+                    alt_flops if fp8 else 0.0).scaled(scale / shard)
+    # the matmul-like ops selective recompute reruns (an unfused attention's batched matmuls)
+    core_work = Work(layer.fwd_selective_flops, layer.fwd_selective_io_bytes, 0.0, 0).scaled(scale / shard)
     fwd_work, bwd_work = fwd_work.scaled(scale / shard), bwd_work.scaled(scale / shard)
     fwd_work = replace(fwd_work, other_bytes=fwd_work.other_bytes + layer.fwd_other_io_bytes * whole * scale)
     bwd_work = replace(bwd_work, other_bytes=bwd_work.other_bytes + layer.bwd_other_io_bytes * whole * scale)
-    # full recompute reruns the forward but its tail (LayerProfile.fwd_tail_*) unless the trainer's
-    # checkpoint reruns it whole: the share of the forward's roofline it reruns
+    # what full recompute reruns: the share of the forward's roofline before the tail
     rerun = rerun_tp = 1.0
-    if not training.recompute_whole_forward and (layer.fwd_tail_ops or layer.fwd_tail_flops):
+    tail_other = layer.fwd_tail_other_io_bytes * scale / shard if stops else 0.0  # selective's, likewise
+    if stops and (layer.fwd_tail_ops or layer.fwd_tail_flops):
         tail_skip = layer.fwd_tail_causal_attention_flops / 2
         tail = Work(layer.fwd_tail_flops - tail_skip, layer.fwd_tail_matmul_io_bytes, layer.fwd_tail_other_io_bytes,
                     layer.fwd_tail_ops, layer.fwd_tail_linear_flops if fp8 else 0.0,
@@ -379,13 +385,16 @@ def _layer_costs(
         share = roof / max(roofline_s(even, gpu, training.precision), 1e-30)
         fwd = layer.fwd_s * scale * cpu_factor / shard * share
         bwd = layer.bwd_s * scale * cpu_factor / shard * share
-        other_share = memory_bound_s(fwd_work.other_bytes, gpu) / roof if roof > 0 else 0.0
-        sel_extra = fwd * min(1.0, other_share)
+        other_share = memory_bound_s(max(0.0, fwd_work.other_bytes - tail_other), gpu) / roof if roof > 0 else 0.0
+        core_share = roofline_s(core_work, gpu, training.precision) / roof if roof > 0 and core_work.flops else 0.0
+        sel_extra = fwd * min(1.0, other_share + core_share)
         alt_extra = sel_extra + fwd * min(1.0, roofline_s(alt_work, gpu, training.precision) / roof if roof > 0 else 0.0)
     else:
         fwd = roofline_s(fwd_work, gpu, training.precision)
         bwd = roofline_s(bwd_work, gpu, training.precision)
-        sel_extra = memory_bound_s(fwd_work.other_bytes, gpu)
+        sel_extra = memory_bound_s(max(0.0, fwd_work.other_bytes - tail_other), gpu)
+        if core_work.flops:
+            sel_extra += roofline_s(core_work, gpu, training.precision)
         alt_extra = sel_extra + roofline_s(alt_work, gpu, training.precision)
     # refit from this cluster's runs (plan calibrate --from-run): measured / predicted per phase
     compute = gpu.factor("compute") * (gpu.factor("tp_compute") if cand.tp > 1 else 1.0)

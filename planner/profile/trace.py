@@ -144,6 +144,11 @@ class PhaseCosts:
     """Their outputs: what the alternate policy does not keep of matmul_out_bytes."""
     alternate_out_tp_bytes: Counter = field(default_factory=Counter)
     """Of alternate_out_bytes, the outputs made inside a column-wise -> row-wise region."""
+    selective_flops: Counter = field(default_factory=Counter)
+    """FLOPs of the forward's matmul-like ops selective recompute does not keep (an unfused
+    attention's batched matmuls, kept_by_selective): it reruns them."""
+    selective_io_bytes: Counter = field(default_factory=Counter)
+    """Bytes those ops read and write."""
     # What context parallelism does to attention (it splits the sequence: each rank keeps its
     # queries and receives every other rank's keys and values, planner.cost.stage_costs).
     attention_flops: Counter = field(default_factory=Counter)
@@ -190,15 +195,16 @@ class _Tail:
     def __init__(self) -> None:
         self.costs = PhaseCosts()
         self.rowwise: Counter = Counter()
-        self.pending: dict[int, list[int]] = {}  # unit -> [flops, matmul io, other io, ops, linear, attention, causal, rowwise]
+        # unit -> [flops, matmul io, other io, ops, linear, attention, causal, alternate, alternate io, rowwise]
+        self.pending: dict[int, list[int]] = {}
 
     def enter(self, unit: int) -> None:
         self.close(unit)
-        self.pending[unit] = [0] * 8
+        self.pending[unit] = [0] * 10
 
     def saved(self, unit: int) -> None:
         if unit in self.pending:
-            self.pending[unit] = [0] * 8
+            self.pending[unit] = [0] * 10
 
     def add(self, unit: int, *figures: int) -> None:
         row = self.pending.get(unit)
@@ -213,8 +219,8 @@ class _Tail:
             if row is None:
                 continue
             c = self.costs
-            for counter, v in zip((c.flops, c.matmul_io_bytes, c.other_io_bytes, c.ops, c.linear_flops,
-                                   c.attention_flops, c.causal_attention_flops, self.rowwise), row):
+            for counter, v in zip((c.flops, c.matmul_io_bytes, c.other_io_bytes, c.ops, c.linear_flops, c.attention_flops,
+                                   c.causal_attention_flops, c.alternate_flops, c.alternate_io_bytes, self.rowwise), row):
                 if v:
                     counter[u] += v
 
@@ -284,12 +290,7 @@ class _Recorder(TorchDispatchMode):
             costs.other_io_bytes[seg] += other_io
             costs.ops[seg] += 1
         if not self.seg.backward:
-            if formula is not None or not getattr(func, "is_view", False):
-                linear = is_linear_matmul(func)
-                attention = flops if formula is not None and is_attention(func) else 0
-                causal = attention if attention and _arg(func, args, kwargs, "is_causal") else 0
-                self.tail.add(seg, flops, matmul_io, other_io, 1, flops if linear else 0, attention, causal,
-                              int(linear and self.in_rowwise > 0))
+            alternate = False
             sharded = self._in_region(args, kwargs)
             if sharded:
                 self.other_io_tp[seg] += other_io
@@ -298,6 +299,9 @@ class _Recorder(TorchDispatchMode):
                 self.sharded.update(new)
             else:  # a new storage at a freed one's address is not the old one
                 self.sharded.difference_update(new)
+            if formula is not None and not kept_by_selective(func) and torch.is_grad_enabled():
+                costs.selective_flops[seg] += flops  # rerun by selective recompute
+                costs.selective_io_bytes[seg] += matmul_io
             # what selective recompute keeps: every new output of a matmul-like op (not the
             # attention core's batched matmuls), whether or not autograd saves it
             if kept_by_selective(func) and torch.is_grad_enabled():
@@ -308,12 +312,19 @@ class _Recorder(TorchDispatchMode):
                     self.matmul_out_tp[seg] += kept
                 if is_linear_matmul(func):
                     self.linear_calls[seg] += 1
-                    if self.linear_calls[seg] % 2 == 0:  # what the alternate policy recomputes
+                    alternate = self.linear_calls[seg] % 2 == 0
+                    if alternate:  # what the alternate policy recomputes
                         costs.alternate_flops[seg] += flops
                         costs.alternate_io_bytes[seg] += matmul_io
                         costs.alternate_out_bytes[seg] += kept
                         if sharded:
                             costs.alternate_out_tp_bytes[seg] += kept
+            if formula is not None or not getattr(func, "is_view", False):
+                linear = is_linear_matmul(func)
+                attention = flops if formula is not None and is_attention(func) else 0
+                causal = attention if attention and _arg(func, args, kwargs, "is_causal") else 0
+                self.tail.add(seg, flops, matmul_io, other_io, 1, flops if linear else 0, attention, causal,
+                              flops if alternate else 0, matmul_io if alternate else 0, int(linear and self.in_rowwise > 0))
         return out
 
     def _in_region(self, args, kwargs) -> bool:

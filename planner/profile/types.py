@@ -88,6 +88,12 @@ class LayerProfile:
     """FLOPs of the Linear matmuls the alternate policy recomputes (every second one)."""
     fwd_alternate_io_bytes: int = 0
     """Bytes those matmuls read and write."""
+    fwd_selective_flops: int = 0
+    """FLOPs of the matmul-like ops selective (and alternate) recompute reruns: an unfused
+    attention's batched matmuls (Q K^T, scores x V), which Megatron-LM's selective recompute and
+    the save-matmuls policy drop with the attention core."""
+    fwd_selective_io_bytes: int = 0
+    """Bytes those ops read and write."""
     # -- what full recompute does not rerun -------------------------------------------------------
     # The forward's work after the last tensor it saves for backward (trace._Tail): torch's
     # non-reentrant checkpoint stops its rerun there, and a compiled recompute reruns only what
@@ -99,6 +105,9 @@ class LayerProfile:
     fwd_tail_linear_flops: int = 0
     fwd_tail_attention_flops: int = 0
     fwd_tail_causal_attention_flops: int = 0
+    fwd_tail_alternate_flops: int = 0
+    """Of fwd_alternate_flops, in the tail: the alternate policy does not rerun them either."""
+    fwd_tail_alternate_io_bytes: int = 0
     fwd_tail_rowwise_linears: int = 0
     """Row-wise Linear matmuls in the tail: their TP collectives are not rerun either."""
     tp_role: Optional["TPRole"] = None

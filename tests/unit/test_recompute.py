@@ -142,7 +142,8 @@ def test_full_recompute_reruns_what_the_profile_says(attn, dropout, tmp_path):
     """torch's non-reentrant checkpoint (the runtime's full recompute) stops once backward has every
     tensor it saved: a block's last matmul (unless a dropout after it saves its mask) and a
     checkpointed head's matmul are not rerun. The profile's forward less its tail
-    (fwd_tail_flops) is what backward reruns, FLOP for FLOP."""
+    (fwd_tail_flops) is what backward reruns, FLOP for FLOP; so for the selective and alternate
+    policies (fwd_selective_flops, fwd_alternate_flops less their tail)."""
     from planner.model_file import load_model_file
     from planner.profile import profile_model
 
@@ -162,11 +163,11 @@ def test_full_recompute_reruns_what_the_profile_says(attn, dropout, tmp_path):
     head = next(l for l in profile.layers if l.name == "lm_head")
     assert head.fwd_tail_flops == head.fwd_flops  # its matmul saves its inputs before it runs
 
-    def backward_flops(recompute: bool) -> int:
+    def backward_flops(kind: str | None) -> int:
         torch.manual_seed(0)
         model = handle.build_model()
-        if recompute:
-            apply_recompute_layers(model, {l.name: "full" for l in profile.layers})
+        if kind is not None:
+            apply_recompute_layers(model, {l.name: kind for l in profile.layers})
         inputs, targets = handle.sample_batch(4)
         with _CountFlops() as mode:
             loss = handle.loss(handle.forward(model, inputs), targets)
@@ -174,5 +175,14 @@ def test_full_recompute_reruns_what_the_profile_says(attn, dropout, tmp_path):
             loss.backward()
         return mode.flops
 
-    rerun = backward_flops(True) - backward_flops(False)
+    plain = backward_flops(None)
+    rerun = backward_flops("full") - plain
     assert rerun == sum(l.fwd_flops - l.fwd_tail_flops for l in profile.layers) > 0
+    # selective reruns an unfused attention's batched matmuls (none with SDPA); alternate also every
+    # second Linear matmul, but those in the tail: gpt.py's sixth and last, the down projection,
+    # without dropout after it
+    selective = backward_flops("selective") - plain
+    assert selective == sum(l.fwd_selective_flops for l in profile.layers) and (selective > 0) == (attn == "math")
+    alternate = backward_flops("alternate") - plain
+    assert alternate == selective + sum(l.fwd_alternate_flops - l.fwd_tail_alternate_flops for l in profile.layers) > selective
+    assert (block.fwd_tail_alternate_flops == down) == (dropout == 0)
