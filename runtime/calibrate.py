@@ -382,12 +382,15 @@ def refit(reports: list[Any], old: dict[str, float]) -> tuple[dict[str, float], 
     refit predicted s, measured s). Each report's figures are first freed of the factors its plan
     applied (PredictedRun.phase_factors), so reports of plans made with different calibrations
     pool: every run a user has made on the cluster counts. Each report's step, less its measured
-    optimizer step, is a x compute + b x comm + d x (compute again in a plan with tensor
-    parallelism) of those bare figures (compute: compute, recompute and bubble; comm: TP, CP, EP,
-    pipeline and data-parallel traffic): a, b and d by least squares on the relative errors, with a
-    weak pull (RIDGE) to the current factors `old`; then "compute" is a and "tp_compute" (a + d) / a
-    (kept as it was without a run of a TP plan); the optimizer's factor, the median of measured over
-    bare predicted."""
+    optimizer step, is a x compute + b x comm (x t in a plan with tensor parallelism) of those bare
+    figures (compute: compute, recompute and bubble; comm: TP, CP, EP, pipeline and data-parallel
+    traffic): a and b by least squares on the relative errors of the runs without tensor parallelism
+    (of all runs when every one has it), with a weak pull (RIDGE) to the current factors `old`; then
+    t, "tp_compute", the median over the TP runs of what their compute took past a x compute once
+    b x comm is taken off (kept as it was without a TP run). In two stages, as one least-squares fit
+    of a, b and t together traded the TP runs' compute against everyone's communication (their
+    columns move together): on this CPU it read tp_compute 0.44 from runs whose TP plans took 1.3x
+    their prediction. The optimizer's factor: the median of measured over bare predicted."""
     rows, opt = [], []
     for r in reports:
         phases = {p.name: p for p in r.phases}
@@ -402,17 +405,20 @@ def refit(reports: list[Any], old: dict[str, float]) -> tuple[dict[str, float], 
     if not rows:
         raise BadInput("plan calibrate --from-run: no run report with a predicted breakdown and a measured optimizer "
                        "step (reports of plan run from this version)")
-    # minimise sum (a x + b y + d z - 1)^2 + RIDGE |(a, b, d) - (a0, b0, d0)|^2
+    # minimise sum (a x + b y - 1)^2 + RIDGE |(a, b) - (a0, b0)|^2 over the runs without TP
     a0, b0 = old.get("compute", 1.0), old.get("comm", 1.0)
-    d0 = a0 * (old.get("tp_compute", 1.0) - 1.0)
     x = np.array(rows)
-    prior = np.array([a0, b0, d0])
-    a, b_, d = np.linalg.solve(x.T @ x + RIDGE * np.eye(3), x.T @ np.ones(len(rows)) + RIDGE * prior)
+    plain = x[x[:, 2] == 0] if (x[:, 2] == 0).any() else x
+    a, b_ = np.linalg.solve(plain[:, :2].T @ plain[:, :2] + RIDGE * np.eye(2),
+                            plain[:, :2].T @ np.ones(len(plain)) + RIDGE * np.array([a0, b0]))
     a, b_ = max(float(a), 0.05), max(float(b_), 0.05)
     o = statistics.median(opt) if opt else old.get("optimizer", 1.0)
     new = {"compute": a, "comm": b_, "optimizer": o}
-    if any(z for _, _, z in rows) or "tp_compute" in old:
-        new["tp_compute"] = max((a + float(d)) / a, 0.05)
+    tp_runs = [(xc, y) for xc, y, z in rows if z]
+    if tp_runs:  # a TP run: a x t x compute + b x comm = measured (each divided by measured)
+        new["tp_compute"] = max(statistics.median((1 - b_ * y) / (a * xc) for xc, y in tp_runs), 0.05)
+    elif "tp_compute" in old:
+        new["tp_compute"] = old["tp_compute"]
     fitted = []
     for r in reports:
         if not r.predicted.breakdown_s:
