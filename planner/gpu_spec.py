@@ -40,6 +40,16 @@ def _nearest(counts: set[int], processes: int) -> int:
     return min(counts, key=lambda n: (abs(math.log(n / processes)), n))
 
 
+def _at_nearest(steps: tuple[tuple[int, str, float], ...], processes: int, name: str) -> float | None:
+    """Of (processes, name, seconds) figures, `name`'s at the measured count nearest `processes`;
+    None if `name` was not measured."""
+    counts = {n for n, k, _ in steps if k == name}
+    if not counts:
+        return None
+    nearest = _nearest(counts, processes)
+    return next(s for n, k, s in steps if n == nearest and k == name)
+
+
 @dataclass(frozen=True)
 class GPUSpec:
     """One accelerator: peaks, memory and links, all in SI units (FLOP/s, bytes, B/s, s)."""
@@ -128,21 +138,13 @@ class GPUSpec:
 
     def optimizer_s_per_param(self, processes: int, optimizer: str) -> float | None:
         """`optimizer_steps` at the measured process count nearest `processes`; None if not measured."""
-        counts = {n for n, name, _ in self.optimizer_steps if name == optimizer}
-        if not counts:
-            return None
-        nearest = _nearest(counts, processes)
-        return next(s for n, name, s in self.optimizer_steps if n == nearest and name == optimizer)
+        return _at_nearest(self.optimizer_steps, processes, optimizer)
 
     def loss_parallel_s_per_element(self, processes: int) -> tuple[float, float]:
         """(forward, backward) of `loss_parallel_steps` at the measured process count nearest
         `processes`; (0, 0) if not measured."""
-        counts = {n for n, _, _ in self.loss_parallel_steps}
-        if not counts:
-            return 0.0, 0.0
-        nearest = _nearest(counts, processes)
-        got = {phase: s for n, phase, s in self.loss_parallel_steps if n == nearest}
-        return got.get("forward", 0.0), got.get("backward", 0.0)
+        fwd, bwd = (_at_nearest(self.loss_parallel_steps, processes, phase) for phase in ("forward", "backward"))
+        return fwd or 0.0, bwd or 0.0
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for `dtype` (``bf16``, ``torch.bfloat16``, ``float32`` ...)."""
