@@ -103,7 +103,7 @@ def test_signal_to_plan_run_stops_torchrun_and_every_rank(sig, plan_file, tmp_pa
                 break
             time.sleep(0.2)
         else:
-            pytest.fail(f"the ranks did not start (plan run exit code {cli.poll()})")
+            pytest.fail(f"the ranks did not start in 120 s (plan run exit code {cli.poll()}; seen {seen})")
         time.sleep(1.0)
         seen.update(_processes_mentioning(run_dir))
         assert len(seen) == 3, f"expected torchrun and 2 ranks: {seen}"
@@ -122,9 +122,10 @@ def test_signal_to_plan_run_stops_torchrun_and_every_rank(sig, plan_file, tmp_pa
     assert err.startswith(f"error: plan run: stopped by {sig}; torchrun and its 2 ranks were stopped"), err
     assert out == ""
     assert not leftovers, f"still running after plan run exited: {leftovers}"
-    for pgid in {pgid for pgid, _ in seen.values()}:  # torchrun's group, and each rank's
-        with pytest.raises(ProcessLookupError):
-            os.killpg(pgid, 0)
+    # torchrun's group, and each rank's: nothing alive. A rank torchrun did not reap before it died is
+    # re-parented and stays a zombie until PID 1 reaps it, later on a loaded machine: dead all the same.
+    groups = {pgid for pgid, _ in seen.values()}
+    assert not group_alive(groups), f"alive in the run's process groups {groups}: {group_alive(groups)}"
     assert elapsed < 30, f"plan run took {elapsed:.0f} s to stop"
 
 
