@@ -18,7 +18,7 @@ _DTYPE_ALIASES = {
 }
 
 
-def _loglog(points: list[tuple[int, float]], x: int) -> float:
+def _loglog(points: list[tuple[int, float]], x: float) -> float:
     """y at x from sorted (x, y) points: log-log interpolation inside, y proportional to x outside."""
     if x <= points[0][0]:
         return points[0][1] * x / points[0][0]
@@ -121,7 +121,7 @@ class GPUSpec:
     def factor(self, phase: str) -> float:
         return next((f for name, f in self.phase_factors if name == phase), 1.0)
 
-    def slowdown(self, processes: int) -> float:
+    def slowdown(self, processes: float) -> float:
         """`process_slowdown` at `processes`: interpolated in log-log between the measured counts,
         proportional to the count beyond them; the count itself when none was measured."""
         points = sorted(self.process_slowdown)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from planner import default_batch
 from planner.cost import constants
@@ -99,12 +100,17 @@ def _training(request: PlanRequest, cluster: Cluster, global_batch: int) -> Trai
     return Training(request.precision, request.optimizer, global_batch, limit)
 
 
-def _cpu_factor(profile: ModelProfile, cluster: Cluster) -> float | None:
+def _cpu_factor(profile: ModelProfile, cluster: Cluster, busy: float = 1.0) -> float | None:
     """Measured CPU seconds scaled to a process of the run: N processes share C cores, each with
     p = max(1, C // N) threads (runtime/launch.py). The profile measured with T threads; p threads
     take speedup(T) / speedup(p) times as long, speedup interpolated in log-log between one thread
     (1) and T (the profile's thread_speedup, else T: linear); processes beyond the cores take
-    turns: times N p / C, or what `plan calibrate --gpu cpu` measured for N (GPUSpec.slowdown)."""
+    turns: times k p / C, or what `plan calibrate --gpu cpu` measured for k (GPUSpec.slowdown),
+    where k = 1 + (N - 1) x `busy` is how many processes a computing one shares the cores with on
+    average, when each computes a share `busy` of the step (a rank waiting in gloo for a pipeline
+    neighbour takes no CPU: a 3 s wait in a gloo recv or all-reduce took 0.01 s of CPU here).
+    On this 2-core VM, 8 single-thread matmul loops busy half the time ran 2.6x slower than alone,
+    a quarter of the time 1.5x, all the time 3.9x (bench-free check: /proc-timed loops, Dec 2026)."""
     if cluster.gpu.origin != "measured" or not profile.timed:
         return None
     cores = os.cpu_count() or 1
@@ -118,10 +124,19 @@ def _cpu_factor(profile: ModelProfile, cluster: Cluster) -> float | None:
             return 1.0
         return measured ** (math.log(min(p, threads)) / math.log(threads))
 
-    oversubscribed = max(1.0, n * per / cores)
+    sharing = 1 + (n - 1) * min(1.0, max(0.0, busy))
+    oversubscribed = max(1.0, sharing * per / cores)
     if cluster.gpu.process_slowdown and n > cores:  # calibrated: turns taken as measured
-        oversubscribed = cluster.gpu.slowdown(n) / cluster.gpu.slowdown(cores)
+        oversubscribed = cluster.gpu.slowdown(max(sharing, cores)) / cluster.gpu.slowdown(cores)
     return speedup(threads) / speedup(per) * oversubscribed
+
+
+def _cpu_contention(profile: ModelProfile, cluster: Cluster) -> Callable[[float], float] | None:
+    """The CPU factor as a function of the share of the step each process computes (`_cpu_factor`'s
+    `busy`), where more processes than cores take turns; None where none do."""
+    if _cpu_factor(profile, cluster) is None or cluster.num_gpus <= (os.cpu_count() or 1):
+        return None
+    return lambda busy: _cpu_factor(profile, cluster, busy)
 
 
 def global_batch_of(profile: ModelProfile, request: PlanRequest, cluster: Cluster) -> tuple[int, str | None]:
@@ -143,7 +158,8 @@ def search(profile: ModelProfile, request: PlanRequest, cluster: Cluster) -> tup
     user did not fix, the micro-batch included, is searched."""
     batch, _ = global_batch_of(profile, request, cluster)
     training = _training(request, cluster, batch)
-    return run_search(profile, cluster, training, request.fixed, request.top_k, _cpu_factor(profile, cluster)), training
+    return run_search(profile, cluster, training, request.fixed, request.top_k, _cpu_factor(profile, cluster),
+                      _cpu_contention(profile, cluster)), training
 
 
 def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile | None = None) -> Plan:

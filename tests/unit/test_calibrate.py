@@ -12,7 +12,12 @@ import pytest
 
 from planner.cli import main
 from planner.hardware import make_cluster
-from planner.planning import _cpu_factor
+from planner.cost.evaluate import evaluate
+from planner.cost.stage_costs import stage_costs
+from planner.model_file import load_model_file
+from planner.planning import PlanRequest, _cpu_contention, _cpu_factor, _training, profile_for
+from planner.search.search import busy_share, run_search
+from planner.search.space import Fixed
 from runtime.calibrate import fit_alpha_beta
 
 
@@ -42,6 +47,50 @@ def test_processes_sharing_the_cores(monkeypatch):
     calibrated = _cpu(2, process_slowdown=((1, 1.0), (2, 1.5), (4, 3.3), (8, 7.2)))
     assert _cpu_factor(profile, make_cluster(calibrated, 4)) == pytest.approx(1.6 * 3.3 / 1.5)
     assert _cpu_factor(profile, make_cluster(calibrated, 2)) == pytest.approx(1.6)  # no turns taken
+
+
+def test_processes_share_the_cores_with_those_computing(monkeypatch):
+    """8 processes on 2 cores, each computing a share `busy` of the step: a computing one shares
+    the cores with 1 + 7 x busy of them on average (the others wait without using a core), so it
+    takes the turns measured for that many: all of them when all are busy, none when it is alone."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    profile = _Profile(2, 1.6)
+    slowdown = ((1, 1.0), (2, 1.5), (4, 3.3), (8, 7.2))
+    cluster = make_cluster(_cpu(2, process_slowdown=slowdown), 8)
+    factor = {busy: _cpu_factor(profile, cluster, busy) for busy in (0.0, 0.5, 1.0)}
+    assert factor[1.0] == pytest.approx(1.6 * 7.2 / 1.5) == _cpu_factor(profile, cluster)
+    assert factor[0.0] == pytest.approx(1.6)
+    # 4.5 processes at once: log-log between the 3.3 measured with 4 and the 7.2 with 8
+    at = math.exp(math.log(3.3) + math.log(4.5 / 4) / math.log(2) * math.log(7.2 / 3.3))
+    assert factor[0.5] == pytest.approx(1.6 * at / 1.5)
+    assert _cpu_contention(profile, make_cluster(_cpu(2, process_slowdown=slowdown), 2)) is None  # no turns
+
+
+def test_a_pipeline_bubble_lightens_the_others_compute(monkeypatch):
+    """examples/gpt.py on 8 processes sharing 2 cores: a pipelined plan is costed with the CPU
+    factor of the share of its step its processes compute (its bubble leaves the cores to the
+    others): faster than with every process busy throughout, and consistent (re-costed with the
+    factor of its own busy share, its step stays); a plan without a bubble is costed as before."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    request = PlanRequest(gpus=8, gpu="cpu", global_batch=8)
+    profile = profile_for(load_model_file(Path(__file__).parents[2] / "examples" / "gpt.py"), request)
+    cluster = make_cluster(_cpu(2, process_slowdown=((1, 1.0), (2, 1.8), (4, 3.9), (8, 8.0))), 8)
+    training = _training(request, cluster, 8)
+    contention = _cpu_contention(profile, cluster)
+
+    def best(fixed: Fixed, settle: bool):
+        return run_search(profile, cluster, training, fixed, 1, _cpu_factor(profile, cluster),
+                          contention if settle else None).best
+
+    gpipe = Fixed(pp=2, dp=4, tp=1, zero=0, schedule="gpipe", micro_batch=1)
+    busy, settled = best(gpipe, False), best(gpipe, True)
+    share = busy_share(settled.evaluation, settled.cand)
+    assert share < 0.9 and settled.step_time_s < busy.step_time_s
+    again = evaluate(stage_costs(profile, cluster, training, settled.cand, contention(share)),
+                     list(settled.partition.bounds), list(settled.partition.choice))
+    assert again.step_time_s == pytest.approx(settled.step_time_s, rel=0.02)
+    ddp = Fixed(pp=1, dp=8, tp=1, zero=0)
+    assert best(ddp, True).step_time_s == pytest.approx(best(ddp, False).step_time_s, rel=1e-6)
 
 
 def test_slowdown_and_collectives_read_from_the_calibration():
