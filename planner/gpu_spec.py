@@ -7,7 +7,7 @@ local CPU) both build GPUSpecs, so the type lives here and neither imports the o
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.errors import BadInput
 
@@ -158,3 +158,18 @@ class GPUSpec:
     @property
     def memory_gb(self) -> float:
         return self.memory_bytes / 1e9
+
+    def power_capped(self, watts: float) -> "GPUSpec":
+        """This part run under a power limit below its TDP (nvidia-smi -pl, or a board built for
+        less): its sustained clocks, and so its compute peaks, scale as the cube root of the power
+        (dynamic power ~ f V^2, the voltage rising with the clock). Checked against a part sold at
+        less power: the H100 NVL, the same 132-SM die at 350-400 W, is rated 835 dense bf16 TFLOP/s
+        against the 700 W SXM's 989 (0.84; the law gives 0.79-0.83, a few percent low). Memory bandwidth is left as
+        is (its clock is not the one capped). Unchanged without a TDP or at or above it."""
+        if not self.tdp_w or watts >= self.tdp_w:
+            return self
+        scale = (watts / self.tdp_w) ** (1 / 3)
+        return replace(self, peak_flops={k: v * scale for k, v in self.peak_flops.items()}, tdp_w=watts,
+                       sources={**self.sources, "peak_flops": f"{self.sources.get('peak_flops', 'catalogue')}; "
+                                f"x{scale:.3f} under a {watts:g} W power limit (cube root of {watts:g} / {self.tdp_w:g} W)"})
+

@@ -192,6 +192,11 @@ def gpu_of(hw: dict, catalogue: dict[str, GPUSpec]) -> tuple[GPUSpec, str | None
         if hbm:
             spec = replace(spec, hbm_bandwidth_Bps=float(hbm.group(1)) * 1e12)
         note = f"GPU {mem.group(1)}GB variant: {spec.name} peaks"
+    cap = re.search(r"(\d+)\s*W power limit", text)
+    if cap and spec.tdp_w and float(cap.group(1)) < spec.tdp_w:
+        capped = spec.power_capped(float(cap.group(1)))
+        scale = capped.peak_flops["bf16"] / spec.peak_flops["bf16"]
+        spec, note = capped, "; ".join(filter(None, [note, f"{cap.group(1)} W power limit: peaks x{scale:.2f}"]))
     bw = inter_node_Bps(value(hw.get("inter_node_link")), hw["gpus_per_node"])
     if bw is not None and bw != spec.inter_node_bandwidth_Bps:
         spec = replace(spec, inter_node_bandwidth_Bps=bw)

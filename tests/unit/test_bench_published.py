@@ -68,6 +68,9 @@ def test_models_and_approximations_follow_the_rows(rows):
     assert llama.fixed.zero == 3 and llama.precision == "fp8"
     # the 96 GB part: the 80 GB entry's usable memory (81,559 MiB) scaled to 96, its own HBM rate
     assert llama.gpu.memory_bytes == pytest.approx(81559 * 2**20 * 96 / 80, rel=1e-4) and llama.gpu.hbm_bandwidth_Bps == 2.4e12
+    # its 500 W power limit (against the SXM's 700 W TDP): peaks x (500 / 700)^(1/3), named in the notes
+    assert llama.gpu.peak("bf16") == pytest.approx(989.4e12 * (500 / 700) ** (1 / 3)) and any("500 W" in n for n in llama.notes)
+    assert by_id["torchtitan_trainy_h200_llama3_8b_32gpu"].gpu.peak("bf16") == pytest.approx(989.4e12)  # no limit stated
     cp = by_id["torchtitan_T2_8B_8gpu_6"]
     assert (cp.fixed.cp, cp.fixed.tp) == (8, 1) and not any("CP" in n for n in cp.notes)  # as published
     assert by_id["llmfoundry_mpt7b_a100_40gb_8gpu_seq2048"].shape.arch == "mpt"

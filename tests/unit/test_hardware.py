@@ -263,3 +263,17 @@ def test_local_cpu_cache_for_another_machine_is_ignored(tmp_path, monkeypatch):
     assert local_device.cached_local_cpu() is None
     local_device.cache_path().write_text("not json")
     assert local_device.cached_local_cpu() is None
+
+
+def test_a_power_limit_scales_the_peaks_by_its_cube_root():
+    """Clocks (and so peaks) under a power limit fall as the cube root of the power; memory
+    bandwidth stays; at or above the TDP, or without one, nothing changes."""
+    h100 = get_gpu("h100-sxm-80gb")
+    capped = h100.power_capped(500)
+    for dtype in ("bf16", "fp8", "fp32"):
+        assert capped.peak(dtype) == pytest.approx(h100.peak(dtype) * (500 / 700) ** (1 / 3))
+    assert capped.hbm_bandwidth_Bps == h100.hbm_bandwidth_Bps and "500 W" in capped.sources["peak_flops"]
+    # the H100 NVL, the same die sold at 350-400 W, is rated 835 dense bf16 TFLOP/s: the law is a few percent low
+    assert h100.power_capped(400).peak("bf16") == pytest.approx(835e12, rel=0.05)
+    assert h100.power_capped(700) is h100 and dataclasses.replace(h100, tdp_w=None).power_capped(300).peak("bf16") == h100.peak("bf16")
+
