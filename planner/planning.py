@@ -109,8 +109,10 @@ def _cpu_factor(profile: ModelProfile, cluster: Cluster, busy: float = 1.0) -> f
     where k = 1 + (N - 1) x `busy` is how many processes a computing one shares the cores with on
     average, when each computes a share `busy` of the step (a rank waiting in gloo for a pipeline
     neighbour takes no CPU: a 3 s wait in a gloo recv or all-reduce took 0.01 s of CPU here).
-    On this 2-core VM, 8 single-thread matmul loops busy half the time ran 2.6x slower than alone,
-    a quarter of the time 1.5x, all the time 3.9x (bench-free check: /proc-timed loops, Dec 2026)."""
+    A mean-field estimate: on this 2-core VM, 8 single-thread processes timing 256 x 256 matmuls and
+    sleeping between them ran their matmuls 3.9x slower than one alone when busy all the time (k = 8:
+    4x), 2.6x when busy half of it (k = 4.5: 2.25x), 1.5x a quarter of it (k = 2.75: 1.4x); random
+    overlaps make it a little low."""
     if cluster.gpu.origin != "measured" or not profile.timed:
         return None
     cores = os.cpu_count() or 1
