@@ -52,7 +52,7 @@ from bench.published.rows import load_rows  # noqa: E402
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--free", action="store_true", help="also run the free search on each row's model, cluster and batch")
+    ap.add_argument("--free", action="store_true", help="also run the free search on each row's model, cluster and batch (with its trainer's TP overlap, where it has one)")
     ap.add_argument("--fit", action="store_true", help="grid-search MATMUL_, MEMORY_ and OVERLAP_EFFICIENCY on all rows")
     ap.add_argument("--loso", action="store_true", help="leave one source out: fit on the others, predict it (implies --fit)")
     ap.add_argument("--only", default=None, help="comma-separated sources (or row ids) to run")

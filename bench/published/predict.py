@@ -106,7 +106,8 @@ def predict(row: Row, profile, free: bool = False) -> Result:
     result = Result(row, found.best, None if found.best else found.min_need_bytes, time.perf_counter() - start)
     if free:
         start = time.perf_counter()
-        result.free = run_search(profile, cluster, training, Fixed(), top_k=1).best
+        # every choice free but what the trainer can do: TP overlap where the row's trainer runs it
+        result.free = run_search(profile, cluster, training, Fixed(tp_overlap=row.fixed.tp_overlap), top_k=1).best
         result.free_s = time.perf_counter() - start
     return result
 

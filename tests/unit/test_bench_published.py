@@ -91,3 +91,13 @@ def test_a_small_row_is_predicted(rows):
     assert result.scored.cand.tp == 1 and result.scored.cand.dp == 32 and result.scored.cand.micro_batch == 16
     assert 0.5 < result.step_s / row.measured_step_s < 2
     assert 0 < result.peak_bytes < row.gpu.memory_bytes
+
+
+def test_the_free_search_keeps_the_trainers_tp_overlap(rows):
+    """The free search frees every choice but what the row's trainer can do: with Megatron-LM's TP
+    overlap (which this runtime lacks, so a plain free search never turns it on) it finds a plan
+    at least as fast as the published configuration it would otherwise miss."""
+    row = next(r for r in rows if r.id == "megatron_h100_weak_177B")
+    assert row.fixed.tp_overlap
+    result = predict(row, Profiles().get(row), free=True)
+    assert result.free.cand.tp_overlap and result.free.step_time_s <= result.step_s * 1.001
