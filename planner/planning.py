@@ -21,7 +21,7 @@ from planner.plan import Plan
 from planner.profile import ModelProfile, profile_model
 from planner.report.units import fmt_bytes
 from planner.search.explain import build_plan
-from planner.search.search import SearchResult, run_search
+from planner.search.search import SearchResult, busy_share, run_search
 from planner.search.space import Fixed, cp_blocker
 
 DEFAULT_GPU = "h100-sxm-80gb"
@@ -205,6 +205,12 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
                            f"{gpu.tp_backward_overhead_s * 1e6:.0f} us backward per sharded Linear per micro-batch "
                            f"(DTensor): {gpu.sources.get('tp_forward_overhead_s', gpu.origin)}")
     best = result.best.cand
+    if _cpu_contention(profile, cluster) is not None:
+        share = busy_share(result.best.evaluation, best)
+        cores = os.cpu_count() or 1
+        assumptions.append(f"{cluster.num_gpus} processes on {cores} cores: each computes or communicates "
+                           f"{share:.0%} of the step (the rest: pipeline bubble), so {1 + (cluster.num_gpus - 1) * share:.1f} of them "
+                           "compute at once on average, taking turns on the cores as measured for that many")
     if any(l.moe_experts for l in profile.layers):
         assumptions.append("mixture-of-experts routing balanced (every expert gets its share of the tokens x top-k, "
                            "what a load-balancing loss aims at); expert-parallel all-to-alls not overlapped with compute")
