@@ -207,10 +207,14 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
     best = result.best.cand
     if _cpu_contention(profile, cluster) is not None:
         share = busy_share(result.best.evaluation, best)
-        cores = os.cpu_count() or 1
-        assumptions.append(f"{cluster.num_gpus} processes on {cores} cores: each computes or communicates "
-                           f"{share:.0%} of the step (the rest: pipeline bubble), so {1 + (cluster.num_gpus - 1) * share:.1f} of them "
-                           "compute at once on average, taking turns on the cores as measured for that many")
+        head = f"{cluster.num_gpus} processes on {os.cpu_count() or 1} cores"
+        if share >= 0.995:
+            assumptions.append(f"{head}, every one computing or communicating throughout the step: they take turns "
+                               f"on the cores as measured for {cluster.num_gpus}")
+        else:
+            assumptions.append(f"{head}: each computes or communicates {share:.0%} of the step (the rest: pipeline "
+                               f"bubble), so {1 + (cluster.num_gpus - 1) * share:.1f} of them compute at once on average, "
+                               "taking turns on the cores as measured for that many")
     if any(l.moe_experts for l in profile.layers):
         assumptions.append("mixture-of-experts routing balanced (every expert gets its share of the tokens x top-k, "
                            "what a load-balancing loss aims at); expert-parallel all-to-alls not overlapped with compute")

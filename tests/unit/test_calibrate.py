@@ -15,7 +15,7 @@ from planner.hardware import make_cluster
 from planner.cost.evaluate import evaluate
 from planner.cost.stage_costs import stage_costs
 from planner.model_file import load_model_file
-from planner.planning import PlanRequest, _cpu_contention, _cpu_factor, _training, profile_for
+from planner.planning import PlanRequest, _cpu_contention, _cpu_factor, _training, make_plan, profile_for
 from planner.search.search import busy_share, run_search
 from planner.search.space import Fixed
 from runtime.calibrate import fit_alpha_beta
@@ -91,6 +91,19 @@ def test_a_pipeline_bubble_lightens_the_others_compute(monkeypatch):
     assert again.step_time_s == pytest.approx(settled.step_time_s, rel=0.02)
     ddp = Fixed(pp=1, dp=8, tp=1, zero=0)
     assert best(ddp, True).step_time_s == pytest.approx(best(ddp, False).step_time_s, rel=1e-6)
+
+
+def test_the_plan_says_how_many_processes_compute_at_once(monkeypatch):
+    """More processes than cores: the plan states the turns it was costed with, from its bubble."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    handle = load_model_file(Path(__file__).parents[2] / "examples" / "gpt.py")
+
+    def said(**fixed) -> str:
+        plan = make_plan(handle, PlanRequest(gpus=4, gpu="cpu", global_batch=8, fixed=Fixed(tp=1, **fixed)))
+        return next(a for a in plan.assumptions if a.startswith("4 processes on 2 cores"))
+
+    assert "compute at once on average" in said(pp=2, dp=2, schedule="gpipe", micro_batch=1)
+    assert "throughout the step" in said(pp=1, dp=4)
 
 
 def test_slowdown_and_collectives_read_from_the_calibration():
