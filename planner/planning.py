@@ -133,10 +133,10 @@ def _cpu_factor(profile: ModelProfile, cluster: Cluster, busy: float = 1.0) -> f
     return speedup(threads) / speedup(per) * oversubscribed
 
 
-def _cpu_contention(profile: ModelProfile, cluster: Cluster) -> Callable[[float], float] | None:
-    """The CPU factor as a function of the share of the step each process computes (`_cpu_factor`'s
-    `busy`), where more processes than cores take turns; None where none do."""
-    if _cpu_factor(profile, cluster) is None or cluster.num_gpus <= (os.cpu_count() or 1):
+def _cpu_scaling(profile: ModelProfile, cluster: Cluster) -> Callable[[float], float] | None:
+    """`_cpu_factor` as a function of `busy` (run_search settles it per plan); None off the CPU.
+    Constant unless more processes than cores take turns."""
+    if _cpu_factor(profile, cluster) is None:
         return None
     return lambda busy: _cpu_factor(profile, cluster, busy)
 
@@ -160,8 +160,7 @@ def search(profile: ModelProfile, request: PlanRequest, cluster: Cluster) -> tup
     user did not fix, the micro-batch included, is searched."""
     batch, _ = global_batch_of(profile, request, cluster)
     training = _training(request, cluster, batch)
-    return run_search(profile, cluster, training, request.fixed, request.top_k, _cpu_factor(profile, cluster),
-                      _cpu_contention(profile, cluster)), training
+    return run_search(profile, cluster, training, request.fixed, request.top_k, _cpu_scaling(profile, cluster)), training
 
 
 def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile | None = None) -> Plan:
@@ -205,7 +204,8 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
                            f"{gpu.tp_backward_overhead_s * 1e6:.0f} us backward per sharded Linear per micro-batch "
                            f"(DTensor): {gpu.sources.get('tp_forward_overhead_s', gpu.origin)}")
     best = result.best.cand
-    if _cpu_contention(profile, cluster) is not None:
+    scaling = _cpu_scaling(profile, cluster)
+    if scaling is not None and scaling(0.0) != scaling(1.0):  # processes take turns on the cores
         share = busy_share(result.best.evaluation, best)
         head = f"{cluster.num_gpus} processes on {os.cpu_count() or 1} cores"
         if share >= 0.995:

@@ -181,26 +181,27 @@ def run_search(
     training: Training,
     fixed: Fixed = Fixed(),
     top_k: int = 3,
-    cpu_factor: float | None = None,
-    cpu_contention: Callable[[float], float] | None = None,
+    cpu_factor: Callable[[float], float] | None = None,
 ) -> SearchResult:
     """The best plans for the request. `cpu_factor`: cost the profile's measured CPU seconds times
-    this; `cpu_contention` (more processes than cores): the factor as a function of the share of
-    the step a process computes, settled per plan (`_settle`); `cpu_factor` is its value at 1."""
+    this function of the share of the step a process computes (planning._cpu_factor: where more
+    processes than cores take turns, it falls with that share), settled per plan (`_settle`)."""
     start = time.perf_counter()
     stats = SpaceStats()
     result = SearchResult([], None, None, None, None, stats)
     num_atoms = len(atoms_of(profile))
     tables: dict[tuple, tuple] = {}
 
-    def costs_of(cand: Candidate, factor: float | None = cpu_factor) -> StageCosts:
+    all_busy = cpu_factor(1.0) if cpu_factor is not None else None
+    # the time bounds that prune hold for any share of the step a process computes: the least factor
+    lowest = cpu_factor(0.0) if cpu_factor is not None else None
+
+    def costs_of(cand: Candidate, factor: float | None = all_busy) -> StageCosts:
         key = (cand.tp, cand.micro_batch, cand.sequence_parallel, cand.tp_overlap, cand.cp, cand.ep)
         if (key, factor) not in tables:
             tables[key, factor] = atom_table(profile, cluster, training, *key[:2], factor, *key[2:])
         return stage_costs(profile, cluster, training, cand, factor, atoms=tables[key, factor])
 
-    # the time bounds that prune hold for any share of the step a process computes: the least factor
-    lowest = cpu_contention(0.0) if cpu_contention is not None else cpu_factor
     survivors: list[tuple[float, StageCosts]] = []
     for cand in candidates(profile, cluster.num_gpus, cluster.gpus_per_node, num_atoms, training.global_batch, fixed, stats):
         costs = costs_of(cand, lowest)
@@ -231,10 +232,9 @@ def run_search(
         if cutoff is not None and bound > cutoff:
             result.pruned_time += 1
             continue
-        if cpu_contention is not None:
-            scored = _settle(solver.score(costs_of(costs.cand), cutoff), cpu_contention, costs_of, solver)
-        else:
-            scored = solver.score(costs, cutoff)
+        if lowest != all_busy:
+            costs = costs_of(costs.cand)
+        scored = _settle(solver.score(costs, cutoff), cpu_factor, costs_of, solver)
         if scored is None:
             continue
         shape = scored.shape
@@ -246,7 +246,7 @@ def run_search(
         _min_need(result, survivors, leanest)
     # Plain data parallelism as a user would try it: any recompute that makes it fit.
     _data_parallel_baseline(result, profile, cluster, training, costs_of, _Solver(result, Fixed()), num_atoms,
-                            cpu_contention)
+                            cpu_factor)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -261,15 +261,18 @@ def busy_share(ev: Evaluation, cand: Candidate) -> float:
     return 1.0 - sum(idle) / len(idle) / ev.step_time_s
 
 
-def _settle(scored: Scored | None, contention: Callable[[float], float], costs_of, solver: "_Solver") -> Scored | None:
-    """The plan re-costed until the CPU factor agrees with the share of the step its processes
-    compute (planning._cpu_factor): processes waiting in a pipeline bubble leave the cores to the
-    others. The factor only falls from its all-busy value, so a few rounds settle it."""
-    factor = contention(1.0)  # what `scored` was costed with
+def _settle(scored: Scored | None, cpu_factor: Callable[[float], float] | None, costs_of, solver: "_Solver") -> Scored | None:
+    """The plan (costed with every process busy) re-costed until the CPU factor agrees with the
+    share of the step its processes compute (planning._cpu_factor): processes waiting in a pipeline
+    bubble leave the cores to the others. That share moves little as the factor does (the bubble
+    scales with the stages' time), so a round or two settle it; none where the factor is constant."""
+    if cpu_factor is None:
+        return scored
+    factor = cpu_factor(1.0)
     for _ in range(SETTLE_ROUNDS):
         if scored is None:
             return None
-        new = float(f"{contention(busy_share(scored.evaluation, scored.cand)):.3g}")
+        new = float(f"{cpu_factor(busy_share(scored.evaluation, scored.cand)):.3g}")
         if abs(new - factor) <= SETTLE_TOLERANCE * factor:
             break
         factor = new
@@ -291,7 +294,7 @@ def _min_need(result: SearchResult, survivors: list[tuple[float, StageCosts]], l
             result.min_need_bytes, result.min_need_cand = ev.peak_bytes, costs.cand
 
 
-def _data_parallel_baseline(result, profile, cluster, training, costs_of, solver, num_atoms, contention=None) -> None:
+def _data_parallel_baseline(result, profile, cluster, training, costs_of, solver, num_atoms, cpu_factor) -> None:
     """The best plain data-parallel plan (tp = pp = 1, ZeRO-0), or the memory it would need."""
     dp_only = Fixed(tp=1, pp=1, zero=0, cp=1, ep=1)
     for s in result.ranked:
@@ -306,7 +309,7 @@ def _data_parallel_baseline(result, profile, cluster, training, costs_of, solver
         if not ev.fits:
             need = ev.peak_bytes if need is None else min(need, ev.peak_bytes)
             continue
-        scored = solver.score(costs) if contention is None else _settle(solver.score(costs), contention, costs_of, solver)
+        scored = _settle(solver.score(costs), cpu_factor, costs_of, solver)
         if scored is not None and (best is None or scored.step_time_s < best.step_time_s):
             best = scored
     result.data_parallel = best

@@ -15,7 +15,7 @@ from planner.hardware import make_cluster
 from planner.cost.evaluate import evaluate
 from planner.cost.stage_costs import stage_costs
 from planner.model_file import load_model_file
-from planner.planning import PlanRequest, _cpu_contention, _cpu_factor, _training, make_plan, profile_for
+from planner.planning import PlanRequest, _cpu_factor, _cpu_scaling, _training, make_plan, profile_for
 from planner.search.search import busy_share, run_search
 from planner.search.space import Fixed
 from runtime.calibrate import fit_alpha_beta
@@ -63,7 +63,8 @@ def test_processes_share_the_cores_with_those_computing(monkeypatch):
     # 4.5 processes at once: log-log between the 3.3 measured with 4 and the 7.2 with 8
     at = math.exp(math.log(3.3) + math.log(4.5 / 4) / math.log(2) * math.log(7.2 / 3.3))
     assert factor[0.5] == pytest.approx(1.6 * at / 1.5)
-    assert _cpu_contention(profile, make_cluster(_cpu(2, process_slowdown=slowdown), 2)) is None  # no turns
+    alone = _cpu_scaling(profile, make_cluster(_cpu(2, process_slowdown=slowdown), 2))
+    assert alone(0.0) == alone(1.0) == pytest.approx(1.6)  # no turns: the same factor however busy
 
 
 def test_a_pipeline_bubble_lightens_the_others_compute(monkeypatch):
@@ -76,17 +77,16 @@ def test_a_pipeline_bubble_lightens_the_others_compute(monkeypatch):
     profile = profile_for(load_model_file(Path(__file__).parents[2] / "examples" / "gpt.py"), request)
     cluster = make_cluster(_cpu(2, process_slowdown=((1, 1.0), (2, 1.8), (4, 3.9), (8, 8.0))), 8)
     training = _training(request, cluster, 8)
-    contention = _cpu_contention(profile, cluster)
+    scaling = _cpu_scaling(profile, cluster)
 
     def best(fixed: Fixed, settle: bool):
-        return run_search(profile, cluster, training, fixed, 1, _cpu_factor(profile, cluster),
-                          contention if settle else None).best
+        return run_search(profile, cluster, training, fixed, 1, scaling if settle else lambda busy: scaling(1.0)).best
 
     gpipe = Fixed(pp=2, dp=4, tp=1, zero=0, schedule="gpipe", micro_batch=1)
     busy, settled = best(gpipe, False), best(gpipe, True)
     share = busy_share(settled.evaluation, settled.cand)
     assert share < 0.9 and settled.step_time_s < busy.step_time_s
-    again = evaluate(stage_costs(profile, cluster, training, settled.cand, contention(share)),
+    again = evaluate(stage_costs(profile, cluster, training, settled.cand, scaling(share)),
                      list(settled.partition.bounds), list(settled.partition.choice))
     assert again.step_time_s == pytest.approx(settled.step_time_s, rel=0.02)
     ddp = Fixed(pp=1, dp=8, tp=1, zero=0)
