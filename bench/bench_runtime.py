@@ -11,6 +11,11 @@ time is the runtime's (the median over the later half of the steps after the fir
 profiled apart: runtime.train.timed_steps), and each plan runs --repeats times (in rounds over all the
 plans; its figure is the median). CPU timings on a shared 2-core machine move 5-15% run to run: the
 bench prints that spread, and how the prediction orders the pairs of plans measured further apart.
+
+Each plan is predicted three times: before calibration (with the machine's quick benchmark alone:
+matmul, copy and one gloo all-reduce), as planned (with `plan calibrate`'s figures), and with the
+phase factors `plan calibrate --from-run` refits from the runs of the other plans only (leave one plan
+out: no prediction has seen its own plan's runs), as a user's next plan on the machine would be.
 """
 
 from __future__ import annotations
@@ -86,6 +91,52 @@ def kendall_tau(pairs: list[tuple[float, float]]) -> float:
             score += (a * b > 0) - (a * b < 0)
             total += 1
     return score / total if total else 1.0
+
+
+def summary(what: str, pairs: list[tuple[float, float]], spread: float | None) -> None:
+    """Measured over predicted step time and the orders' agreement (Kendall tau) of (predicted,
+    measured) `pairs`; with `spread` (the run-to-run noise), also over the pairs of plans measured
+    further apart than it (the order the machine itself can tell)."""
+    ratios = sorted(m / p for p, m in pairs)
+    line = (f"{what}: measured / predicted step time median {statistics.median(ratios):.2f}, range {ratios[0]:.2f}-"
+            f"{ratios[-1]:.2f}, within 15%: {sum(abs(r - 1) <= 0.15 for r in ratios)} of {len(ratios)}; Kendall tau "
+            f"{kendall_tau(pairs):.2f}")
+    if spread is not None:
+        apart = [(a, b) for a, b in itertools.combinations(pairs, 2) if max(a[1], b[1]) / min(a[1], b[1]) - 1 > spread]
+        concordant = sum((a[0] - b[0]) * (a[1] - b[1]) > 0 for a, b in apart)
+        line += (f"; of the {len(apart)} pairs measured further apart than the spread, {concordant} ordered as measured "
+                 f"(tau {(2 * concordant - len(apart)) / max(1, len(apart)):.2f})")
+    print(line)
+
+
+def uncalibrated_predictions(handle, global_batch: int, tmp: Path) -> list[float]:
+    """Each plan's predicted step time before `plan calibrate`: made with this machine's quick
+    benchmark alone (its cached matmul, copy and gloo all-reduce figures, in a temporary cache
+    without the calibration), as a user's first plan on the machine is."""
+    import os
+    import shutil
+
+    from planner.local_device import cache_path
+
+    cache = tmp / "uncalibrated"
+    (cache / "parallel-planner").mkdir(parents=True)
+    shutil.copy(cache_path(), cache / "parallel-planner" / cache_path().name)
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(cache)
+    try:
+        return [json.loads(p.read_text())["predicted"]["step_time_s"] for p in plan_files(handle, global_batch, cache)]
+    finally:
+        if before is None:
+            del os.environ["XDG_CACHE_HOME"]
+        else:
+            os.environ["XDG_CACHE_HOME"] = before
+
+
+def reports_cpu_factors() -> tuple:
+    """The phase factors this machine's plans are made with (plan calibrate --from-run's; () none)."""
+    from planner.local_device import measure_local_cpu
+
+    return measure_local_cpu().phase_factors
 
 
 def run_all(handle, args, tmp: Path, tag: str) -> list:
@@ -166,6 +217,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         print(f"{handle.name}, global batch {args.global_batch}, {args.steps} steps per run, fp32, AdamW, gloo")
+        uncalibrated = uncalibrated_predictions(handle, args.global_batch, tmp)
         paths = plan_files(handle, args.global_batch, tmp)
         # each plan launched --repeats times, the rounds one after another (the machine's load
         # drifts over minutes: interleaving spreads it over every plan), each round starting a
@@ -178,35 +230,43 @@ def main() -> None:
                 path, (label, world, _) = paths[i], PLANS[i]
                 runs[i].append(launch([path], world, steps=args.steps, run_dir=tmp / f"{path.stem}.{n}").reports[0])
                 print(f"  round {n + 1}: {label}: {runs[i][-1].measured.step_time_s:.3f} s", flush=True)
-        print(f"{'plan':34s} {'predicted':>10s} {'measured':>10s} {'ratio':>6s} {'runs':>15s} {'pred. mem':>10s} "
-              f"{'meas. mem':>10s} {'ratio':>6s}")
-        pairs, noise = [], []
-        for (label, _, _), reports in zip(PLANS, runs):
+        # after calibration from runs: each plan predicted with the phase factors refit from the
+        # other plans' runs alone (plan calibrate --from-run; leave one plan out), so no plan's
+        # prediction has seen its own measurement
+        from runtime.calibrate import predict_with, refit
+
+        old = dict(reports_cpu_factors())
+        refits = []
+        for i in range(len(PLANS)):
+            others = [r for j, reports in enumerate(runs) if j != i for r in reports]
+            refits.append(predict_with(runs[i][0], refit(others, old)[0]))
+        print(f"{'plan':34s} {'uncalib.':>8s} {'ratio':>6s} {'predicted':>10s} {'measured':>10s} {'ratio':>6s} {'runs':>15s} "
+              f"{'refit':>8s} {'ratio':>6s} {'pred. mem':>10s} {'meas. mem':>10s} {'ratio':>6s}")
+        pairs, after, first, noise = [], [], [], []
+        for (label, _, _), reports, again, guess in zip(PLANS, runs, refits, uncalibrated):
             pred, steps = reports[0].predicted, [r.measured.step_time_s for r in reports]
             meas = statistics.median(steps)
             pairs.append((pred.step_time_s, meas))
+            after.append((again, meas))
+            first.append((guess, meas))
             noise.append(max(steps) / min(steps) - 1)
             mem = max(max(r.measured.peak_memory_bytes) for r in reports)
             print(
-                f"{label:34s} {pred.step_time_s:9.3f}s {meas:9.3f}s {meas / pred.step_time_s:6.2f} "
-                f"{'/'.join(f'{t:.2f}' for t in steps):>15s} "
+                f"{label:34s} {guess:7.3f}s {meas / guess:6.2f} {pred.step_time_s:9.3f}s {meas:9.3f}s {meas / pred.step_time_s:6.2f} "
+                f"{'/'.join(f'{t:.2f}' for t in steps):>15s} {again:7.3f}s {meas / again:6.2f} "
                 f"{pred.peak_memory_bytes / 1e9:9.2f}G {mem / 1e9:9.2f}G {mem / pred.peak_memory_bytes:6.2f}"
             )
             for warning in reports[0].warnings:  # where the run differs from what the plan assumed
                 print(f"    warning: {warning}")
-        ratios = sorted(m / p for p, m in pairs)
-        print(f"measured / predicted step time: median {statistics.median(ratios):.2f}, range {ratios[0]:.2f}-{ratios[-1]:.2f}, "
-              f"within 15%: {sum(abs(r - 1) <= 0.15 for r in ratios)} of {len(ratios)}; "
-              f"Kendall tau (order of predicted against measured) {kendall_tau(pairs):.2f}")
+        spread = statistics.median(noise)
         if args.repeats > 1:
-            # the order the machine itself can tell: pairs whose measured times differ by more
-            # than the run-to-run spread of the same plan (the median over the plans)
-            spread = statistics.median(noise)
-            apart = [(a, b) for a, b in itertools.combinations(pairs, 2) if max(a[1], b[1]) / min(a[1], b[1]) - 1 > spread]
-            concordant = sum((a[0] - b[0]) * (a[1] - b[1]) > 0 for a, b in apart)
             print(f"run-to-run spread of a plan's step (max / min of its {args.repeats} runs - 1): median {spread:.1%}, "
-                  f"largest {max(noise):.1%}; of the {len(apart)} pairs of plans measured further apart than that, "
-                  f"the prediction orders {concordant} as measured (tau over them {(2 * concordant - len(apart)) / max(1, len(apart)):.2f})")
+                  f"largest {max(noise):.1%}")
+        for what, figures in (("before calibration", first), ("plan calibrate", pairs),
+                              ("+ refit from the other plans' runs", after)):
+            summary(what, figures, spread if args.repeats > 1 else None)
+        print("phase factors refit from every run: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in sorted(refit([r for rs in runs for r in rs], old)[0].items())))
         ddp2_path = paths[[label for label, _, _ in PLANS].index("DDP dp=2")]
         # The overhead: the runtime's DDP and a hand-written DDP loop back to back, three times over
         # (the load on a shared machine drifts over minutes): the median of the pairs' ratios.

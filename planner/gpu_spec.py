@@ -116,10 +116,15 @@ class GPUSpec:
     "compute" (forward, backward, recompute), "comm" (TP, CP, EP, pipeline and data-parallel
     traffic), "optimizer", and "tp_compute" (compute again, in plans with tensor parallelism: what
     the sharded layers lose or gain on this stack: smaller GEMMs, DTensor's per-op work); each
-    multiplies the cost model's seconds for that phase. Empty: 1."""
+    multiplies the cost model's seconds for that phase; and "zero_comm" and "tp_comm", in place of
+    "comm" for ZeRO-2/3's traffic every micro-batch (FSDP's gathers and reduce-scatters, layer by
+    layer, with their copies) and for tensor parallelism's: many collectives between and beside
+    computations, where DDP runs a few after the backward (on gloo a rank's collectives and its
+    compute share its cores). Empty: 1; "zero_comm" or "tp_comm" unset: "comm"."""
 
     def factor(self, phase: str) -> float:
-        return next((f for name, f in self.phase_factors if name == phase), 1.0)
+        default = self.factor("comm") if phase in ("zero_comm", "tp_comm") else 1.0
+        return next((f for name, f in self.phase_factors if name == phase), default)
 
     def slowdown(self, processes: float) -> float:
         """`process_slowdown` at `processes`: interpolated in log-log between the measured counts,

@@ -81,7 +81,7 @@ def _to_si(key: str, value: float) -> float:
 
 
 _TEXTS = ("name", "display_name", "vendor")
-PHASES = ("compute", "comm", "optimizer", "tp_compute")
+PHASES = ("compute", "comm", "optimizer", "tp_compute", "zero_comm", "tp_comm")
 OPTIMIZERS = ("adamw", "sgd")
 KNOWN_KEYS = (*_TEXTS, "peak_tflops", *_SCALARS, "optimizer_ns_per_param", "loss_parallel_ns_per_element", "phase_factors",
               "sources", "uncertain")

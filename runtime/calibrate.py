@@ -12,7 +12,8 @@ a node's power and memory system) is measured as training meets it:
   ``GPUSpec.process_slowdown``, which the planner uses instead of assuming that N processes on C
   cores each run at C/N of the whole (they do not: two threads are not twice one);
 - all-reduce, all-gather and reduce-scatter among all N ranks, and a message each way between pairs
-  of ranks, at sizes from 4 KiB to 16 MiB: a least-squares fit of seconds = latency + bytes x
+  of ranks, at sizes from 4 KiB to 16 MiB, each after a matmul (as training calls them, between
+  computations: `_after_compute_s`): a least-squares fit of seconds = latency + bytes x
   volume / bus bandwidth (nccl-tests' bus bandwidth: volume 2(N-1)/N for all-reduce, (N-1)/N for
   the others): ``collectives``, each group of the plan costed with what was measured for its
   size and kind.
@@ -275,10 +276,36 @@ def measure(device: torch.device) -> dict[str, Any]:
     return out
 
 
+SEGMENT_SHAPE = (128, 1024, 1024)
+"""(m, k, n) of the matmul each timed collective follows: a few milliseconds of one CPU core (a
+layer's share of a step, as the collectives of TP and FSDP follow), a few microseconds of a GPU."""
+
+
+def _after_compute_s(op: Callable[[], Any], work: Callable[[], Any], sync: Callable[[], None]) -> float:
+    """Seconds `op` (a collective) adds after `work` (compute), every rank at once: the median over
+    REPEATS of (work, then op) less work alone, each timed from a barrier. Training calls its
+    collectives between computations, never back to back: there a collective also absorbs the ranks'
+    skew and wakes gloo's threads from idle. On this 2-core machine that added 1.3-1.4 ms to every
+    all-gather, reduce-scatter and all-reduce of 0.75 MB after a 6 ms matmul (2.2x, 1.7x and 1.7x
+    their time back to back; 1.0-1.2x at 12 MB), a latency the back-to-back fit had put at 0.4-1 ms."""
+    def timed(fn: Callable[[], Any]) -> float:
+        dist.barrier()
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - start
+
+    work(), op(), sync()
+    return max(0.0, statistics.median(timed(lambda: (work(), op())) - timed(work) for _ in range(REPEATS)))
+
+
 def _collective(kind: str, device: torch.device, sync: Callable[[], None], group: Any, n: int, rank: int,
                 peer: int) -> dict[str, Any]:
-    """Seconds of one collective among the `n` ranks of `group` (None: all) at each of SIZES, and
-    its fitted latency and bus bandwidth."""
+    """Seconds of one collective among the `n` ranks of `group` (None: all) at each of SIZES, each
+    after a matmul as training calls it (_after_compute_s), and its fitted latency and bus bandwidth."""
+    m, k, n_ = SEGMENT_SHAPE
+    a, b = torch.randn(m, k, device=device), torch.randn(k, n_, device=device)
     seconds = []
     for size in SIZES:  # the whole buffer: all-reduce's, all-gather's output, reduce-scatter's input
         elems = max(n, size // 4) // n * n
@@ -291,7 +318,7 @@ def _collective(kind: str, device: torch.device, sync: Callable[[], None], group
             "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(whole), whole, group=group),
             "p2p": lambda: _exchange(whole, rank, peer),
         }[kind]
-        seconds.append(_median_s(op, sync=sync))
+        seconds.append(_after_compute_s(op, lambda: torch.mm(a, b), sync))
     latency, busbw = fit_alpha_beta(SIZES, seconds, COLLECTIVES[kind](n))
     return {"latency_s": latency, "busbw_Bps": busbw, "sizes": list(SIZES), "seconds": seconds}
 
@@ -367,14 +394,34 @@ def _sums(breakdown: dict[str, float]) -> tuple[float, float]:
             sum(b.get(k, 0.0) for k in ("tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm")))
 
 
-def _base(report: Any) -> tuple[float, float, float, bool]:
-    """A report's predicted (compute, comm, optimizer) seconds without the factors its plan applied,
-    and whether its plan has tensor parallelism (its compute also carried "tp_compute")."""
+TP_PHASE = "TP communication"  # runtime.report.PHASE_ROWS
+
+
+def _base(report: Any) -> tuple[float, float, float, float, float, bool]:
+    """A report's predicted (compute, comm, ZeRO-2/3's every-micro-batch comm, TP comm, optimizer)
+    seconds without the factors its plan applied, and whether its plan has tensor parallelism (its
+    compute also carried "tp_compute"). ZeRO-2/3's: its data-parallel traffic where its plan runs
+    ZeRO-2/3 without a pipeline (PredictedRun.every_microbatch_dp); comm: the traffic that is
+    neither that nor TP's."""
     b, used = report.predicted.breakdown_s, getattr(report.predicted, "phase_factors", None) or {}
     tp = getattr(report.predicted, "tp", 1) > 1
     pc, pm = _sums(b)
+    pz = b.get("dp_comm", 0.0) if getattr(report.predicted, "every_microbatch_dp", False) else 0.0
+    pt = b.get("tp_comm", 0.0)
     compute = used.get("compute", 1.0) * (used.get("tp_compute", 1.0) if tp else 1.0)
-    return pc / compute, pm / used.get("comm", 1.0), b.get("optimizer", 0.0) / used.get("optimizer", 1.0), tp
+    comm = used.get("comm", 1.0)
+    return (pc / compute, (pm - pz - pt) / comm, pz / used.get("zero_comm", comm), pt / used.get("tp_comm", comm),
+            b.get("optimizer", 0.0) / used.get("optimizer", 1.0), tp)
+
+
+def predict_with(report: Any, factors: dict[str, float]) -> float:
+    """The report's predicted step time had its plan been made with phase `factors` (its figures
+    freed of the factors its plan applied, then multiplied by these)."""
+    pc, pm, pz, pt, po, tp = _base(report)
+    comm = factors.get("comm", 1.0)
+    compute = factors.get("compute", 1.0) * (factors.get("tp_compute", 1.0) if tp else 1.0)
+    return (compute * pc + comm * pm + factors.get("zero_comm", comm) * pz + factors.get("tp_comm", comm) * pt
+            + factors.get("optimizer", 1.0) * po)
 
 
 def refit(reports: list[Any], old: dict[str, float]) -> tuple[dict[str, float], list[tuple[str, float, float, float]]]:
@@ -382,50 +429,73 @@ def refit(reports: list[Any], old: dict[str, float]) -> tuple[dict[str, float], 
     refit predicted s, measured s). Each report's figures are first freed of the factors its plan
     applied (PredictedRun.phase_factors), so reports of plans made with different calibrations
     pool: every run a user has made on the cluster counts. Each report's step, less its measured
-    optimizer step, is a x compute + b x comm (x t in a plan with tensor parallelism) of those bare
-    figures (compute: compute, recompute and bubble; comm: TP, CP, EP, pipeline and data-parallel
-    traffic): a and b by least squares on the relative errors of the runs without tensor parallelism
-    (of all runs when every one has it), with a weak pull (RIDGE) to the current factors `old`; then
-    t, "tp_compute", the median over the TP runs of what their compute took past a x compute once
-    b x comm is taken off (kept as it was without a TP run). In two stages, as one least-squares fit
-    of a, b and t together traded the TP runs' compute against everyone's communication (their
-    columns move together): on this CPU it read tp_compute 0.44 from runs whose TP plans took 1.3x
-    their prediction. The optimizer's factor: the median of measured over bare predicted."""
-    rows, opt = [], []
+    optimizer step, is a x compute (x t in a plan with tensor parallelism) + b x comm + z x FSDP
+    comm + c x TP comm of those bare figures (compute: compute, recompute and bubble; FSDP comm:
+    the data-parallel traffic of ZeRO-2/3 every micro-batch; TP comm: tensor parallelism's; comm:
+    the rest of the traffic, CP, EP, pipeline and data-parallel).
+
+    In stages, each factor from the runs that show its phase, as one least-squares fit of all
+    together traded one kind of run's phases against the others' (their columns move together: on
+    this CPU it read tp_compute 0.44 from runs whose TP plans took 1.3x their prediction), and the
+    runs without TP or FSDP have too little traffic to set a factor for theirs (a DDP step's
+    all-reduce is a twentieth of it: the step's noise moved b to 1.9, which then mispredicted TP):
+    a and b by least squares on the relative errors of the runs with neither TP nor FSDP (of the
+    runs without TP, FSDP's traffic counted in comm, when every one has it; of all runs when every
+    one has TP), with a weak pull (RIDGE) to the current factors `old`; c, "tp_comm", the median
+    over the TP runs of their profiled TP communication (the report's phase) over its bare
+    prediction; z, "zero_comm", the median over the FSDP runs without TP of what their traffic took
+    once a x compute and b x comm are taken off; t, "tp_compute", the median over the TP runs of
+    what their compute took past a x compute once the traffic is taken off (each kept as it was
+    without such a run). TP's and FSDP's traffic have factors of their own because on gloo their
+    dozens of collectives a step run between and beside computations and share the rank's cores
+    with them: 2.5x and 1.8x their bare seconds on this 2-core machine (examples/gpt.py, tp 2, and
+    ZeRO-3 with 4 micro-batches, by phase), where DDP's few all-reduces after the backward take
+    1.0x. The optimizer's factor: the median of measured over bare predicted."""
+    rows, opt, tp_comm = [], [], []
     for r in reports:
         phases = {p.name: p for p in r.phases}
         if not r.predicted.breakdown_s or "optimizer step" not in phases:
             continue
         measured = r.measured.step_time_s - phases["optimizer step"].measured_s
-        pc, pm, po, tp = _base(r)
-        if measured > 0 and pc + pm > 0:
-            rows.append((pc / measured, pm / measured, pc / measured if tp else 0.0))
+        pc, pm, pz, pt, po, tp = _base(r)
+        if measured > 0 and pc + pm + pz + pt > 0:
+            rows.append((pc / measured, pm / measured, pz / measured, pt / measured, tp))
         if po > 0:
             opt.append(phases["optimizer step"].measured_s / po)
+        if pt > 0 and TP_PHASE in phases and phases[TP_PHASE].measured_s > 0:
+            tp_comm.append(phases[TP_PHASE].measured_s / pt)
     if not rows:
         raise BadInput("plan calibrate --from-run: no run report with a predicted breakdown and a measured optimizer "
                        "step (reports of plan run from this version)")
-    # minimise sum (a x + b y - 1)^2 + RIDGE |(a, b) - (a0, b0)|^2 over the runs without TP
+    # minimise sum (a x + b y - 1)^2 + RIDGE |(a, b) - (a0, b0)|^2 over the plain runs
     a0, b0 = old.get("compute", 1.0), old.get("comm", 1.0)
-    x = np.array(rows)
-    plain = x[x[:, 2] == 0] if (x[:, 2] == 0).any() else x
-    a, b_ = np.linalg.solve(plain[:, :2].T @ plain[:, :2] + RIDGE * np.eye(2),
-                            plain[:, :2].T @ np.ones(len(plain)) + RIDGE * np.array([a0, b0]))
+    plain = ([(xc, y) for xc, y, yz, yt, tp in rows if not tp and not yz]
+             or [(xc, y + yz) for xc, y, yz, yt, tp in rows if not tp] or [(xc, y + yz + yt) for xc, y, yz, yt, _ in rows])
+    x = np.array(plain)
+    a, b_ = np.linalg.solve(x.T @ x + RIDGE * np.eye(2), x.T @ np.ones(len(x)) + RIDGE * np.array([a0, b0]))
     a, b_ = max(float(a), 0.05), max(float(b_), 0.05)
     o = statistics.median(opt) if opt else old.get("optimizer", 1.0)
     new = {"compute": a, "comm": b_, "optimizer": o}
-    tp_runs = [(xc, y) for xc, y, z in rows if z]
-    if tp_runs:  # a TP run: a x t x compute + b x comm = measured (each divided by measured)
-        new["tp_compute"] = max(statistics.median((1 - b_ * y) / (a * xc) for xc, y in tp_runs), 0.05)
+    for name, values in (("tp_comm", tp_comm),):
+        if values:
+            new[name] = max(statistics.median(values), 0.05)
+        elif name in old:
+            new[name] = old[name]
+    c = new.get("tp_comm", b_)
+    zero_runs = [(xc, y, yz) for xc, y, yz, yt, tp in rows if yz and not tp]
+    if zero_runs:  # a x compute + b x comm + z x FSDP comm = measured (each divided by measured)
+        new["zero_comm"] = max(statistics.median((1 - a * xc - b_ * y) / yz for xc, y, yz in zero_runs), 0.05)
+    elif "zero_comm" in old:
+        new["zero_comm"] = old["zero_comm"]
+    z = new.get("zero_comm", b_)
+    tp_runs = [(xc, y, yz, yt) for xc, y, yz, yt, tp in rows if tp]
+    if tp_runs:  # a x t x compute + b x comm + z x FSDP comm + c x TP comm = measured
+        new["tp_compute"] = max(statistics.median((1 - b_ * y - z * yz - c * yt) / (a * xc) for xc, y, yz, yt in tp_runs),
+                                0.05)
     elif "tp_compute" in old:
         new["tp_compute"] = old["tp_compute"]
-    fitted = []
-    for r in reports:
-        if not r.predicted.breakdown_s:
-            continue
-        pc, pm, po, tp = _base(r)
-        compute = a * (new.get("tp_compute", 1.0) if tp else 1.0)
-        fitted.append((r.plan, r.predicted.step_time_s, compute * pc + b_ * pm + o * po, r.measured.step_time_s))
+    fitted = [(r.plan, r.predicted.step_time_s, predict_with(r, new), r.measured.step_time_s)
+              for r in reports if r.predicted.breakdown_s]
     return new, fitted
 
 

@@ -35,6 +35,15 @@ class PredictedRun:
     """The plan's calibration factors, included in those figures ({} when none)."""
     tp: int = 1
     """The plan's tensor-parallel degree (its compute carries the "tp_compute" factor when > 1)."""
+    zero: int = 0
+    pp: int = 1
+    """The plan's ZeRO stage and pipeline degree: with ZeRO-2/3 and no pipeline, its data-parallel
+    traffic runs every micro-batch and carries the "zero_comm" factor."""
+
+    @property
+    def every_microbatch_dp(self) -> bool:
+        """Whether the plan's data-parallel traffic (dp_comm) is ZeRO-2/3's every micro-batch."""
+        return self.zero >= 2 and self.pp == 1
 
 
 @dataclass(frozen=True)
@@ -190,7 +199,7 @@ def build_report(
 ) -> RunReport:
     world_size = plan.parallel.world_size
     predicted = PredictedRun(plan.predicted.step_time_s, plan.predicted.peak_memory_bytes, dict(plan.predicted.breakdown_s),
-                             dict(plan.predicted.phase_factors), plan.parallel.tp)
+                             dict(plan.predicted.phase_factors), plan.parallel.tp, plan.parallel.zero, plan.parallel.pp)
     profiled = ProfiledStep(profiled_rank, profiled_step_s, dict(phases_s)) if phases_s else None
     phases = _phases(predicted, step_time_s, optimizer_s, profiled)
     ratios = Ratios(

@@ -441,7 +441,7 @@ def _layer_costs(
         queries = layer.fwd_attention_flops * _scale(profile, cand.micro_batch) / (4 * profile.seq_len * shard)
         fwd += memory_bound_s(CP_MERGE_PASSES[0] * 4 * queries, gpu) * compute
         bwd += memory_bound_s(CP_MERGE_PASSES[1] * 4 * queries, gpu) * compute
-    tp_fwd, tp_bwd = tp_fwd * gpu.factor("comm"), tp_bwd * gpu.factor("comm")
+    tp_fwd, tp_bwd = tp_fwd * gpu.factor("tp_comm"), tp_bwd * gpu.factor("tp_comm")
     ep_fwd = ep_bwd = 0.0
     if cand.ep > 1 and layer.moe_dispatch_bytes:
         # Expert parallelism: forward sends each token's rows to the ranks of the experts it chose
@@ -595,9 +595,10 @@ def stage_costs(
     on_gpu = cluster.gpu.origin != "measured"
     ranks, zero, shard = cand.grad_ranks, cand.zero, cand.dp_shard
     grads_per_rank = atoms.param_totals[0] / cand.pp * g  # a model smaller than a bucket
-    comm_factor = cluster.gpu.factor("comm")  # refit from this cluster's runs (1 without)
+    # refit from this cluster's runs (1 without): all traffic, and ZeRO-2/3's every micro-batch
+    comm_factor, zero_factor = cluster.gpu.factor("comm"), cluster.gpu.factor("zero_comm")
     copy_s = memory_bound_s(1.0, cluster.gpu)
-    dense = _dp_traffic(cand, shard, ranks, lk, w, g, comm_factor, hsdp=True, copy_s_per_byte=copy_s)
+    dense = _dp_traffic(cand, shard, ranks, lk, w, g, (comm_factor, zero_factor), hsdp=True, copy_s_per_byte=copy_s)
     in_pipeline = pipelined_fsdp(cand)
     measured = cluster.gpu.optimizer_s_per_param(cluster.num_gpus, training.optimizer)  # plan calibrate's
     optimizer_s = measured if measured is not None else memory_bound_s(training.optimizer_traffic_per_param(), cluster.gpu)
@@ -606,7 +607,7 @@ def stage_costs(
     if cand.ep > 1:
         # the experts' own group: the dp / ep ranks that hold the same experts
         replicas = cand.expert_replicas
-        ex = _dp_traffic(cand, replicas, replicas, lk, w, g, comm_factor, hsdp=False, copy_s_per_byte=copy_s)
+        ex = _dp_traffic(cand, replicas, replicas, lk, w, g, (comm_factor, zero_factor), hsdp=False, copy_s_per_byte=copy_s)
         sync = ex.grad_sync.per_byte_s
         if cand.tp > 1:
             # each tp rank's expert gradients cover its own sequence shard: summed over tp once a
@@ -667,11 +668,12 @@ class _DPTraffic:
     after_step_atom_s: float
 
 
-def _dp_traffic(cand: Candidate, shard: int, ranks: int, lk: Links, w: int, g: int, comm_factor: float,
+def _dp_traffic(cand: Candidate, shard: int, ranks: int, lk: Links, w: int, g: int, factors: tuple[float, float],
                 hsdp: bool, copy_s_per_byte: float = 0.0) -> _DPTraffic:
     """The data-parallel collectives (StageCosts: mb_comm_*, grad_sync, after_step_*) of
     parameters sharded by ZeRO over `shard` ranks of the `ranks` that average their gradients
-    (HSDP: replicas of the shard groups, when `hsdp`).
+    (HSDP: replicas of the shard groups, when `hsdp`). `factors`: the cluster's refit factors
+    (GPUSpec.phase_factors) of its traffic ("comm") and of ZeRO-2/3's every micro-batch ("zero_comm").
 
     ZeRO-2/3 (FSDP2) also copy what they gather and reduce, a memory-bound pass each
     (`copy_s_per_byte`: seconds per byte read or written): an all-gather copies the rank's shard
@@ -691,6 +693,8 @@ def _dp_traffic(cand: Candidate, shard: int, ranks: int, lk: Links, w: int, g: i
         # HSDP: each shard group's reduce-scatter, then the replicas all-reduce their 1/shard
         ar = comm.allreduce(cand.dp_replicate, lk.dp_replicate)
         rs = comm.Affine(rs.fixed_s + ar.fixed_s, rs.per_byte_s + ar.per_byte_s / shard)
+    comm_factor, zero_factor = factors
+    every_mb = ag.scaled(zero_factor), rs.scaled(zero_factor)
     ag, rs = ag.scaled(comm_factor), rs.scaled(comm_factor)
     rs_or_ar = comm.allreduce(ranks, lk.dp).scaled(comm_factor) if zero <= 1 else rs
     grad_sync = rs_or_ar if zero <= 1 and ranks > 1 else comm.NONE
@@ -705,10 +709,12 @@ def _dp_traffic(cand: Candidate, shard: int, ranks: int, lk: Links, w: int, g: i
         if zero == 3:
             per_atom, per_param = ag.fixed_s, ag.per_byte_s * w + gather_copy
     elif zero == 3 and ranks > 1:
-        per_atom = 2 * ag.fixed_s + rs.fixed_s
-        per_param = 2 * (ag.per_byte_s * w + gather_copy) + rs.per_byte_s * g + reduce_copy
+        mb_ag, mb_rs = every_mb
+        per_atom = 2 * mb_ag.fixed_s + mb_rs.fixed_s
+        per_param = 2 * (mb_ag.per_byte_s * w + gather_copy * zero_factor) + mb_rs.per_byte_s * g + reduce_copy * zero_factor
     elif zero == 2 and ranks > 1:
-        per_atom, per_param = rs.fixed_s, rs.per_byte_s * g + reduce_copy
+        mb_rs = every_mb[1]
+        per_atom, per_param = mb_rs.fixed_s, mb_rs.per_byte_s * g + reduce_copy * zero_factor
     after = zero in (1, 2) and not in_pipeline
     return _DPTraffic(grad_sync, rs_or_ar, per_atom, per_param, ag.per_byte_s * w if after else 0.0,
                       ag.fixed_s if after else 0.0)

@@ -218,41 +218,49 @@ def test_plan_calibrate_cpu_keeps_the_figures_for_cpu_plans(capsys, tmp_path, mo
 
 
 def _report(compute: float, comm: float, optimizer: float, measured: tuple[float, float, float],
-            factors: dict[str, float] | None = None, tp: int = 1):
+            factors: dict[str, float] | None = None, tp: int = 1, zero: int = 0):
     """A run report whose plan predicted these phases (with these calibration factors in them) and
     whose run measured compute, comm and optimizer seconds `measured` (what the runtime times
-    apart: the optimizer step, the rest)."""
+    apart: the optimizer step, the rest; with TP, the profiled TP communication). Its communication
+    is TP's with tp > 1, FSDP's with ZeRO-3, else the pipeline's."""
     from runtime.report import MeasuredRun, PhaseRun, PredictedRun, Ratios, RunReport
 
     step = compute + comm + optimizer
     took = sum(measured)
+    kind = "tp_comm" if tp > 1 else "dp_comm" if zero else "pp_comm"
+    tp_phase = (PhaseRun("TP communication", comm, measured[1]),) if tp > 1 else ()
     return RunReport(
         plan="p", plan_path="p.json", model_name="m", device="cpu", world_size=2, steps=5,
-        predicted=PredictedRun(step, 1, {"compute": compute, "tp_comm": comm, "optimizer": optimizer}, dict(factors or {}), tp),
+        predicted=PredictedRun(step, 1, {"compute": compute, kind: comm, "optimizer": optimizer}, dict(factors or {}), tp, zero),
         measured=MeasuredRun(took, (took,) * 5, (1,), (1.0,) * 5), ratios=Ratios(took / step, 1.0),
         phases=(PhaseRun("forward, backward, communication, bubble", compute + comm, took - measured[2]),
-                PhaseRun("optimizer step", optimizer, measured[2])),
+                *tp_phase, PhaseRun("optimizer step", optimizer, measured[2])),
     )
 
 
 def test_refit_from_runs_finds_the_phase_factors_and_converges():
     """Runs whose compute took 1.5x (1.5 x 1.4x in plans with tensor parallelism), communication 2x
-    and optimizer 3x the bare prediction, in different mixes: the refit finds those factors (within
+    (2.5x FSDP's every micro-batch, 1.7x TP's) and optimizer 3x the bare prediction, in different
+    mixes: the refit finds those factors (within
     the weak pull to the current ones); a second refit from runs of plans made with them, pooled
     with the first runs, moves them by under 3%, to within 1% of the truth; and reports of plans
     made with other factors pool the same."""
     from runtime.calibrate import refit
 
-    truth = {"compute": 1.5, "comm": 2.0, "optimizer": 3.0, "tp_compute": 1.4}
-    mixes = [(1.0, 0.1, 0.02, 1), (0.6, 0.5, 0.02, 1), (0.3, 0.9, 0.05, 1), (1.2, 0.3, 0.01, 1), (0.5, 0.4, 0.02, 2),
-             (0.8, 0.2, 0.01, 2)]
+    truth = {"compute": 1.5, "comm": 2.0, "optimizer": 3.0, "tp_compute": 1.4, "zero_comm": 2.5, "tp_comm": 1.7}
+    mixes = [(1.0, 0.1, 0.02, 1, 0), (0.6, 0.5, 0.02, 1, 0), (0.3, 0.9, 0.05, 1, 0), (1.2, 0.3, 0.01, 1, 0),
+             (0.5, 0.4, 0.02, 2, 0), (0.8, 0.2, 0.01, 2, 0), (0.9, 0.3, 0.02, 1, 3), (0.7, 0.6, 0.02, 1, 3)]
 
     def runs(factors):
         def on(tp, f):
             return f.get("compute", 1.0) * (f.get("tp_compute", 1.0) if tp > 1 else 1.0)
-        return [_report(c * on(tp, factors), m * factors.get("comm", 1.0), o * factors.get("optimizer", 1.0),
-                        (c * on(tp, truth), m * truth["comm"], o * truth["optimizer"]), factors, tp)
-                for c, m, o, tp in mixes]
+
+        def comm(tp, zero, f):
+            kind = "tp_comm" if tp > 1 else "zero_comm" if zero else "comm"
+            return f.get(kind, f.get("comm", 1.0))
+        return [_report(c * on(tp, factors), m * comm(tp, zero, factors), o * factors.get("optimizer", 1.0),
+                        (c * on(tp, truth), m * comm(tp, zero, truth), o * truth["optimizer"]), factors, tp, zero)
+                for c, m, o, tp, zero in mixes]
 
     first_runs = runs({})
     first, fitted = refit(first_runs, {})
@@ -263,7 +271,8 @@ def test_refit_from_runs_finds_the_phase_factors_and_converges():
     for k in truth:
         assert second[k] == pytest.approx(first[k], rel=0.03) and second[k] == pytest.approx(truth[k], rel=0.01)
     # the factors a plan was made with come out before the fit: any calibration's runs give the same
-    other, _ = refit(runs({"compute": 0.7, "comm": 3.0, "optimizer": 1.2, "tp_compute": 0.8}), first)
+    other, _ = refit(runs({"compute": 0.7, "comm": 3.0, "optimizer": 1.2, "tp_compute": 0.8, "zero_comm": 1.1,
+                           "tp_comm": 0.9}), first)
     for k in truth:
         assert other[k] == pytest.approx(second[k], rel=0.01)
 
@@ -279,7 +288,7 @@ def test_phase_factors_from_a_catalogue_file_scale_their_phases(tmp_path):
 
     base = (Path(__file__).parents[2] / "profiles" / "a100-80gb.yaml").read_text().replace("name: a100-80gb", "name: mine")
     path = tmp_path / "mine.yaml"
-    path.write_text(base + "phase_factors:\n  compute: 2.0\n  optimizer: 3.0\n")
+    path.write_text(base + "phase_factors:\n  compute: 2.0\n  optimizer: 3.0\n  comm: 1.5\n")
     scaled = load_gpu_file(path)
     path.write_text(base)
     plain = load_gpu_file(path)
@@ -289,7 +298,16 @@ def test_phase_factors_from_a_catalogue_file_scale_their_phases(tmp_path):
     a, b = (stage_costs(profile, make_cluster(g, 2), training, cand) for g in (plain, scaled))
     assert sum(x.fwd_s for x in b.atoms) == pytest.approx(2 * sum(x.fwd_s for x in a.atoms))
     assert b.optimizer_s_per_param == pytest.approx(3 * a.optimizer_s_per_param)
-    assert (b.grad_sync.fixed_s, b.grad_sync.per_byte_s) == pytest.approx((a.grad_sync.fixed_s, a.grad_sync.per_byte_s))
+    assert (b.grad_sync.fixed_s, b.grad_sync.per_byte_s) == pytest.approx((1.5 * a.grad_sync.fixed_s, 1.5 * a.grad_sync.per_byte_s))
+    # FSDP's traffic every micro-batch: "comm" unless "zero_comm" is given, which leaves DDP's alone
+    fsdp = Candidate(1, 1, 2, 4, 1, 3, "1f1b")
+    a3, b3 = (stage_costs(profile, make_cluster(g, 2), training, fsdp) for g in (plain, scaled))
+    assert (b3.mb_comm_atom_s, b3.mb_comm_param_s) == pytest.approx((1.5 * a3.mb_comm_atom_s, 1.5 * a3.mb_comm_param_s))
+    path.write_text(base + "phase_factors:\n  comm: 1.5\n  zero_comm: 4.0\n")
+    zeroed = load_gpu_file(path)
+    c, c3 = stage_costs(profile, make_cluster(zeroed, 2), training, cand), stage_costs(profile, make_cluster(zeroed, 2), training, fsdp)
+    assert (c3.mb_comm_atom_s, c3.mb_comm_param_s) == pytest.approx((4 * a3.mb_comm_atom_s, 4 * a3.mb_comm_param_s))
+    assert c.grad_sync.per_byte_s == pytest.approx(b.grad_sync.per_byte_s)
     path.write_text(base + "phase_factors:\n  network: 2.0\n")
     with pytest.raises(BadInput, match="mine.yaml: field 'phase_factors' must map phases"):
         load_gpu_file(path)
