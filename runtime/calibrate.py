@@ -448,9 +448,10 @@ def refit(reports: list[Any], old: dict[str, float]) -> tuple[dict[str, float], 
     what their compute took past a x compute once the traffic is taken off (each kept as it was
     without such a run). TP's and FSDP's traffic have factors of their own because on gloo their
     dozens of collectives a step run between and beside computations and share the rank's cores
-    with them: 2.5x and 1.8x their bare seconds on this 2-core machine (examples/gpt.py, tp 2, and
-    ZeRO-3 with 4 micro-batches, by phase), where DDP's few all-reduces after the backward take
-    1.0x. The optimizer's factor: the median of measured over bare predicted."""
+    with them: on this 2-core machine (examples/gpt.py) 2.5x and 1.8x their bare seconds with
+    collectives calibrated back to back (tp 2, and ZeRO-3 with 4 micro-batches, by phase), and
+    still 1.4x and 1.3x calibrated after compute (bench_runtime's 11 plans), where the rest of the
+    traffic refit to 1.1x. The optimizer's factor: the median of measured over bare predicted."""
     rows, opt, tp_comm = [], [], []
     for r in reports:
         phases = {p.name: p for p in r.phases}
