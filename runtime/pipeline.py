@@ -113,6 +113,10 @@ def check_pipeline(plan: Plan, layers: tuple[LayerSplit, ...]) -> None:
     p = plan.parallel
     if p.schedule not in SCHEDULES:
         raise BadInput(f"pipeline schedule {p.schedule!r} is not supported (gpipe, 1f1b, interleaved)")
+    if p.schedule == "1f1b" and p.num_microbatches < p.pp:
+        # torch's Schedule1F1B refuses fewer micro-batches than stages; GPipe runs them the same way
+        raise BadInput(f"1F1B needs at least pp = {p.pp} micro-batches, the plan has {p.num_microbatches}: "
+                       "re-plan (or with --schedule gpipe, which runs so few the same way)")
     stages = stage_layers(plan)
     order = [name for _, names in stages for name in names]
     if order != [l.name for l in layers]:

@@ -4,8 +4,8 @@ Candidates: tp x cp x pp x dp = GPUs, tp a degree every tensor-parallel block ac
 feature sizes) and at most a node (TP's all-reduces want NVLink: Narayanan et al. 2021, Sec. 3.2;
 a user may force more), pp at most the number of atoms, micro-batch b a power of two dividing
 the per-replica batch, m = global batch / (dp b) micro-batches, ZeRO 0-3 (0 only without data
-parallelism), the schedule (GPipe, 1F1B, interleaved 1F1B with v = 2-4 chunks when m % pp == 0,
-as Megatron-LM requires), with tp > 1 sequence parallelism on or off (on only where tp divides
+parallelism), the schedule (GPipe, 1F1B with m >= pp as torch runs it, interleaved 1F1B with
+v = 2-4 chunks when m % pp == 0, as Megatron-LM requires), with tp > 1 sequence parallelism on or off (on only where tp divides
 the sequence, as the runtime needs), and for ZeRO-2/3 over dp ranks in several nodes, HSDP (one
 shard group per node, replicas across nodes) or not; cp a degree whose 2 cp load-balanced shards
 split the sequence evenly, on models where context parallelism can run (ModelProfile.cp_blocker),
@@ -321,8 +321,11 @@ def _schedules(tp, pp, dp, b, m, num_atoms, fixed: Fixed, stats: SpaceStats, cp:
         for schedule in ("1f1b", "gpipe", "interleaved"):
             if fixed.schedule is not None and schedule != fixed.schedule:
                 continue
-            if schedule == "gpipe" and m == 1 and fixed.schedule is None:
-                continue  # with one micro-batch GPipe is 1F1B: one candidate, not two tied ones
+            if schedule == "1f1b" and m < pp:
+                # the runtime's (torch's Schedule1F1B) refuses it; with so few micro-batches GPipe
+                # runs the same forwards then backwards, and stays a candidate
+                stats.reject("1F1B needs at least pp micro-batches (GPipe runs fewer the same way)")
+                continue
             if schedule != "interleaved":
                 stats.enumerated += 1
                 yield Candidate(tp, pp, dp, b, m, zero, schedule, 1, cp=cp)

@@ -112,3 +112,28 @@ def test_the_answer_does_not_depend_on_top_k(problem):
     assert (one is None) == (five is None)
     if one is not None:
         same_plan(one, five, problem)
+
+
+def test_1f1b_is_planned_only_with_at_least_pp_microbatches():
+    """torch's Schedule1F1B refuses fewer micro-batches than stages: the search offers GPipe there
+    (which runs so few the same way) and never 1F1B, and a plan file that has it is refused before
+    launch in one line."""
+    from planner.search.space import Fixed, SpaceStats, candidates
+    from tests.unit.test_partition import synthetic_profile
+
+    profile = synthetic_profile()
+    stats = SpaceStats()
+    cands = [c for c in candidates(profile, 4, 4, len(profile.layers), 4, Fixed(pp=2), stats) if c.pp == 2]
+    assert any(c.schedule == "gpipe" and c.num_microbatches < 2 for c in cands)
+    assert all(c.num_microbatches >= c.pp for c in cands if c.schedule == "1f1b")
+    assert any("1F1B needs at least pp micro-batches" in why for why in stats.rejected)
+    from types import SimpleNamespace
+
+    import pytest
+
+    from planner.errors import BadInput
+    from runtime.pipeline import check_pipeline
+
+    old = SimpleNamespace(parallel=SimpleNamespace(schedule="1f1b", num_microbatches=1, pp=2))
+    with pytest.raises(BadInput, match="1F1B needs at least pp = 2 micro-batches, the plan has 1"):
+        check_pipeline(old, ())
