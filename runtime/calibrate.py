@@ -394,9 +394,6 @@ def _sums(breakdown: dict[str, float]) -> tuple[float, float]:
             sum(b.get(k, 0.0) for k in ("tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm")))
 
 
-TP_PHASE = "TP communication"  # runtime.report.PHASE_ROWS
-
-
 def _base(report: Any) -> tuple[float, float, float, float, float, bool]:
     """A report's predicted (compute, comm, ZeRO-2/3's every-micro-batch comm, TP comm, optimizer)
     seconds without the factors its plan applied, and whether its plan has tensor parallelism (its
@@ -452,19 +449,22 @@ def refit(reports: list[Any], old: dict[str, float]) -> tuple[dict[str, float], 
     collectives calibrated back to back (tp 2, and ZeRO-3 with 4 micro-batches, by phase), and
     still 1.4x and 1.3x calibrated after compute (bench_runtime's 11 plans), where the rest of the
     traffic refit to 1.1x. The optimizer's factor: the median of measured over bare predicted."""
+    from runtime.report import OPTIMIZER_ROW, PHASE_ROWS
+
+    tp_row = next(row for row, keys, _ in PHASE_ROWS if keys == ("tp_comm",))
     rows, opt, tp_comm = [], [], []
     for r in reports:
         phases = {p.name: p for p in r.phases}
-        if not r.predicted.breakdown_s or "optimizer step" not in phases:
+        if not r.predicted.breakdown_s or OPTIMIZER_ROW not in phases:
             continue
-        measured = r.measured.step_time_s - phases["optimizer step"].measured_s
+        measured = r.measured.step_time_s - phases[OPTIMIZER_ROW].measured_s
         pc, pm, pz, pt, po, tp = _base(r)
         if measured > 0 and pc + pm + pz + pt > 0:
             rows.append((pc / measured, pm / measured, pz / measured, pt / measured, tp))
         if po > 0:
-            opt.append(phases["optimizer step"].measured_s / po)
-        if pt > 0 and TP_PHASE in phases and phases[TP_PHASE].measured_s > 0:
-            tp_comm.append(phases[TP_PHASE].measured_s / pt)
+            opt.append(phases[OPTIMIZER_ROW].measured_s / po)
+        if pt > 0 and tp_row in phases and phases[tp_row].measured_s > 0:
+            tp_comm.append(phases[tp_row].measured_s / pt)
     if not rows:
         raise BadInput("plan calibrate --from-run: no run report with a predicted breakdown and a measured optimizer "
                        "step (reports of plan run from this version)")
@@ -477,11 +477,10 @@ def refit(reports: list[Any], old: dict[str, float]) -> tuple[dict[str, float], 
     a, b_ = max(float(a), 0.05), max(float(b_), 0.05)
     o = statistics.median(opt) if opt else old.get("optimizer", 1.0)
     new = {"compute": a, "comm": b_, "optimizer": o}
-    for name, values in (("tp_comm", tp_comm),):
-        if values:
-            new[name] = max(statistics.median(values), 0.05)
-        elif name in old:
-            new[name] = old[name]
+    if tp_comm:
+        new["tp_comm"] = max(statistics.median(tp_comm), 0.05)
+    elif "tp_comm" in old:
+        new["tp_comm"] = old["tp_comm"]
     c = new.get("tp_comm", b_)
     zero_runs = [(xc, y, yz) for xc, y, yz, yt, tp in rows if yz and not tp]
     if zero_runs:  # a x compute + b x comm + z x FSDP comm = measured (each divided by measured)

@@ -694,7 +694,7 @@ def _dp_traffic(cand: Candidate, shard: int, ranks: int, lk: Links, w: int, g: i
         ar = comm.allreduce(cand.dp_replicate, lk.dp_replicate)
         rs = comm.Affine(rs.fixed_s + ar.fixed_s, rs.per_byte_s + ar.per_byte_s / shard)
     comm_factor, zero_factor = factors
-    every_mb = ag.scaled(zero_factor), rs.scaled(zero_factor)
+    bare_ag, bare_rs = ag, rs
     ag, rs = ag.scaled(comm_factor), rs.scaled(comm_factor)
     rs_or_ar = comm.allreduce(ranks, lk.dp).scaled(comm_factor) if zero <= 1 else rs
     grad_sync = rs_or_ar if zero <= 1 and ranks > 1 else comm.NONE
@@ -709,12 +709,10 @@ def _dp_traffic(cand: Candidate, shard: int, ranks: int, lk: Links, w: int, g: i
         if zero == 3:
             per_atom, per_param = ag.fixed_s, ag.per_byte_s * w + gather_copy
     elif zero == 3 and ranks > 1:
-        mb_ag, mb_rs = every_mb
-        per_atom = 2 * mb_ag.fixed_s + mb_rs.fixed_s
-        per_param = 2 * (mb_ag.per_byte_s * w + gather_copy * zero_factor) + mb_rs.per_byte_s * g + reduce_copy * zero_factor
+        per_atom = (2 * bare_ag.fixed_s + bare_rs.fixed_s) * zero_factor
+        per_param = (2 * (bare_ag.per_byte_s * w + gather_copy) + bare_rs.per_byte_s * g + reduce_copy) * zero_factor
     elif zero == 2 and ranks > 1:
-        mb_rs = every_mb[1]
-        per_atom, per_param = mb_rs.fixed_s, mb_rs.per_byte_s * g + reduce_copy * zero_factor
+        per_atom, per_param = bare_rs.fixed_s * zero_factor, (bare_rs.per_byte_s * g + reduce_copy) * zero_factor
     after = zero in (1, 2) and not in_pipeline
     return _DPTraffic(grad_sync, rs_or_ar, per_atom, per_param, ag.per_byte_s * w if after else 0.0,
                       ag.fixed_s if after else 0.0)

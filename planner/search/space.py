@@ -5,8 +5,8 @@ feature sizes) and at most a node (TP's all-reduces want NVLink: Narayanan et al
 a user may force more), pp at most the number of atoms, micro-batch b a power of two dividing
 the per-replica batch, m = global batch / (dp b) micro-batches, ZeRO 0-3 (0 only without data
 parallelism), the schedule (GPipe, 1F1B with m >= pp as torch runs it, interleaved 1F1B with
-v = 2-4 chunks when m % pp == 0, as Megatron-LM requires), with tp > 1 sequence parallelism on or off (on only where tp divides
-the sequence, as the runtime needs), and for ZeRO-2/3 over dp ranks in several nodes, HSDP (one
+v = 2-4 chunks when m % pp == 0, as Megatron-LM requires), with tp > 1 sequence parallelism on
+or off (on only where tp divides the sequence, as the runtime needs), and for ZeRO-2/3 over dp ranks in several nodes, HSDP (one
 shard group per node, replicas across nodes) or not; cp a degree whose 2 cp load-balanced shards
 split the sequence evenly, on models where context parallelism can run (ModelProfile.cp_blocker),
 with a micro-batch b coprime to it: with g = gcd(cp, b) > 1, cp / g CP ranks and g times the
