@@ -206,15 +206,12 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
     best = result.best.cand
     scaling = _cpu_scaling(profile, cluster)
     if scaling is not None and scaling(0.0) != scaling(1.0):  # processes take turns on the cores
-        share = busy_share(result.best.evaluation, best)
+        share = busy_share(result.best)
         head = f"{cluster.num_gpus} processes on {os.cpu_count() or 1} cores"
-        if share >= 0.995:
-            assumptions.append(f"{head}, every one computing or communicating throughout the step: they take turns "
-                               f"on the cores as measured for {cluster.num_gpus}")
-        else:
-            assumptions.append(f"{head}: each computes or communicates {share:.0%} of the step (the rest: pipeline "
-                               f"bubble), so {1 + (cluster.num_gpus - 1) * share:.1f} of them compute at once on average, "
-                               "taking turns on the cores as measured for that many")
+        assumptions.append(f"{head}: each computes {share:.0%} of the step (the rest it waits in gloo for pipeline "
+                           "neighbours and collectives, taking no CPU), so "
+                           f"{1 + (cluster.num_gpus - 1) * share:.1f} of them compute at once on average, "
+                           "taking turns on the cores as measured for that many")
     if any(l.moe_experts for l in profile.layers):
         assumptions.append("mixture-of-experts routing balanced (every expert gets its share of the tokens x top-k, "
                            "what a load-balancing loss aims at); expert-parallel all-to-alls not overlapped with compute")

@@ -5,6 +5,7 @@ collectives from the calibrated table, and the alpha-beta fit."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from dataclasses import replace
 
@@ -71,7 +72,8 @@ def test_a_pipeline_bubble_lightens_the_others_compute(monkeypatch):
     """examples/gpt.py on 8 processes sharing 2 cores: a pipelined plan is costed with the CPU
     factor of the share of its step its processes compute (its bubble leaves the cores to the
     others): faster than with every process busy throughout, and consistent (re-costed with the
-    factor of its own busy share, its step stays); a plan without a bubble is costed as before."""
+    factor of its own busy share, its step stays); a DDP plan, whose ranks wait only for the
+    gradient all-reduce, computes most of its step and is costed nearly as with all busy."""
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     request = PlanRequest(gpus=8, gpu="cpu", global_batch=8)
     profile = profile_for(load_model_file(Path(__file__).parents[2] / "examples" / "gpt.py"), request)
@@ -84,13 +86,15 @@ def test_a_pipeline_bubble_lightens_the_others_compute(monkeypatch):
 
     gpipe = Fixed(pp=2, dp=4, tp=1, zero=0, schedule="gpipe", micro_batch=1)
     busy, settled = best(gpipe, False), best(gpipe, True)
-    share = busy_share(settled.evaluation, settled.cand)
+    share = busy_share(settled)
     assert share < 0.9 and settled.step_time_s < busy.step_time_s
     again = evaluate(stage_costs(profile, cluster, training, settled.cand, scaling(share)),
                      list(settled.partition.bounds), list(settled.partition.choice))
     assert again.step_time_s == pytest.approx(settled.step_time_s, rel=0.02)
     ddp = Fixed(pp=1, dp=8, tp=1, zero=0)
-    assert best(ddp, True).step_time_s == pytest.approx(best(ddp, False).step_time_s, rel=1e-6)
+    settled_ddp, busy_ddp = best(ddp, True), best(ddp, False)
+    assert busy_share(settled_ddp) > 0.8 > share
+    assert 0.9 * busy_ddp.step_time_s < settled_ddp.step_time_s <= busy_ddp.step_time_s
 
 
 def test_the_plan_says_how_many_processes_compute_at_once(monkeypatch):
@@ -102,8 +106,12 @@ def test_the_plan_says_how_many_processes_compute_at_once(monkeypatch):
         plan = make_plan(handle, PlanRequest(gpus=4, gpu="cpu", global_batch=8, fixed=Fixed(tp=1, **fixed)))
         return next(a for a in plan.assumptions if a.startswith("4 processes on 2 cores"))
 
-    assert "compute at once on average" in said(pp=2, dp=2, schedule="gpipe", micro_batch=1)
-    assert "throughout the step" in said(pp=1, dp=4)
+    def share(text: str) -> int:
+        assert "compute at once on average" in text
+        return int(re.search(r"each computes (\d+)% of the step", text).group(1))
+
+    # a pipeline rank waits for its neighbour through the bubble; a DDP rank only for the all-reduce
+    assert share(said(pp=2, dp=2, schedule="gpipe", micro_batch=1)) < share(said(pp=1, dp=4)) <= 100
 
 
 def test_slowdown_and_collectives_read_from_the_calibration():
