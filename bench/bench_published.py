@@ -25,7 +25,8 @@ This file is the command line; the work is in bench/published/:
   attention or flash attention, examples/llama.py, MPT from gpt.py's blocks), and what each
   approximates;
 - predict.py: the profile of each shape (once per run, in worker processes) and the prediction
-  of a row's published configuration (and, with --free, the free search's plan);
+  of a row's published configuration (and, with --free, the free search's plan, and the free
+  search's plan with the row's recompute kept: the trainers' full recompute is most of the gap);
 - report.py: the table and the per-source summary;
 - fit.py: --fit and --loso, the grid search of MATMUL_EFFICIENCY, MEMORY_EFFICIENCY and
   OVERLAP_EFFICIENCY (each row's solved assignment re-evaluated under each grid point; mean

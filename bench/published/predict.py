@@ -80,6 +80,8 @@ class Result:
     seconds: float
     free: object | None = None
     free_s: float | None = None
+    free_same_recompute: object | None = None
+    """With --free: the free search with the row's recompute kept (None where the row leaves it free)."""
 
     @property
     def step_s(self) -> float | None:
@@ -109,6 +111,11 @@ def predict(row: Row, profile, free: bool = False) -> Result:
         # every choice free but what the trainer can do: TP overlap where the row's trainer runs it
         result.free = run_search(profile, cluster, training, Fixed(tp_overlap=row.fixed.tp_overlap), top_k=1).best
         result.free_s = time.perf_counter() - start
+        if row.fixed.recompute is not None:
+            # the trainers ran full recompute where less fits (Korthikanti et al. 2022 measured what that
+            # costs): searched again with the row's recompute, what is left is the rest of the choice
+            result.free_same_recompute = run_search(
+                profile, cluster, training, Fixed(tp_overlap=row.fixed.tp_overlap, recompute=row.fixed.recompute), top_k=1).best
     return result
 
 
