@@ -251,7 +251,7 @@ def run_search(
     return result
 
 
-def busy_share(s: "Scored") -> float:
+def busy_share(s: Scored) -> float:
     """The share of the step a process computes (forward, backward, recompute, optimizer step),
     averaged over the pipeline ranks. The rest it waits in gloo: for a pipeline neighbour (the
     bubble), a tensor-parallel partner or a data-parallel collective, which takes next to no CPU
@@ -267,9 +267,10 @@ def busy_share(s: "Scored") -> float:
 
 def _settle(scored: Scored | None, cpu_factor: Callable[[float], float] | None, costs_of, solver: "_Solver") -> Scored | None:
     """The plan (costed with every process busy) re-costed until the CPU factor agrees with the
-    share of the step its processes compute (planning._cpu_factor): processes waiting in a pipeline
-    bubble leave the cores to the others. That share moves little as the factor does (the bubble
-    scales with the stages' time), so a round or two settle it; none where the factor is constant."""
+    share of the step its processes compute (planning._cpu_factor): processes waiting in gloo (a
+    pipeline bubble, a collective) leave the cores to the others. That share moves little as the
+    factor does (the waits scale with the compute), so a round or two settle it; none where the
+    factor is constant."""
     if cpu_factor is None:
         return scored
     factor = cpu_factor(1.0)
