@@ -1,4 +1,5 @@
 import os
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -39,3 +40,22 @@ def checkpoint_key(tmp_path_factory):
         os.environ.pop(KEY_ENV, None)
     else:
         os.environ[KEY_ENV] = old
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """The tests' own cache directory (XDG_CACHE_HOME), inherited by every process they launch: the
+    local CPU's figures and calibration that tests measure or refit (some under the suite's own load)
+    never replace the account's. It starts as a copy of the account's parallel-planner cache, so a
+    machine already measured is not measured again."""
+    mine = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "parallel-planner"
+    root = tmp_path_factory.mktemp("cache")
+    if mine.is_dir():
+        shutil.copytree(mine, root / "parallel-planner")
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(root)
+    yield root
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
