@@ -60,8 +60,7 @@ def breakdown(s: Scored) -> dict[str, float]:
 
 
 def _optimizer_s(s: Scored) -> float:
-    params = [sum(s.costs.atoms[a].params for a in d.atoms) for d in s.evaluation.devices]
-    return max(params) * s.costs.optimizer_s_per_param
+    return max(s.optimizer_s())
 
 
 def _stages(s: Scored, profile: ModelProfile) -> tuple[Stage, ...]:

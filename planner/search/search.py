@@ -73,6 +73,11 @@ class Scored:
         """The step time with the plan's margin: the search ranks plans by this."""
         return self.step_time_s * (1 + margin(self.cand))
 
+    def optimizer_s(self) -> list[float]:
+        """Each pipeline rank's optimizer step: its parameters x the seconds per parameter."""
+        per_param = self.costs.optimizer_s_per_param
+        return [per_param * sum(self.costs.atoms[a].params for a in d.atoms) for d in self.evaluation.devices]
+
     @property
     def key(self) -> tuple:
         """A total order (score, then simplicity on exact ties): the plan chosen from any set of
@@ -259,9 +264,7 @@ def busy_share(s: Scored) -> float:
     ev, m = s.evaluation, s.cand.num_microbatches
     if ev.step_time_s <= 0:
         return 1.0
-    per_param = s.costs.optimizer_s_per_param
-    busy = [m * (d.compute_s + d.recompute_s) + per_param * sum(s.costs.atoms[a].params for a in d.atoms)
-            for d in ev.devices]
+    busy = [m * (d.compute_s + d.recompute_s) + opt for d, opt in zip(ev.devices, s.optimizer_s())]
     return min(1.0, sum(busy) / len(busy) / ev.step_time_s)
 
 
