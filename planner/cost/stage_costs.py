@@ -542,7 +542,12 @@ def atom_table(
         # Recomputing an atom keeps its own input only (the first layer's), not each layer's.
         act = (*act[:FULL], rows[0][6][FULL])
         last_layer = layers[last]
-        out_shard = tp if tp > 1 and last_layer.tp is not None else 1
+        # What crosses a pipeline cut, per rank: a TP layer's output, or the final norm's, is sent
+        # 1/tp by each tp rank (its sequence shard with sequence parallelism; Megatron-LM's
+        # scatter/gather of the boundary tensor without it, Narayanan et al. 2021 sec. 4.1). The cut
+        # after the final norm counted whole made every boundary of a tp x pp plan tp times its size.
+        sharded = last_layer.tp is not None or (last_layer.tp_role is not None and last_layer.tp_role.kind == "norm")
+        out_shard = tp if tp > 1 and sharded else 1
         atoms.append(
             AtomCost(
                 first=first,

@@ -238,6 +238,26 @@ def test_sequence_parallelism_splits_the_rest(gpt_bf16):
     assert off[i].params == on[i].params
 
 
+def test_a_pipeline_cut_sends_each_tp_rank_its_shard(gpt_bf16):
+    """gpt.py under tp=2: what crosses a pipeline cut is half a block's output per rank, after a
+    block or after the final norm (its sequence shard), so a tp x pp plan's sends are that size:
+    the cut after ln_f, counted whole, had made every boundary's send twice as large."""
+    from planner.cost.stage_costs import atom_table
+    from planner.cost.topology import links
+
+    cluster, training = make_cluster("a100-80gb", 4), Training("bf16", "adamw", 8, 80 * 2**30)
+    scale = 256 / gpt_bf16.batch_size
+    block = next(l for l in gpt_bf16.layers if l.name == "blocks.0")
+    for sp in (True, False):
+        atoms = atom_table(gpt_bf16, cluster, training, tp=2, micro_batch=256, sequence_parallel=sp)
+        norm = next(a for a in atoms if gpt_bf16.layers[a.last].name == "ln_f")
+        assert norm.cut_ok and norm.out_bytes == pytest.approx(block.output_bytes * scale / 2)
+        assert max(a.out_bytes for a in atoms if a.cut_ok) == pytest.approx(block.output_bytes * scale / 2)
+    cand = Candidate(tp=2, pp=2, dp=1, micro_batch=256, num_microbatches=4, zero=0, schedule="1f1b")
+    costs = stage_costs(gpt_bf16, cluster, training, cand)
+    assert costs.p2p_s == pytest.approx(2 * comm.p2p(links(cluster, cand).pp)(block.output_bytes * scale / 2))
+
+
 def test_tp_collectives_are_one_call_per_linear_group_and_norm_parameter(gpt_bf16):
     """gpt.py's block under tp=2: two row-wise Linears (proj, down), four column-wise ones (q, k,
     v, up) in two gathered groups (attention, MLP). Without SP: an all-reduce per row-wise output
