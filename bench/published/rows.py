@@ -169,7 +169,7 @@ def gpu_of(hw: dict, catalogue: dict[str, GPUSpec]) -> tuple[GPUSpec, str | None
     """The catalogue GPU a row names (family and memory), with the row's figures replacing the
     catalogue's where it gives them; and a note when the GPU itself is not in the catalogue."""
     text = str(value(hw["gpu"]))
-    family = re.search(r"(A100|H100|H200|V100|L40S|MI300X|RTX ?4090)", text, re.I)
+    family = re.search(r"(A100|H100|H200|B200|V100|L40S|MI300X|RTX ?4090)", text, re.I)
     assert family, f"unknown GPU in the reference: {text!r}"
     fam = family.group(1).lower().replace(" ", "")
     names = sorted(n for n in catalogue if n.startswith(fam))

@@ -9,7 +9,7 @@ import yaml
 
 from planner.cli import main
 
-REQUIRED = ("a100-40gb", "a100-80gb", "h100-sxm-80gb", "h200", "v100-32gb", "l40s", "rtx4090", "mi300x")
+REQUIRED = ("a100-40gb", "a100-80gb", "h100-sxm-80gb", "h200", "b200", "v100-32gb", "l40s", "rtx4090", "mi300x")
 
 
 @pytest.fixture(autouse=True)

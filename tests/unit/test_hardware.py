@@ -12,7 +12,7 @@ from planner import schema
 from planner.errors import BadInput
 from planner.hardware import Cluster, GPUSpec, get_gpu, load_catalogue, load_gpu_file, make_cluster
 
-REQUIRED = ("a100-40gb", "a100-80gb", "h100-sxm-80gb", "h200", "v100-32gb", "l40s", "rtx4090", "mi300x")
+REQUIRED = ("a100-40gb", "a100-80gb", "h100-sxm-80gb", "h200", "b200", "v100-32gb", "l40s", "rtx4090", "mi300x")
 NUMERIC = (
     "peak_flops", "memory_bytes", "hbm_bandwidth_Bps", "intra_node_bandwidth_Bps", "intra_node_latency_s",
     "inter_node_bandwidth_Bps", "inter_node_latency_s", "gpus_per_node", "tdp_w", "intra_node_peer_bandwidth_Bps",
