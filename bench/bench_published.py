@@ -48,7 +48,7 @@ if str(ROOT) not in sys.path:
 from bench.published.fit import fit  # noqa: E402
 from bench.published.predict import Profiles, predict_all  # noqa: E402
 from bench.published.report import print_summary, print_table  # noqa: E402
-from bench.published.rows import load_rows  # noqa: E402
+from bench.published.rows import REFERENCE, load_rows  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,9 +58,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--loso", action="store_true", help="leave one source out: fit on the others, predict it (implies --fit)")
     ap.add_argument("--only", default=None, help="comma-separated sources (or row ids) to run")
     ap.add_argument("--jobs", type=int, default=2, help="processes that profile the models (default 2)")
+    ap.add_argument("--reference", type=Path, default=REFERENCE, metavar="FILE",
+                    help="the runs to predict: a YAML file in the reference's schema (default: this repository's copy, "
+                         "bench/reference/published_runs.yaml; bench/reference/held_out_runs.yaml holds runs no "
+                         "constant was fitted on)")
     args = ap.parse_args(argv)
+    if not args.reference.is_file():
+        ap.error(f"--reference {args.reference}: no such file")
     start = time.perf_counter()
-    rows = load_rows()
+    unread: list[tuple[str, str]] = []
+    rows = load_rows(args.reference, unread)
+    for row_id, why in unread:
+        print(f"not read: {row_id}: {why}")
     if args.only:
         wanted = set(args.only.split(","))
         rows = [r for r in rows if r.source in wanted or r.id in wanted]
@@ -72,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     predict_s = sum(r.seconds for r in results)
     free_s = sum(r.free_s or 0.0 for r in results)
     print(
-        f"\n{len(rows)} rows; {len(profiles.cache)} distinct models profiled in {profiles.seconds:.1f} s; "
+        f"\n{len(rows)} rows" + (f" ({len(unread)} not read, named above)" if unread else "") + f"; {len(profiles.cache)} distinct models profiled in {profiles.seconds:.1f} s; "
         f"published configurations predicted in {predict_s:.1f} s" + (f"; free searches {free_s:.1f} s" if args.free else "")
     )
     if args.fit or args.loso:

@@ -354,8 +354,20 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
     )
 
 
-def load_rows(path: Path = REFERENCE) -> list[Row]:
+def load_rows(path: Path = REFERENCE, unread: list[tuple[str, str]] | None = None) -> list[Row]:
+    """The rows of a reference file (this repository's copy by default). With `unread` (a list), an
+    entry the reader cannot express (a GPU the catalogue lacks, a field it does not know) is left
+    out and named there with the reason, so that one such row does not stop a run over a file of
+    runs from elsewhere; without it, the reason is raised."""
     entries = yaml.safe_load(path.read_text())["entries"]
     groups = source_group(entries)
     catalogue = load_catalogue()
-    return [make_row(e, groups[e["id"]], catalogue) for e in entries]
+    rows = []
+    for e in entries:
+        try:
+            rows.append(make_row(e, groups[e["id"]], catalogue))
+        except (AssertionError, KeyError, TypeError, ValueError) as exc:
+            if unread is None:
+                raise
+            unread.append((str(e.get("id", "?")), f"{type(exc).__name__}: {exc}"))
+    return rows
