@@ -11,8 +11,8 @@ what the catalogue files state for GPUs:
   intra-node and inter-node links.
 
 Results are cached as JSON in ``$XDG_CACHE_HOME/parallel-planner/local_cpu.json`` (default
-``~/.cache``), keyed by host, CPU model, core count, torch version and torch threads; a different
-key re-measures and ``refresh=True`` forces it. What ``plan calibrate --gpu cpu`` measures (and
+``~/.cache``), one entry per key (host, CPU model, core count, torch version and torch threads); a
+key without an entry measures and adds one, and ``refresh=True`` measures its key's again. What ``plan calibrate --gpu cpu`` measures (and
 ``--from-run`` refits) is kept beside it, in ``local_cpu_calibration.json``, keyed by the same but
 the threads. Memory is read fresh from /proc/meminfo each time
 (MemAvailable, shared by the devices), never cached.
@@ -183,24 +183,41 @@ def run_benchmark() -> dict[str, Any]:
 
 
 # -- the cache and the spec -----------------------------------------------------------------------
-def _read_cache(key: dict[str, Any]) -> dict[str, Any] | None:
-    """The cached figures for `key`, or None when absent, for another machine, or unreadable."""
+CACHE_ENTRIES = 8
+"""Figures kept per cache file: one entry per key (torch's thread count is part of it, so a plan
+from a process with OMP_NUM_THREADS=1 measures beside the default-thread figures, not over them)."""
+
+
+def _cache_entries() -> list[dict[str, Any]]:
+    """Every entry of the cache file (a file from before entries: its one entry), or []."""
     try:
         data = json.loads(cache_path().read_text())
-        if isinstance(data, dict) and data.get("key") == key:
-            _spec_from(data)  # complete enough to use
-            return data
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
+    except (OSError, ValueError):
+        return []
+    entries = data.get("entries", [data]) if isinstance(data, dict) else []
+    return [e for e in entries if isinstance(e, dict)]
+
+
+def _read_cache(key: dict[str, Any]) -> dict[str, Any] | None:
+    """The cached figures for `key`, or None when absent, for another machine, or unreadable."""
+    for data in _cache_entries():
+        if data.get("key") == key:
+            try:
+                _spec_from(data)  # complete enough to use
+                return data
+            except (KeyError, TypeError, ValueError, AttributeError):
+                return None
     return None
 
 
 def _write_cache(data: dict[str, Any]) -> None:
+    """Keep `data` as its key's entry, beside the other keys' (the newest CACHE_ENTRIES)."""
     path = cache_path()
+    others = [e for e in _cache_entries() if e.get("key") != data["key"]]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=2))
+        tmp.write_text(json.dumps({"entries": (others + [data])[-CACHE_ENTRIES:]}, indent=2))
         os.replace(tmp, path)
     except OSError:
         pass  # an unwritable cache only costs a re-measurement next time

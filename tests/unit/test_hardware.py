@@ -265,6 +265,41 @@ def test_local_cpu_cache_for_another_machine_is_ignored(tmp_path, monkeypatch):
     assert local_device.cached_local_cpu() is None
 
 
+def test_local_cpu_cache_keeps_one_entry_per_thread_count(tmp_path, monkeypatch):
+    """A process planning with another torch thread count (OMP_NUM_THREADS=1) measures its own
+    figures beside the default ones instead of replacing them; a file of the one-entry format
+    from before is still read."""
+    import json
+
+    import torch
+
+    from planner import local_device
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    measured = []
+
+    def fake_benchmark():
+        measured.append(torch.get_num_threads())
+        return json.loads(json.dumps(first))  # the figures of the first measurement, copied
+
+    threads = torch.get_num_threads()
+    local_device.measure_local_cpu()
+    first = {k: v for k, v in local_device._cache_entries()[0].items() if k != "key"}
+    monkeypatch.setattr(local_device, "run_benchmark", fake_benchmark)
+    try:
+        torch.set_num_threads(threads + 1)
+        local_device.measure_local_cpu()
+        assert measured == [threads + 1] and len(local_device._cache_entries()) == 2
+        torch.set_num_threads(threads)
+        local_device.measure_local_cpu()  # its entry is still there: nothing measured
+        assert measured == [threads + 1]
+    finally:
+        torch.set_num_threads(threads)
+    only = local_device._cache_entries()[0]
+    local_device.cache_path().write_text(json.dumps(only))  # the format before entries
+    assert local_device.cached_local_cpu() is not None and measured == [threads + 1]
+
+
 def test_a_power_limit_scales_the_peaks_by_its_cube_root():
     """Clocks (and so peaks) under a power limit fall as the cube root of the power; memory
     bandwidth stays; at or above the TDP, or without one, nothing changes."""
