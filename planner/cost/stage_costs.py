@@ -307,6 +307,22 @@ def loss_working_bytes(profile: ModelProfile, tp: int, micro_batch: int, cp: int
     return (2 + LOSS_PARALLEL_EXTRA) * head.activation_bytes * _scale(profile, micro_batch, cp) / tp
 
 
+FP8_CAST_PASSES = 2.5
+"""Memory-bound work of a dynamic FP8 cast, in bf16 bytes of the operand: read twice (amax, then the
+scaled cast), written once in 8 bits (torchao's Float8Linear, tensorwise scaling)."""
+
+
+def fp8_cast_bytes(layer: LayerProfile, scale: float, shard: int) -> tuple[float, float]:
+    """(forward, backward) memory-bound bytes of a layer's FP8 casts per micro-batch on one rank:
+    FP8_CAST_PASSES x each Linear matmul's 16-bit operands. torchao casts the weights again in every
+    forward and backward (reuse of a cast in backward is not counted): their casts are the same
+    whatever the micro-batch, where the activations' scale with it (`scale`, the rank's share of
+    the profiled tokens); both are split by tensor parallelism (`shard`)."""
+    return tuple(FP8_CAST_PASSES * ((operands - weights) * scale + weights) / shard
+                 for operands, weights in ((layer.fwd_linear_operand_bytes, layer.fwd_linear_weight_bytes),
+                                           (layer.bwd_linear_operand_bytes, layer.bwd_linear_weight_bytes)))
+
+
 def _attention_share(work: Work, gpu, dtype: str) -> float:
     """The share of a phase's roofline time its fused attention takes."""
     if not work.attention_flops:
@@ -343,15 +359,12 @@ def _layer_costs(
     other = layer.fwd_other_io_bytes
     whole = 0.0 if split_all or not other else (other - layer.fwd_other_io_tp_bytes) / other
     fp8 = training.precision == "fp8"
-    # FP8 with dynamic scaling reads each 16-bit operand twice (amax, then the scaled cast) and
-    # writes it once in 8 bits: 2.5 x its bf16 bytes of memory-bound work per matmul operand
-    # (torchao's Float8Linear, tensorwise scaling; reuse of a cast in backward is not counted)
-    cast = (2.5 * layer.fwd_linear_operand_bytes, 2.5 * layer.bwd_linear_operand_bytes) if fp8 else (0.0, 0.0)
+    cast = fp8_cast_bytes(layer, scale, shard) if fp8 else (0.0, 0.0)
     # causal attention runs half the FLOPs the profile counts (its kernels skip the masked blocks)
     skip = layer.fwd_causal_attention_flops / 2, layer.bwd_causal_attention_flops / 2
-    fwd_work = Work(layer.fwd_flops - skip[0], layer.fwd_matmul_io_bytes, layer.fwd_other_io_bytes * (1 - whole) + cast[0],
+    fwd_work = Work(layer.fwd_flops - skip[0], layer.fwd_matmul_io_bytes, layer.fwd_other_io_bytes * (1 - whole),
                     layer.fwd_ops, layer.fwd_linear_flops if fp8 else 0.0, layer.fwd_attention_flops - skip[0])
-    bwd_work = Work(layer.bwd_flops - skip[1], layer.bwd_matmul_io_bytes, layer.bwd_other_io_bytes * (1 - whole) + cast[1],
+    bwd_work = Work(layer.bwd_flops - skip[1], layer.bwd_matmul_io_bytes, layer.bwd_other_io_bytes * (1 - whole),
                     layer.bwd_ops, layer.bwd_linear_flops if fp8 else 0.0, layer.bwd_attention_flops - skip[1])
     # Recompute reruns a layer's forward up to the last tensor backward reads (LayerProfile.fwd_tail_*:
     # torch's non-reentrant checkpoint stops there) unless the trainer's checkpoint reruns it whole
@@ -363,8 +376,8 @@ def _layer_costs(
     # the matmul-like ops selective recompute reruns (an unfused attention's batched matmuls)
     core_work = Work(layer.fwd_selective_flops, layer.fwd_selective_io_bytes, 0.0, 0).scaled(scale / shard)
     fwd_work, bwd_work = fwd_work.scaled(scale / shard), bwd_work.scaled(scale / shard)
-    fwd_work = replace(fwd_work, other_bytes=fwd_work.other_bytes + layer.fwd_other_io_bytes * whole * scale)
-    bwd_work = replace(bwd_work, other_bytes=bwd_work.other_bytes + layer.bwd_other_io_bytes * whole * scale)
+    fwd_work = replace(fwd_work, other_bytes=fwd_work.other_bytes + layer.fwd_other_io_bytes * whole * scale + cast[0])
+    bwd_work = replace(bwd_work, other_bytes=bwd_work.other_bytes + layer.bwd_other_io_bytes * whole * scale + cast[1])
     # what full recompute reruns: the share of the forward's roofline before the tail
     rerun = rerun_tp = 1.0
     tail_other = layer.fwd_tail_other_io_bytes * scale / shard if stops else 0.0  # selective's, likewise

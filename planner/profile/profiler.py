@@ -394,6 +394,8 @@ def _assemble(
         "bwd_linear_flops": per_layer(trace.bwd.linear_flops),
         "fwd_linear_operand_bytes": per_layer(trace.fwd.linear_operand_bytes),
         "bwd_linear_operand_bytes": per_layer(trace.bwd.linear_operand_bytes),
+        "fwd_linear_weight_bytes": per_layer(trace.fwd.linear_weight_bytes),
+        "bwd_linear_weight_bytes": per_layer(trace.bwd.linear_weight_bytes),
         "fwd_ops": per_layer(trace.fwd.ops),
         "bwd_ops": per_layer(trace.bwd.ops),
         "fwd_attention_flops": per_layer(trace.fwd.attention_flops),

@@ -133,6 +133,7 @@ class PhaseCosts:
     linear_flops: Counter = field(default_factory=Counter)
     """Of flops, the Linear layers' matmuls (what FP8 training runs in 8 bits)."""
     linear_operand_bytes: Counter = field(default_factory=Counter)
+    linear_weight_bytes: Counter = field(default_factory=Counter)
     """Bytes of those matmuls' operands (what FP8 training casts)."""
     # What the alternate recompute policy (torchtitan's per-op selective checkpointing: keep every
     # other Linear matmul's output) recomputes beyond selective's memory-bound ops: the forward's
@@ -265,7 +266,9 @@ class _Recorder(TorchDispatchMode):
             costs.ops[seg] += 1
             if is_linear_matmul(func):
                 costs.linear_flops[seg] += flops
-                costs.linear_operand_bytes[seg] += sum(map(_nbytes, tensors_in((args, kwargs))))
+                operands = tensors_in((args, kwargs))
+                costs.linear_operand_bytes[seg] += sum(map(_nbytes, operands))
+                costs.linear_weight_bytes[seg] += sum(_nbytes(t) for t in operands if storage_key(t) in self.param_keys)
             if is_attention(func):
                 costs.attention_flops[seg] += flops
                 if _arg(func, args, kwargs, "is_causal"):

@@ -77,6 +77,10 @@ class LayerProfile:
     fwd_linear_operand_bytes: int = 0
     """Bytes of those matmuls' 16-bit operands (inputs and weights), what FP8 training casts."""
     bwd_linear_operand_bytes: int = 0
+    fwd_linear_weight_bytes: int = 0
+    """Of fwd_linear_operand_bytes, the weights': the same whatever the micro-batch (0 in a profile
+    from before the split, which then scales them with it)."""
+    bwd_linear_weight_bytes: int = 0
     # -- what the alternate recompute policy keeps and recomputes ---------------------------------
     activation_alternate_bytes: Optional[int] = None
     """Of activation_matmul_bytes, what the alternate policy (torchtitan's per-op selective

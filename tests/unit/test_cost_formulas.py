@@ -307,6 +307,24 @@ def test_fp8_runs_the_linear_matmuls_at_the_fp8_peak(gpt_bf16):
     assert fp8[i].fwd_s > bf16[i].fwd_s and fp8[i].act_bytes == bf16[i].act_bytes
 
 
+def test_fp8_casts_the_weights_once_per_micro_batch_whatever_its_size(gpt_bf16):
+    """gpt.py's block: its Linears' weights are 12 h^2 bf16 values (and their biases, operands of
+    addmm in forward); backward's input-gradient matmuls read the weights again. A cast is 2.5 x
+    the operand's bf16 bytes; the activations' casts double with the micro-batch, the weights' do
+    not, and tensor parallelism splits both."""
+    from planner.cost.stage_costs import fp8_cast_bytes
+
+    block = next(l for l in gpt_bf16.layers if l.name == "blocks.0")
+    weights = 2 * 12 * 384**2
+    # biases: q, k, v, proj (h each), up (4h), down (h)
+    assert block.bwd_linear_weight_bytes == weights and block.fwd_linear_weight_bytes == weights + 2 * 9 * 384
+    acts = block.fwd_linear_operand_bytes - block.fwd_linear_weight_bytes, block.bwd_linear_operand_bytes - weights
+    for scale, shard in ((1.0, 1), (2.0, 1), (2.0, 2)):
+        fwd, bwd = fp8_cast_bytes(block, scale, shard)
+        assert fwd == pytest.approx(2.5 * (acts[0] * scale + block.fwd_linear_weight_bytes) / shard)
+        assert bwd == pytest.approx(2.5 * (acts[1] * scale + weights) / shard)
+
+
 def _pipelined(zero: int, m: int = 4):
     profile = synthetic_profile(n_blocks=4, h=1024, s=512, heads=16, vocab=32768)
     cluster = make_cluster("a100-80gb", 8, 1)  # 8 nodes of 1: every collective crosses the network
