@@ -73,13 +73,15 @@ class Row:
     """Figures the row does not publish, left to the search or assumed."""
     recompute_whole_forward: bool = True
     """The trainer's full recompute reruns the whole forward (Training.recompute_whole_forward)."""
+    fp8_recipe: str = "torchao"
+    """How the trainer's FP8 casts (Training.fp8_recipe)."""
 
     def cluster(self) -> Cluster:
         return make_cluster(self.gpu, self.num_gpus, self.gpus_per_node)
 
     def training(self) -> Training:
         return Training(self.precision, "adamw", self.global_batch, self.gpu.memory_bytes,
-                        recompute_whole_forward=self.recompute_whole_forward)
+                        recompute_whole_forward=self.recompute_whole_forward, fp8_recipe=self.fp8_recipe)
 
     def config(self) -> str:
         f = self.fixed
@@ -292,6 +294,18 @@ def _recompute_whole_forward(e: dict) -> bool:
     return not any(t in text for t in STOPPING_RECOMPUTE)
 
 
+# Trainers whose FP8 is Transformer Engine's: Megatron-LM / Megatron-Core (its FP8 is TE's
+# --fp8-format), and NeMo and Megatron-Bridge on Megatron-Core. torchtitan's is torchao's Float8
+# training, as a trainer not named here is taken to run.
+TE_FP8 = ("megatron", "nemo", "transformer engine")
+
+
+def _fp8_recipe(e: dict) -> str:
+    src = e["source"]
+    text = " ".join(str(src.get(k, "")) for k in ("repo", "paper", "path")) + " " + str(value(e.get("precision")))
+    return "te" if any(t in text.lower() for t in TE_FP8) else "torchao"
+
+
 def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
     notes: list[str] = []
     assumed: list[str] = []
@@ -351,6 +365,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
         measured_step_s=measured_step(e, shape, gb, gpus),
         measured_peak_bytes=peak_gib * GIB if peak_gib else None,
         notes=tuple(notes), assumed=tuple(assumed), recompute_whole_forward=_recompute_whole_forward(e),
+        fp8_recipe=_fp8_recipe(e) if precision == "fp8" else "torchao",
     )
 
 

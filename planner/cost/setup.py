@@ -35,6 +35,14 @@ class Training:
     non-reentrant checkpoint with early stop, which this runtime and torchtitan run; a compiled
     recompute likewise): a block's last matmul is not rerun (LayerProfile.fwd_tail_*)."""
 
+    fp8_recipe: str = "torchao"
+    """How FP8 training casts (precision fp8 only). "torchao": torchao's Float8Linear, which this
+    runtime and torchtitan run: every matmul operand cast at each use, weights in every forward
+    and backward. "te": Transformer Engine, as Megatron-LM and NeMo run it: the weights cast (with
+    their transpose) once per step after the optimizer and cached across the micro-batches, each
+    forward input cast once and kept in FP8 for the weight gradient, each output gradient cast
+    once with its transpose (cast_transpose) for both backward matmuls."""
+
     def bytes_per_param(self) -> tuple[int, int, int]:
         """(weights, gradients, optimizer state) bytes per parameter before any sharding.
 
@@ -50,9 +58,12 @@ class Training:
     def optimizer_traffic_per_param(self) -> int:
         """HBM bytes an optimizer step reads and writes per parameter (a memory-bound kernel):
         AdamW reads the gradient, master weight, momentum and variance and writes all but the
-        gradient back, plus the 16-bit weight copy; SGD likewise without the variance."""
+        gradient back, plus the 16-bit weight copy; SGD likewise without the variance. Transformer
+        Engine's FP8 then casts the new weights once for the step: the 16-bit copy read twice
+        (amax, cast), one FP8 byte written and one for its transpose."""
         w, g, opt = self.bytes_per_param()
-        return g + 2 * opt + (w if self.precision != "fp32" else 0)
+        te_cast = 2 * w + 2 if self.precision == "fp8" and self.fp8_recipe == "te" else 0
+        return g + 2 * opt + (w if self.precision != "fp32" else 0) + te_cast
 
 
 @dataclass(frozen=True)

@@ -310,17 +310,29 @@ def loss_working_bytes(profile: ModelProfile, tp: int, micro_batch: int, cp: int
 FP8_CAST_PASSES = 2.5
 """Memory-bound work of a dynamic FP8 cast, in bf16 bytes of the operand: read twice (amax, then the
 scaled cast), written once in 8 bits (torchao's Float8Linear, tensorwise scaling)."""
+FP8_CAST_TRANSPOSE_PASSES = 3.0
+"""The same with the transposed copy written too (Transformer Engine's cast_transpose)."""
 
 
-def fp8_cast_bytes(layer: LayerProfile, scale: float, shard: int) -> tuple[float, float]:
-    """(forward, backward) memory-bound bytes of a layer's FP8 casts per micro-batch on one rank:
-    FP8_CAST_PASSES x each Linear matmul's 16-bit operands. torchao casts the weights again in every
-    forward and backward (reuse of a cast in backward is not counted): their casts are the same
-    whatever the micro-batch, where the activations' scale with it (`scale`, the rank's share of
-    the profiled tokens); both are split by tensor parallelism (`shard`)."""
-    return tuple(FP8_CAST_PASSES * ((operands - weights) * scale + weights) / shard
-                 for operands, weights in ((layer.fwd_linear_operand_bytes, layer.fwd_linear_weight_bytes),
-                                           (layer.bwd_linear_operand_bytes, layer.bwd_linear_weight_bytes)))
+def fp8_cast_bytes(layer: LayerProfile, scale: float, shard: int, recipe: str = "torchao") -> tuple[float, float]:
+    """(forward, backward) memory-bound bytes of a layer's FP8 casts per micro-batch on one rank,
+    `scale` the rank's share of the profiled tokens and `shard` tensor parallelism's split.
+
+    torchao casts every Linear matmul operand at each use (FP8_CAST_PASSES x its 16-bit bytes),
+    the weights again in every forward and backward: their casts are the same whatever the
+    micro-batch, where the activations' scale with it. Transformer Engine ("te") casts each
+    forward input once (kept in FP8 for the weight gradient) and each output gradient once with
+    its transpose for both backward matmuls; its weights are cast once per step
+    (Training.optimizer_traffic_per_param). Backward's activation operands are each output
+    gradient twice (input and weight gradients) and each input once, so the output gradients are
+    half of what backward reads beyond the forward's inputs."""
+    inputs = layer.fwd_linear_operand_bytes - layer.fwd_linear_weight_bytes
+    bwd_acts = layer.bwd_linear_operand_bytes - layer.bwd_linear_weight_bytes
+    if recipe == "te":
+        grads = max(0.0, bwd_acts - inputs) / 2
+        return FP8_CAST_PASSES * inputs * scale / shard, FP8_CAST_TRANSPOSE_PASSES * grads * scale / shard
+    return tuple(FP8_CAST_PASSES * (acts * scale + weights) / shard
+                 for acts, weights in ((inputs, layer.fwd_linear_weight_bytes), (bwd_acts, layer.bwd_linear_weight_bytes)))
 
 
 def _attention_share(work: Work, gpu, dtype: str) -> float:
@@ -359,7 +371,7 @@ def _layer_costs(
     other = layer.fwd_other_io_bytes
     whole = 0.0 if split_all or not other else (other - layer.fwd_other_io_tp_bytes) / other
     fp8 = training.precision == "fp8"
-    cast = fp8_cast_bytes(layer, scale, shard) if fp8 else (0.0, 0.0)
+    cast = fp8_cast_bytes(layer, scale, shard, training.fp8_recipe) if fp8 else (0.0, 0.0)
     # causal attention runs half the FLOPs the profile counts (its kernels skip the masked blocks)
     skip = layer.fwd_causal_attention_flops / 2, layer.bwd_causal_attention_flops / 2
     fwd_work = Work(layer.fwd_flops - skip[0], layer.fwd_matmul_io_bytes, layer.fwd_other_io_bytes * (1 - whole),

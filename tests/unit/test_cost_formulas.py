@@ -325,6 +325,24 @@ def test_fp8_casts_the_weights_once_per_micro_batch_whatever_its_size(gpt_bf16):
         assert bwd == pytest.approx(2.5 * (acts[1] * scale + weights) / shard)
 
 
+def test_transformer_engine_fp8_casts_each_input_and_output_gradient_once(gpt_bf16):
+    """Transformer Engine's recipe on gpt.py's block (s=256, h=384): the Linears' inputs are 9 h
+    per token (q, k, v and up read the norms' outputs, proj the attention's, down the MLP's 4h)
+    and so are their outputs' gradients (q, k, v, proj, down h each, up 4h). Forward casts each
+    input once (2.5 passes), backward each output gradient once with its transpose (3 passes);
+    the weights are cast once per step, after the optimizer: 6 more bytes per parameter."""
+    from planner.cost.stage_costs import fp8_cast_bytes
+
+    block = next(l for l in gpt_bf16.layers if l.name == "blocks.0")
+    nine_h = 9 * 384 * 256 * 2
+    for scale, shard in ((1.0, 1), (2.0, 2)):
+        fwd, bwd = fp8_cast_bytes(block, scale, shard, "te")
+        assert fwd == pytest.approx(2.5 * nine_h * scale / shard) and bwd == pytest.approx(3.0 * nine_h * scale / shard)
+    assert sum(fp8_cast_bytes(block, 1.0, 1, "te")) < 0.5 * sum(fp8_cast_bytes(block, 1.0, 1))
+    te, torchao = (Training("fp8", "adamw", 8, 80 * 2**30, fp8_recipe=r) for r in ("te", "torchao"))
+    assert te.optimizer_traffic_per_param() == torchao.optimizer_traffic_per_param() + 6
+
+
 def _pipelined(zero: int, m: int = 4):
     profile = synthetic_profile(n_blocks=4, h=1024, s=512, heads=16, vocab=32768)
     cluster = make_cluster("a100-80gb", 8, 1)  # 8 nodes of 1: every collective crosses the network
