@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -67,7 +69,11 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--reference {args.reference}: no such file")
     start = time.perf_counter()
     unread: list[tuple[str, str]] = []
-    rows = load_rows(args.reference, unread)
+    try:
+        rows = load_rows(args.reference, unread)
+    except (yaml.YAMLError, KeyError, TypeError) as exc:  # not YAML, or no list of entries
+        ap.error(f"--reference {args.reference}: not a file of runs in the reference's schema "
+                 f"({type(exc).__name__}: {str(exc).splitlines()[0]})")
     for row_id, why in unread:
         print(f"not read: {row_id}: {why}")
     if args.only:

@@ -122,3 +122,15 @@ def test_held_out_runs_read_whole_and_an_unknown_gpu_is_named_not_fatal(tmp_path
     assert len(unread) == 1 and unread[0][0] == "on_a_tpu" and "TPU v5p" in unread[0][1]
     with pytest.raises(AssertionError, match="TPU v5p"):
         load_rows(mixed)
+
+
+def test_reference_that_is_not_a_file_of_runs_is_one_line_and_exit_2(tmp_path, capsys):
+    from bench.bench_published import main
+
+    bad = tmp_path / "runs.yaml"
+    bad.write_text("entries: [\n")
+    for path in (bad, tmp_path / "missing.yaml"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--reference", str(path)])
+        assert exit_.value.code == 2
+        assert f"--reference {path}" in capsys.readouterr().err.strip().splitlines()[-1]
