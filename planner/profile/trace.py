@@ -133,8 +133,9 @@ class PhaseCosts:
     linear_flops: Counter = field(default_factory=Counter)
     """Of flops, the Linear layers' matmuls (what FP8 training runs in 8 bits)."""
     linear_operand_bytes: Counter = field(default_factory=Counter)
-    linear_weight_bytes: Counter = field(default_factory=Counter)
     """Bytes of those matmuls' operands (what FP8 training casts)."""
+    linear_weight_bytes: Counter = field(default_factory=Counter)
+    """Of linear_operand_bytes, the parameters' (weights and biases)."""
     # What the alternate recompute policy (torchtitan's per-op selective checkpointing: keep every
     # other Linear matmul's output) recomputes beyond selective's memory-bound ops: the forward's
     # second, fourth, ... Linear matmul of each unit (runtime/recompute.py counts the same way).
