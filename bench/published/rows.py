@@ -236,13 +236,21 @@ def _zero(p: dict) -> tuple[int, bool]:
 
 
 def _zero_stage(p: dict, text: str) -> int:
-    if value(p.get("fsdp")) or "zero-3" in text or "full_shard" in text or "full shard" in text:
-        return 3
-    if "zero-2" in text or "shard_grad_op" in text:
+    """The ZeRO stage a row's `zero` text (lower case) and `fsdp` flag name: "ZeRO-3", "zero stage
+    2", FSDP's FULL_SHARD / SHARD_GRAD_OP / hybrid sharding, Megatron's distributed optimizer."""
+    stage = re.search(r"zero[-_ ]?(?:stage[-_ ]?)?([0-3])\b", text) or re.search(r"\bstage[-_ ]?([0-3])\b", text)
+    if "shard_grad_op" in text:
         return 2
-    if "zero-1" in text or "distributed optimizer" in text:
+    if stage:
+        return int(stage.group(1))
+    if value(p.get("fsdp")) or any(t in text for t in ("full_shard", "full shard", "fsdp", "hsdp", "hybrid")):
+        return 3
+    if "distributed optimizer" in text or "optimizer state shard" in text:
         return 1
     return 0
+
+
+_YES, _NO = ("true", "yes", "on", "all"), ("false", "no", "off", "none", "0", "n/a")
 
 
 def _recompute(p: dict, shape: Shape, notes: list[str], assumed: list[str]) -> str | None:
@@ -250,8 +258,19 @@ def _recompute(p: dict, shape: Shape, notes: list[str], assumed: list[str]) -> s
     if text is None:
         assumed.append("recompute free")
         return None
-    kind = str(text).split()[0].lower()
-    assert kind in ("none", "selective", "full"), f"recompute {text!r}"
+    words = str(text).lower().split() or ["none"]
+    if text is True or words[0] in _YES:
+        kind = "full"
+    elif text is False or words[0] in _NO:
+        kind = "none"
+    elif "selective" in words[0] or words[0] == "full":
+        kind = words[0]
+    elif "selective" in str(text).lower():
+        kind = "selective"
+    elif "full" in str(text).lower() or "checkpoint" in str(text).lower():
+        kind = "full"  # "activation checkpointing (every layer)"
+    else:
+        raise ValueError(f"recompute {text!r}: not none, selective or full")
     # Megatron-LM's only selective mode recomputes the attention core (Korthikanti et al. 2022);
     # the GPT rows are Megatron-LM runs. torchtitan's selective is its per-op policy (its default,
     # selective_ac_option "op": save every other matmul): the cost model's "alternate".
@@ -262,7 +281,7 @@ def _recompute(p: dict, shape: Shape, notes: list[str], assumed: list[str]) -> s
     return kind
 
 
-def _schedule(p: dict, pp: int, assumed: list[str]) -> tuple[str | None, int | None]:
+def _schedule(p: dict, pp: int, notes: list[str], assumed: list[str]) -> tuple[str | None, int | None]:
     if pp == 1:
         return None, None
     inter = p.get("interleaving")
@@ -275,7 +294,19 @@ def _schedule(p: dict, pp: int, assumed: list[str]) -> tuple[str | None, int | N
     if v is None:
         assumed.append("schedule free")
         return None, None
-    assert "1f1b" in str(v).lower() or str(v).lower().startswith("none"), f"interleaving {v!r}"
+    text = str(v).lower()
+    if "gpipe" in text:
+        return "gpipe", None
+    if any(text.startswith(w) for w in _NO) or "non-interleaved" in text:
+        return "1f1b", None
+    if "interleav" in text or "virtual" in text:
+        chunks = re.search(r"(\d+)", text.replace("1f1b", ""))
+        if chunks and int(chunks.group(1)) > 1:
+            return "interleaved", int(chunks.group(1))
+        assumed.append("model chunks per rank free")
+        return "interleaved", None
+    if "1f1b" not in text:
+        notes.append(f"schedule {v!r} as 1F1B")  # zero-bubble, DualPipe: not in the cost model
     return "1f1b", None
 
 
@@ -340,7 +371,8 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
     if sp is None and tp > 1:
         assumed.append("sequence parallelism free")
     # TP overlap: Megatron-LM's --tp-comm-overlap, torchtitan's async TP (the cost model's --tp-overlap)
-    tp_overlap = tp > 1 and bool(value(p.get("async_tp")) or "tp-comm-overlap" in str(value(p.get("overlap"))))
+    named = re.search(r"tp[-_ ]comm[-_ ]overlap|async[-_ ]tp", str(value(p.get("overlap"))).lower())
+    tp_overlap = tp > 1 and bool(value(p.get("async_tp")) or value(p.get("tp_comm_overlap")) or named)
     if value(p.get("torch_compile")):
         notes.append("compile")
     zero, hsdp = _zero(p)
@@ -350,7 +382,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
         zero = 2
         notes.append("FSDP2 no reshard under PP")
     recompute = _recompute(p, shape, notes, assumed)
-    schedule, v = _schedule(p, pp, assumed)
+    schedule, v = _schedule(p, pp, notes, assumed)
     fixed = Fixed(
         tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=micro, zero=zero if dp * cp > 1 else 0,
         schedule=schedule, virtual_stages=v, recompute=recompute,

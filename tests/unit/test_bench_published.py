@@ -134,3 +134,37 @@ def test_reference_that_is_not_a_file_of_runs_is_one_line_and_exit_2(tmp_path, c
             main(["--reference", str(path)])
         assert exit_.value.code == 2
         assert f"--reference {path}" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("field,text,expect", [
+    ("zero", "ZeRO stage 2", {"zero": 2}),
+    ("zero", "FSDP HYBRID_SHARD (shard in a node)", {"zero": 3, "hsdp": True}),
+    ("zero", "FSDP SHARD_GRAD_OP", {"zero": 2}),
+    ("zero", "none", {"zero": 0}),
+    ("recompute", True, {"recompute": "full"}),
+    ("recompute", "no", {"recompute": "none"}),
+    ("recompute", "activation checkpointing of every layer", {"recompute": "full"}),
+    ("interleaving", "interleaved 1F1B, 4 model chunks per GPU", {"schedule": "interleaved", "virtual_stages": 4}),
+    ("interleaving", "GPipe", {"schedule": "gpipe"}),
+    ("interleaving", "none (1F1B non-interleaved)", {"schedule": "1f1b"}),
+    ("interleaving", "zero bubble (ZB-H1)", {"schedule": "1f1b", "note": "schedule 'zero bubble (ZB-H1)' as 1F1B"}),
+    ("tp_comm_overlap", True, {"tp_overlap": True}),
+    ("overlap", "--overlap-grad-reduce --tp-comm-overlap", {"tp_overlap": True}),
+    ("overlap", "--overlap-grad-reduce", {"tp_overlap": None}),
+])
+def test_the_ways_a_file_of_runs_from_elsewhere_states_a_configuration(tmp_path, field, text, expect):
+    """A reference file written by someone else says ZeRO stages, recompute, pipeline schedules and
+    TP overlap in words of its own: each reads as the configuration it names (or is approximated,
+    with a note), not as a row the bench cannot read."""
+    import yaml
+
+    entry = yaml.safe_load((REFERENCE.parent / "held_out_runs.yaml").read_text())["entries"][1]  # tp4 pp8 dp2
+    entry = {**entry, "parallel": {**entry["parallel"], "overlap": None, field: text}}
+    path = tmp_path / "runs.yaml"
+    path.write_text(yaml.safe_dump({"entries": [entry]}))
+    (row,) = load_rows(path)
+    for key, want in expect.items():
+        if key == "note":
+            assert want in row.notes
+        else:
+            assert getattr(row.fixed, key) == want, key
