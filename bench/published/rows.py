@@ -75,13 +75,16 @@ class Row:
     """The trainer's full recompute reruns the whole forward (Training.recompute_whole_forward)."""
     fp8_recipe: str = "torchao"
     """How the trainer's FP8 casts (Training.fp8_recipe)."""
+    dp_overlap: float | None = None
+    """The trainer's data-parallel overlap where the row states it (Training.dp_overlap)."""
 
     def cluster(self) -> Cluster:
         return make_cluster(self.gpu, self.num_gpus, self.gpus_per_node)
 
     def training(self) -> Training:
         return Training(self.precision, "adamw", self.global_batch, self.gpu.memory_bytes,
-                        recompute_whole_forward=self.recompute_whole_forward, fp8_recipe=self.fp8_recipe)
+                        recompute_whole_forward=self.recompute_whole_forward, fp8_recipe=self.fp8_recipe,
+                        dp_overlap=self.dp_overlap)
 
     def config(self) -> str:
         f = self.fixed
@@ -371,7 +374,11 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
     if sp is None and tp > 1:
         assumed.append("sequence parallelism free")
     # TP overlap: Megatron-LM's --tp-comm-overlap, torchtitan's async TP (the cost model's --tp-overlap)
-    named = re.search(r"tp[-_ ]comm[-_ ]overlap|async[-_ ]tp", str(value(p.get("overlap"))).lower())
+    overlap_text = str(value(p.get("overlap"))).lower()
+    named = re.search(r"tp[-_ ]comm[-_ ]overlap|async[-_ ]tp", overlap_text)
+    # Megatron's --overlap-grad-reduce: the distributed optimizer's reduce-scatter hidden behind
+    # the backward (Training.dp_overlap); other trainers' overlap is the fitted OVERLAP_EFFICIENCY
+    dp_overlap = 1.0 if re.search(r"overlap[-_ ]grad[-_ ]reduce", overlap_text) and dp * cp > 1 else None
     tp_overlap = tp > 1 and bool(value(p.get("async_tp")) or value(p.get("tp_comm_overlap")) or named)
     if value(p.get("torch_compile")):
         notes.append("compile")
@@ -397,7 +404,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
         measured_step_s=measured_step(e, shape, gb, gpus),
         measured_peak_bytes=peak_gib * GIB if peak_gib else None,
         notes=tuple(notes), assumed=tuple(assumed), recompute_whole_forward=_recompute_whole_forward(e),
-        fp8_recipe=_fp8_recipe(e) if precision == "fp8" else "torchao",
+        fp8_recipe=_fp8_recipe(e) if precision == "fp8" else "torchao", dp_overlap=dp_overlap,
     )
 
 

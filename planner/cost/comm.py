@@ -110,14 +110,15 @@ def p2p(link: Link) -> Affine:
     return Affine(link.latency_s, 1 / (link.bandwidth_Bps * LINK_EFFICIENCY))
 
 
-def overlapped_s(a_s: float, b_s: float) -> float:
+def overlapped_s(a_s: float, b_s: float, e: float | None = None) -> float:
     """Two activities run at once (compute and a collective): the longer, plus the share of the
-    shorter that contention leaves exposed (OVERLAP_EFFICIENCY). Equals max(a + (1 - e) b,
-    b + (1 - e) a), which the ILP states as two linear rows."""
-    return max(a_s, b_s) + (1 - OVERLAP_EFFICIENCY) * min(a_s, b_s)
+    shorter that contention leaves exposed (`e`, OVERLAP_EFFICIENCY unless the trainer's own is
+    given). Equals max(a + (1 - e) b, b + (1 - e) a), which the ILP states as two linear rows."""
+    e = OVERLAP_EFFICIENCY if e is None else e
+    return max(a_s, b_s) + (1 - e) * min(a_s, b_s)
 
 
-def exposed_after_s(window_s: float, comm_s: float) -> float:
+def exposed_after_s(window_s: float, comm_s: float, e: float | None = None) -> float:
     """Of a collective overlapped with `window_s` of compute, the seconds it adds past the window:
     max(comm - e window, (1 - e) comm)."""
-    return overlapped_s(window_s, comm_s) - window_s
+    return overlapped_s(window_s, comm_s, e) - window_s

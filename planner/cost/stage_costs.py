@@ -163,6 +163,9 @@ class StageCosts:
     expert_grad_sync_per_byte_s: float = 0.0
     expert_after_step_param_s: float = 0.0
     """ZeRO-1/2's all-gather after the step, plus the optimizer, per expert parameter."""
+    dp_overlap: float | None = None
+    """The share of the data-parallel traffic hidden behind compute (Training.dp_overlap); None:
+    OVERLAP_EFFICIENCY, read when evaluated (bench_published --fit varies it)."""
 
     @property
     def param_totals(self) -> tuple[float, float]:
@@ -683,6 +686,7 @@ def stage_costs(
         optimizer_s_per_param=optimizer_s / (shard if cand.zero >= 1 else 1),
         links=lk,
         model_flops_per_step=model_flops,
+        dp_overlap=training.dp_overlap,
         **experts,
     )
 

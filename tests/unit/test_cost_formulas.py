@@ -58,10 +58,10 @@ def test_pipeline_schedules(schedule, v, expect_s, inflight):
         assert pipeline_s([1.0, 2.0, 1.0, 1.0], cand) == pytest.approx(7 * 2 + 5)
 
 
-def _costs(zero: int, dp: int = 4, m: int = 4, gpus_per_node: int | None = None):
+def _costs(zero: int, dp: int = 4, m: int = 4, gpus_per_node: int | None = None, dp_overlap: float | None = None):
     profile = synthetic_profile(n_blocks=4, h=1024, s=512, heads=16, vocab=32768)
     cluster = make_cluster("a100-80gb", dp, gpus_per_node)
-    training = Training("bf16", "adamw", dp * m, 80 * 2**30)
+    training = Training("bf16", "adamw", dp * m, 80 * 2**30, dp_overlap=dp_overlap)
     cand = Candidate(tp=1, pp=1, dp=dp, micro_batch=1, num_microbatches=m, zero=zero, schedule="1f1b")
     return profile, stage_costs(profile, cluster, training, cand)
 
@@ -103,6 +103,32 @@ def test_ddp_exposes_the_last_bucket_and_the_optimizer():
     assert ev.devices[0].sync_s == pytest.approx(exposed + optimizer)
     compute = sum(a.fwd_s + a.bwd_s for a in costs.atoms)
     assert ev.step_time_s == pytest.approx(4 * compute + exposed + optimizer)
+
+
+@pytest.mark.parametrize("e", [0.0, 1.0])
+def test_a_trainer_that_overlaps_its_data_parallel_traffic(e):
+    """Training.dp_overlap (Megatron's --overlap-grad-reduce: 1) replaces OVERLAP_EFFICIENCY for the
+    plan's data-parallel traffic: the gradient sync beside the last backward, ZeRO-3's gathers
+    beside each micro-batch. Fully hidden (1), only the sync past the backward and the last bucket
+    are exposed, and a micro-batch takes the longer of its compute and its gathers."""
+    from planner.search.partition import solve_partition
+
+    profile, costs = _costs(zero=0, gpus_per_node=1, dp_overlap=e)  # over a 200 Gb/s network
+    ar = comm.allreduce(4, comm.Link(25 * GB, 15e-6))
+    backward = sum(a.bwd_s for a in costs.atoms)
+    sync = ar(profile.num_params * 2)
+    tail = ar(min(DDP_BUCKET_BYTES, profile.num_params * 2))
+    ev = evaluate(costs, [0, len(costs.atoms)], [NONE] * len(costs.atoms))
+    exposed = max(tail, sync - e * backward, (1 - e) * sync)
+    assert ev.devices[0].sync_s == pytest.approx(exposed + costs.optimizer_s_per_param * profile.num_params)
+    best = solve_partition(costs, recompute="none")  # the ILP states the same exposure
+    assert best.objective_s == pytest.approx(ev.step_time_s, rel=1e-4)
+    profile, costs = _costs(zero=3, gpus_per_node=1, dp_overlap=e)
+    ev = evaluate(costs, [0, len(costs.atoms)], [NONE] * len(costs.atoms))
+    compute = sum(a.fwd_s + a.bwd_s for a in costs.atoms)
+    gathers = costs.mb_comm_s(profile.num_params, 0.0)
+    latency = costs.mb_comm_atom_s * len(costs.atoms)
+    assert ev.devices[0].time_per_microbatch_s == pytest.approx(max(compute, gathers) + (1 - e) * min(compute, gathers) + latency)
 
 
 def test_zero1_all_reduces_then_gathers_layer_by_layer():
