@@ -38,8 +38,8 @@ class Training:
     dp_overlap: float | None = None
     """The share of the data-parallel traffic that the trainer hides behind compute (the shorter of
     the two, as comm.overlapped_s has it); None: the cost model's OVERLAP_EFFICIENCY, fitted on the
-    published runs. Megatron's distributed optimizer with --overlap-grad-reduce (its and NeMo's
-    default with dp > 1) hides its gradient reduce-scatter behind the backward: 1."""
+    published runs. Megatron's distributed optimizer with --overlap-grad-reduce (the default of
+    Megatron-Bridge and NeMo with dp > 1) hides its gradient reduce-scatter behind the backward: 1."""
     fp8_recipe: str = "torchao"
     """How FP8 training casts (precision fp8 only). "torchao": torchao's Float8Linear, which this
     runtime and torchtitan run: every matmul operand cast at each use, weights in every forward
