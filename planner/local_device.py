@@ -14,8 +14,8 @@ Results are cached as JSON in ``$XDG_CACHE_HOME/parallel-planner/local_cpu.json`
 ``~/.cache``), one entry per key (host, CPU model, core count, torch version and torch threads); a
 key without an entry measures and adds one, and ``refresh=True`` measures its key's again. What
 ``plan calibrate --gpu cpu`` measures (and ``--from-run`` refits) is kept beside it, in
-``local_cpu_calibration.json``, keyed by the same but the threads. Memory is read fresh from /proc/meminfo each time
-(MemAvailable, shared by the devices), never cached.
+``local_cpu_calibration.json``, keyed by the same but the threads. Memory is read fresh from
+/proc/meminfo each time (MemAvailable, shared by the devices), never cached.
 """
 
 from __future__ import annotations

@@ -261,16 +261,15 @@ def _recompute(p: dict, shape: Shape, notes: list[str], assumed: list[str]) -> s
     if text is None:
         assumed.append("recompute free")
         return None
-    words = str(text).lower().split() or ["none"]
-    if text is True or words[0] in _YES:
+    lower = str(text).lower()
+    first = (lower.split() or ["none"])[0].strip(",;:()")
+    if text is True or first in _YES:
         kind = "full"
-    elif text is False or words[0] in _NO:
+    elif text is False or first in _NO:
         kind = "none"
-    elif "selective" in words[0] or words[0] == "full":
-        kind = words[0]
-    elif "selective" in str(text).lower():
+    elif "selective" in lower:
         kind = "selective"
-    elif "full" in str(text).lower() or "checkpoint" in str(text).lower():
+    elif "full" in lower or "checkpoint" in lower:
         kind = "full"  # "activation checkpointing (every layer)"
     else:
         raise ValueError(f"recompute {text!r}: not none, selective or full")

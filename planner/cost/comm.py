@@ -110,12 +110,18 @@ def p2p(link: Link) -> Affine:
     return Affine(link.latency_s, 1 / (link.bandwidth_Bps * LINK_EFFICIENCY))
 
 
+def overlap_share(e: float | None = None) -> float:
+    """The share of the shorter of two overlapped activities that the overlap hides: the
+    trainer's own (Training.dp_overlap) when given, else OVERLAP_EFFICIENCY, read at the call
+    (bench_published --fit varies it)."""
+    return OVERLAP_EFFICIENCY if e is None else e
+
+
 def overlapped_s(a_s: float, b_s: float, e: float | None = None) -> float:
     """Two activities run at once (compute and a collective): the longer, plus the share of the
-    shorter that contention leaves exposed (`e`, OVERLAP_EFFICIENCY unless the trainer's own is
-    given). Equals max(a + (1 - e) b, b + (1 - e) a), which the ILP states as two linear rows."""
-    e = OVERLAP_EFFICIENCY if e is None else e
-    return max(a_s, b_s) + (1 - e) * min(a_s, b_s)
+    shorter that contention leaves exposed (overlap_share(e)). Equals max(a + (1 - e) b,
+    b + (1 - e) a), which the ILP states as two linear rows."""
+    return max(a_s, b_s) + (1 - overlap_share(e)) * min(a_s, b_s)
 
 
 def exposed_after_s(window_s: float, comm_s: float, e: float | None = None) -> float:

@@ -92,8 +92,8 @@ def evaluate(costs: StageCosts, bounds: list[int], choice: list[int]) -> Evaluat
         # data-parallel traffic every micro-batch (ZeRO-2/3): bytes overlap compute, latency does not
         t = overlapped_s(t, costs.mb_comm_s(params, experts), costs.dp_overlap) + costs.mb_comm_atom_s * len(atoms)
         one_backward = sum(a.bwd_s for a in atoms)
-        sync_s = costs.grad_sync_s(params, experts)
-        exposed = max(costs.tail_s, exposed_after_s(one_backward, sync_s, costs.dp_overlap)) if ranks > 1 else 0.0
+        exposed = (max(costs.tail_s, exposed_after_s(one_backward, costs.grad_sync_s(params, experts), costs.dp_overlap))
+                   if ranks > 1 else 0.0)
         sync = exposed + costs.after_step_s(params, experts) + costs.after_step_atom_s * len(atoms)
         weights, grads, optim = costs.state_bytes(params, experts)
         weights += costs.zero3_gather_bytes

@@ -200,7 +200,7 @@ def solve_partition(
     U = _var(prob, "U", 0)
     T = {}
     dp = cand.dp
-    e = comm.OVERLAP_EFFICIENCY if costs.dp_overlap is None else costs.dp_overlap
+    e = comm.overlap_share(costs.dp_overlap)
     for i in range(p):
         T[i] = _var(prob, f"T_{i}", 0)
         params = rank_sum(i, params_of)

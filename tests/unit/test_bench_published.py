@@ -144,6 +144,7 @@ def test_reference_that_is_not_a_file_of_runs_is_one_line_and_exit_2(tmp_path, c
     ("recompute", True, {"recompute": "full"}),
     ("recompute", "no", {"recompute": "none"}),
     ("recompute", "activation checkpointing of every layer", {"recompute": "full"}),
+    ("recompute", "selective, attention core", {"recompute": "selective"}),
     ("interleaving", "interleaved 1F1B, 4 model chunks per GPU", {"schedule": "interleaved", "virtual_stages": 4}),
     ("interleaving", "GPipe", {"schedule": "gpipe"}),
     ("interleaving", "none (1F1B non-interleaved)", {"schedule": "1f1b"}),
