@@ -19,8 +19,8 @@ torchtitan, llm_foundry) or row ids, comma-separated.
 This file is the command line; the work is in bench/published/:
 - rows.py: the YAML -> rows (model shape, cluster, Fixed configuration, measured figures), the
   source of each row, and what the cost model cannot express yet, approximated and named in the
-  note column (fp8, context parallelism, SP off, async TP, torch.compile, Megatron's selective
-  recompute, GPUs not in the catalogue);
+  note column (Megatron's selective recompute, schedules it lacks, GPUs not in the catalogue),
+  and what each row's trainer does (its FP8 recipe, recompute, fused kernels, overlap);
 - models.py: the model file of each row's shape (examples/gpt.py with Megatron-LM's 2021-22
   attention or flash attention, examples/llama.py, MPT from gpt.py's blocks), and what each
   approximates;

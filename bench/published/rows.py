@@ -5,12 +5,12 @@ A row's configuration (tp, pp, dp, micro-batch, ZeRO/FSDP stage, schedule, recom
 the row's cluster: its GPU, GPU count, GPUs per node and, when given, inter-node bandwidth per GPU.
 What the cost model cannot express yet is predicted with the nearest configuration it can, and
 named in the row's notes (these rows are counted apart in the summary, so work that removes a
-note shows up as better numbers): context parallelism (folded into tensor
-parallelism when the degree is legal inside a node, else into data parallelism), sequence
-parallelism off (the cost model always shards activations with TP), async TP / TP overlap (TP
-communication counted exposed), torch.compile (eager op costs), Megatron's selective recompute
-(attention core only; the cost model's selective keeps matmul outputs), a GPU that is not in the
-catalogue (the nearest entry with the row's memory and HBM bandwidth). Figures a row does not
+note shows up as better numbers): Megatron's selective recompute (attention core only; the cost
+model's selective keeps matmul outputs), a pipeline schedule it lacks (zero bubble, DualPipe: as
+1F1B), torchtitan's FSDP2 without resharding under a pipeline (as ZeRO-2), a GPU that is not in
+the catalogue (the nearest entry with the row's memory and HBM bandwidth). What the row's trainer
+does is read from its source: its FP8 recipe, whether its full recompute reruns the whole forward,
+whether it fuses its memory-bound ops, its data-parallel overlap. Figures a row does not
 publish (micro-batch, recompute, schedule) are left to the search, and said so (`assumed`).
 """
 
@@ -73,6 +73,8 @@ class Row:
     """Figures the row does not publish, left to the search or assumed."""
     recompute_whole_forward: bool = True
     """The trainer's full recompute reruns the whole forward (Training.recompute_whole_forward)."""
+    fused_kernels: bool = False
+    """The trainer fuses its memory-bound ops (Training.fused_kernels)."""
     fp8_recipe: str = "torchao"
     """How the trainer's FP8 casts (Training.fp8_recipe)."""
     dp_overlap: float | None = None
@@ -83,7 +85,7 @@ class Row:
 
     def training(self) -> Training:
         return Training(self.precision, "adamw", self.global_batch, self.gpu.memory_bytes,
-                        recompute_whole_forward=self.recompute_whole_forward, fp8_recipe=self.fp8_recipe,
+                        recompute_whole_forward=self.recompute_whole_forward, fp8_recipe=self.fp8_recipe, fused_kernels=self.fused_kernels,
                         dp_overlap=self.dp_overlap)
 
     def config(self) -> str:
@@ -99,17 +101,23 @@ def _year(text: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def publication(e: dict) -> str:
+    """The repository (owner/name -> name) or the paper (first author and year) of an entry."""
+    src = e["source"]
+    if src.get("repo"):
+        return src["repo"].split("/")[-1].lower().replace("-", "_")
+    return f"{src['paper'].split()[0].lower()}{_year(src['paper']) or ''}"
+
+
 def source_group(entries: list[dict]) -> dict[str, str]:
-    """id -> source group: the repository (owner/name -> name), or the paper (first author and
-    year), split by the table a row comes from when a paper's rows come from several tables."""
+    """id -> source group: the publication, split by the table a row comes from when a paper's
+    rows come from several tables."""
     pub, table = {}, {}
     for e in entries:
         src = e["source"]
+        pub[e["id"]] = publication(e)
         if src.get("repo"):
-            pub[e["id"]] = src["repo"].split("/")[-1].lower().replace("-", "_")
             continue
-        author = src["paper"].split()[0].lower()
-        pub[e["id"]] = f"{author}{_year(src['paper']) or ''}"
         m = re.match(r"\s*Table (\d+)", src.get("where", ""))
         table[e["id"]] = m.group(1) if m else None
     tables_of: dict[str, set] = {}
@@ -321,6 +329,11 @@ def _schedule(p: dict, pp: int, notes: list[str], assumed: list[str]) -> tuple[s
 STOPPING_RECOMPUTE = ("torchtitan",)
 
 
+def _source_text(e: dict) -> str:
+    src = e["source"]
+    return " ".join(str(src.get(k, "")) for k in ("repo", "paper", "path", "where")).lower()
+
+
 def _recompute_whole_forward(e: dict) -> bool:
     src = e["source"]
     text = " ".join(str(src.get(k, "")) for k in ("repo", "paper", "path")).lower()
@@ -333,13 +346,21 @@ def _recompute_whole_forward(e: dict) -> bool:
 TE_FP8 = ("megatron", "nemo", "transformer engine")
 
 
+# Trainers that run their memory-bound ops fused (Training.fused_kernels): Megatron-LM (its fused
+# layer norm, bias-GeLU / SwiGLU, bias-dropout-add, RoPE and softmax kernels, with Transformer
+# Engine's since Megatron-Core), NeMo and Megatron-Bridge on it, and MT-NLG's Megatron-DeepSpeed;
+# any trainer with torch_compile. A publication is one trainer: the words may be in any of its rows.
+FUSED_KERNELS = ("megatron", "nemo", "transformer engine", "mt-nlg")
+
+
 def _fp8_recipe(e: dict) -> str:
     src = e["source"]
     text = " ".join(str(src.get(k, "")) for k in ("repo", "paper", "path")) + " " + str(value(e.get("precision")))
     return "te" if any(t in text.lower() for t in TE_FP8) else "torchao"
 
 
-def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
+def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: str = "") -> Row:
+    """`trainer_text`: what the entry's publication says of its trainer (every row's source)."""
     notes: list[str] = []
     assumed: list[str] = []
     shape = _shape(e)
@@ -379,8 +400,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
     # the backward (Training.dp_overlap); other trainers' overlap is the fitted OVERLAP_EFFICIENCY
     dp_overlap = 1.0 if re.search(r"overlap[-_ ]grad[-_ ]reduce", overlap_text) and dp * cp > 1 else None
     tp_overlap = tp > 1 and bool(value(p.get("async_tp")) or value(p.get("tp_comm_overlap")) or named)
-    if value(p.get("torch_compile")):
-        notes.append("compile")
+    compiled = bool(value(p.get("torch_compile")))  # its fused kernels are costed (Training.fused_kernels)
     zero, hsdp = _zero(p)
     if zero == 3 and pp > 1 and source == "torchtitan":
         # torchtitan's FSDP2 does not reshard after forward under a pipeline (to avoid a gather
@@ -404,6 +424,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec]) -> Row:
         measured_peak_bytes=peak_gib * GIB if peak_gib else None,
         notes=tuple(notes), assumed=tuple(assumed), recompute_whole_forward=_recompute_whole_forward(e),
         fp8_recipe=_fp8_recipe(e) if precision == "fp8" else "torchao", dp_overlap=dp_overlap,
+        fused_kernels=compiled or any(t in trainer_text for t in FUSED_KERNELS),
     )
 
 
@@ -414,11 +435,14 @@ def load_rows(path: Path = REFERENCE, unread: list[tuple[str, str]] | None = Non
     runs from elsewhere; without it, the reason is raised."""
     entries = yaml.safe_load(path.read_text())["entries"]
     groups = source_group(entries)
+    said: dict[str, str] = {}
+    for e in entries:
+        said[publication(e)] = said.get(publication(e), "") + " " + _source_text(e)
     catalogue = load_catalogue()
     rows = []
     for e in entries:
         try:
-            rows.append(make_row(e, groups[e["id"]], catalogue))
+            rows.append(make_row(e, groups[e["id"]], catalogue, said[publication(e)]))
         except (AssertionError, KeyError, TypeError, ValueError) as exc:
             if unread is None:
                 raise

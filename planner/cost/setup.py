@@ -40,6 +40,12 @@ class Training:
     the two, as comm.overlapped_s has it); None: the cost model's OVERLAP_EFFICIENCY, fitted on the
     published runs. Megatron's distributed optimizer with --overlap-grad-reduce (the default of
     Megatron-Bridge and NeMo with dp > 1) hides its gradient reduce-scatter behind the backward: 1."""
+    fused_kernels: bool = False
+    """The trainer runs each chain of memory-bound ops (norms, activation functions, RoPE, residual
+    adds) as one fused kernel: Megatron-LM, NeMo and Megatron-Bridge (Transformer Engine's and
+    Megatron's fused kernels), a torch.compile'd model. Their HBM traffic is then the profile's
+    fused figure (LayerProfile.fwd_fused_io_bytes) instead of op by op. False: eager PyTorch, as
+    this runtime runs a plan."""
     fp8_recipe: str = "torchao"
     """How FP8 training casts (precision fp8 only). "torchao": torchao's Float8Linear, which this
     runtime and torchtitan run: every matmul operand cast at each use, weights in every forward

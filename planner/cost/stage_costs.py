@@ -338,6 +338,17 @@ def fp8_cast_bytes(layer: LayerProfile, scale: float, shard: int, recipe: str = 
                  for acts, weights in ((inputs, layer.fwd_linear_weight_bytes), (bwd_acts, layer.bwd_linear_weight_bytes)))
 
 
+def fused(layer: LayerProfile) -> LayerProfile:
+    """The layer with its memory-bound traffic as fused kernels run it (LayerProfile.fwd_fused_io_bytes):
+    the parts of the forward's (inside TP regions, after the last saved tensor) in its proportion."""
+    if not layer.fwd_fused_io_bytes and not layer.bwd_fused_io_bytes:
+        return layer  # a profile from before fused traffic was recorded: as eager
+    share = layer.fwd_fused_io_bytes / layer.fwd_other_io_bytes if layer.fwd_other_io_bytes else 1.0
+    return replace(layer, fwd_other_io_bytes=layer.fwd_fused_io_bytes, bwd_other_io_bytes=layer.bwd_fused_io_bytes,
+                   fwd_other_io_tp_bytes=round(layer.fwd_other_io_tp_bytes * share),
+                   fwd_tail_other_io_bytes=round(layer.fwd_tail_other_io_bytes * share))
+
+
 def _attention_share(work: Work, gpu, dtype: str) -> float:
     """The share of a phase's roofline time its fused attention takes."""
     if not work.attention_flops:
@@ -364,6 +375,8 @@ def _layer_costs(
         # below; with sequence parallelism (which EP with TP needs) each tp rank runs the block on
         # its 1/tp of the tokens, so the layer's work and activations divide by tp as the rest do.
         layer = replace(layer, tp=layer.tp.under_ep())
+    if training.fused_kernels:
+        layer = fused(layer)
     scale = _scale(profile, cand.micro_batch, cand.cp)
     shard = _shard(layer, cand.tp)
     gpu = cluster.gpu

@@ -387,6 +387,8 @@ def _assemble(
         "fwd_other_io_bytes": per_layer(trace.fwd.other_io_bytes),
         "bwd_matmul_io_bytes": per_layer(trace.bwd.matmul_io_bytes),
         "bwd_other_io_bytes": per_layer(trace.bwd.other_io_bytes),
+        "fwd_fused_io_bytes": per_layer(trace.fwd.fused_io_bytes),
+        "bwd_fused_io_bytes": per_layer(trace.bwd.fused_io_bytes),
         "activation_tp_bytes": per_layer(trace.saved_tp_bytes),
         "activation_matmul_tp_bytes": matmul_out_tp,
         "fwd_other_io_tp_bytes": per_layer(trace.fwd_other_io_tp_bytes),

@@ -128,6 +128,8 @@ class PhaseCosts:
     other_io_bytes: Counter = field(default_factory=Counter)
     """Bytes read and written by the other ops (elementwise, norms, copies): memory-bound work.
     Parameters read by them are left out (an embedding reads rows, not its whole table)."""
+    fused_io_bytes: Counter = field(default_factory=Counter)
+    """What other_io_bytes comes to were each chain of memory-bound ops one fused kernel (_Fusion)."""
     ops: Counter = field(default_factory=Counter)
     """Ops that move data (views excluded): each costs a kernel launch on a GPU."""
     linear_flops: Counter = field(default_factory=Counter)
@@ -176,6 +178,18 @@ def _arg(func, args: tuple, kwargs: dict, name: str):
         if a.name == name:
             return kwargs[name] if name in kwargs else (args[i] if i < len(args) else a.default_value)
     return None
+
+
+def _is_view(func, args: tuple, kwargs: dict, out) -> bool:
+    """An op that runs no kernel: a view, or one that returns its input's storage without writing
+    it (aten._unsafe_view, which reshapes a matmul's output, is not marked a view)."""
+    if getattr(func, "is_view", False):
+        return True
+    made = tensors_in(out)
+    if not made or func._schema.is_mutable:
+        return False
+    inputs = {storage_key(t) for t in tensors_in((args, kwargs))}
+    return all(storage_key(t) in inputs for t in made)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -227,6 +241,71 @@ class _Tail:
                     counter[u] += v
 
 
+@dataclass
+class _Made:
+    phase: PhaseCosts
+    unit: int
+    level: int
+    """Matmul-like ops on the longest path to it from the unit's inputs in this phase."""
+    nbytes: int
+    memory_bound: bool
+    random: bool = False
+    """Made by a seeded random op (dropout)."""
+    consumed: bool = False
+    materialized: bool = False
+
+
+class _Fusion:
+    """The memory-bound traffic of each unit and phase were its memory-bound ops fused as trainers
+    run them: Transformer Engine's and Megatron-LM's fused kernels (norms, activation functions,
+    RoPE, bias-dropout-add), torch.compile's generated ones. Ops of a unit and phase with as many
+    matmul-like ops (matmuls, attention) on the longest path to them from the unit's inputs are
+    one kernel (no matmul runs between them, so nothing stops their fusion: the norm and the
+    residual add before it, SwiGLU's SiLU and product though the up projection runs between
+    them). A kernel reads once each tensor it takes from outside it and writes only what leaves
+    it: a tensor a matmul or attention reads, one another kernel of the phase reads, and one
+    nothing reads (a gradient). A tensor only the other phase's kernels read (a norm's fp32 copy
+    saved for backward) is not written: the fused backward rebuilds it from what it reads,
+    charged there at the saved tensor's size; but a random one (a dropout mask) is: it cannot be
+    rebuilt without the generator's state (Megatron-LM and Transformer Engine keep the mask)."""
+
+    def __init__(self) -> None:
+        self.made: dict[int, _Made] = {}
+        self.read: dict[int, set[tuple]] = {}  # storage -> the kernels that read (a view of) it
+
+    def op(self, phase: PhaseCosts, unit: int, memory_bound: bool, inputs: list[torch.Tensor],
+           outputs: list[torch.Tensor], random: bool = False) -> None:
+        ours = [(t, self.made.get(storage_key(t))) for t in inputs]
+        ours = [(t, m if m is not None and m.phase is phase and m.unit == unit else None, m) for t, m in ours]
+        level = max((m.level for _, m, _ in ours if m is not None), default=0) + (0 if memory_bound else 1)
+        for t, mine, m in ours:
+            inside = memory_bound and mine is not None and mine.memory_bound and mine.level == level
+            if m is not None and m.memory_bound:
+                m.consumed = True
+                m.materialized |= not inside and (m.phase is phase or m.random)
+            if memory_bound and not inside:
+                seen = (id(phase), unit, level, t.storage_offset(), tuple(t.shape))
+                readers = self.read.setdefault(storage_key(t), set())
+                if seen not in readers:
+                    readers.add(seen)
+                    phase.fused_io_bytes[unit] += _nbytes(t)
+        for t in outputs:  # a new storage (at a freed one's address, maybe), or one written in place
+            key = storage_key(t)
+            self._settle(self.made.pop(key, None))
+            self.read.pop(key, None)
+            self.made[key] = _Made(phase, unit, level, _nbytes(t), memory_bound, random=random)
+
+    @staticmethod
+    def _settle(m: _Made | None) -> None:
+        if m is not None and m.memory_bound and (m.materialized or not m.consumed):
+            m.phase.fused_io_bytes[m.unit] += m.nbytes
+
+    def close(self) -> None:
+        for m in self.made.values():
+            self._settle(m)
+        self.made.clear()
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, seg: _Segments, param_keys: set[int], loose_keys: set[int]) -> None:
         super().__init__()
@@ -249,12 +328,14 @@ class _Recorder(TorchDispatchMode):
         self.linear_calls: Counter = Counter()  # per unit, the forward's Linear matmuls so far
         self.other_io_tp: Counter = Counter()
         self.tail = _Tail()
+        self.fusion = _Fusion()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func.namespace == "prim":  # metadata queries (prim.device) that fake tensors answer
             return out
+        view = _is_view(func, args, kwargs, out)
         seg = self.seg.current()
         costs = self.bwd if self.seg.backward else self.fwd
         formula = formula_for(func)
@@ -265,6 +346,7 @@ class _Recorder(TorchDispatchMode):
             costs.flops[seg] += flops
             costs.matmul_io_bytes[seg] += matmul_io
             costs.ops[seg] += 1
+            self.fusion.op(costs, seg, False, tensors_in((args, kwargs)), tensors_in(out))
             if is_linear_matmul(func):
                 costs.linear_flops[seg] += flops
                 operands = tensors_in((args, kwargs))
@@ -282,7 +364,7 @@ class _Recorder(TorchDispatchMode):
                 shape = tuple(tensors_in(out)[0].shape) if tensors_in(out) else ()
                 if len(shape) >= 2 and shape[-1] == shape[-2]:
                     costs.square_scores[seg] = max(costs.square_scores[seg], int(shape[-1]))
-        elif not getattr(func, "is_view", False):
+        elif not view:
             if func.overloadpacket is torch.ops.aten.arange and not self.seg.backward:
                 made = tensors_in(out)
                 if made and made[0].dim() == 1:
@@ -293,6 +375,7 @@ class _Recorder(TorchDispatchMode):
             other_io = sum(map(_nbytes, ins)) + sum(map(_nbytes, tensors_in(out)))
             costs.other_io_bytes[seg] += other_io
             costs.ops[seg] += 1
+            self.fusion.op(costs, seg, True, ins, tensors_in(out), torch.Tag.nondeterministic_seeded in func.tags)
         if not self.seg.backward:
             alternate = False
             sharded = self._in_region(args, kwargs)
@@ -323,7 +406,7 @@ class _Recorder(TorchDispatchMode):
                         costs.alternate_out_bytes[seg] += kept
                         if sharded:
                             costs.alternate_out_tp_bytes[seg] += kept
-            if formula is not None or not getattr(func, "is_view", False):
+            if formula is not None or not view:
                 linear = is_linear_matmul(func)
                 attention = flops if formula is not None and is_attention(func) else 0
                 causal = attention if attention and _arg(func, args, kwargs, "is_causal") else 0
@@ -462,6 +545,7 @@ def run_trace(
         seg.bwd_unit = seg.last
         if loss.requires_grad:
             loss.backward()
+        recorder.fusion.close()
     return TraceResult(
         order=order,
         fwd=recorder.fwd,

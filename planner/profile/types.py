@@ -55,6 +55,12 @@ class LayerProfile:
     """Bytes read and written by the forward's other ops: memory-bound work."""
     bwd_matmul_io_bytes: int = 0
     bwd_other_io_bytes: int = 0
+    fwd_fused_io_bytes: int = 0
+    """What fwd_other_io_bytes comes to were each chain of memory-bound ops one fused kernel
+    (Transformer Engine's and Megatron-LM's kernels, torch.compile's): the tensors each chain reads
+    from outside it and writes for a matmul, the next unit or no reader (trace._Fusion). 0 in a
+    profile from before it: read as fwd_other_io_bytes. bwd_fused_io_bytes likewise."""
+    bwd_fused_io_bytes: int = 0
     fwd_ops: int = 0
     """Ops that move data in the forward (each a kernel launch on a GPU); bwd_ops likewise."""
     bwd_ops: int = 0

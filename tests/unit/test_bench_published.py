@@ -47,6 +47,18 @@ def test_the_trainers_recompute_is_known(rows):
     assert stops == {"torchtitan"}
 
 
+def test_the_trainers_fused_kernels_are_known(rows):
+    """Megatron-LM's rows (every one of a publication that names it, Korthikanti et al.'s abstract
+    rows too) and torch.compile'd torchtitan run fused memory-bound kernels; llm-foundry's
+    Composer and torchtitan without compile run them op by op."""
+    fused = {r.id for r in rows if r.training().fused_kernels}
+    by_source = {s: {r.id for r in rows if r.source == s} for s in {r.source for r in rows}}
+    for source in ("narayanan2021_t1", "narayanan2021_t2", "korthikanti2022", "megatron_lm"):
+        assert by_source[source] <= fused, source
+    assert not by_source["llm_foundry"] & fused
+    assert "torchtitan_T1_8B_8gpu_0" not in fused and "torchtitan_T1_8B_8gpu_2" in fused
+
+
 def test_sources_come_from_the_source_fields(rows):
     by_source = {}
     for r in rows:

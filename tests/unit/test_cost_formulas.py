@@ -550,3 +550,30 @@ def test_loss_parallel_adds_its_measured_time_per_logit_element(gpt_bf16):
     assert split["lm_head"].bwd_s - plain["lm_head"].bwd_s == pytest.approx(-1e-9 * logits)
     assert head.name == "lm_head" and split["blocks.0"].fwd_s == plain["blocks.0"].fwd_s
     assert atoms(measured, 1)["lm_head"].fwd_s == atoms(cluster, 1)["lm_head"].fwd_s  # no TP, no split loss
+
+
+def test_fused_kernels_cost_the_fused_traffic():
+    """A trainer that fuses its memory-bound ops (Training.fused_kernels) pays the profile's fused
+    bytes at HBM speed instead of the op-by-op ones; nothing else of the layer changes."""
+    from planner.cost.compute import memory_bound_s
+    from planner.cost.stage_costs import atom_table
+    from planner.hardware import get_gpu
+    from planner.model_file import load_model_file
+    from planner.profile import profile_model
+    from tests.conftest import EXAMPLES
+
+    profile = profile_model(load_model_file(EXAMPLES / "llama.py"), measure=False, dtype="bf16")
+    cluster = make_cluster("h100-sxm-80gb", 1)
+    eager = Training("bf16", "adamw", 256, 80 * 2**30)
+    fused = replace(eager, fused_kernels=True)
+    i, a = next((k, a) for k, a in enumerate(atom_table(profile, cluster, eager, tp=1, micro_batch=256))
+                if profile.layers[a.first].name == "layers.1")
+    b = atom_table(profile, cluster, fused, tp=1, micro_batch=256)[i]
+    block = profile.layers[a.first]
+    scale = 256 / profile.batch_size
+    gpu = get_gpu("h100-sxm-80gb")
+    saved_fwd = memory_bound_s((block.fwd_other_io_bytes - block.fwd_fused_io_bytes) * scale, gpu)
+    saved_bwd = memory_bound_s((block.bwd_other_io_bytes - block.bwd_fused_io_bytes) * scale, gpu)
+    assert a.fwd_s - b.fwd_s == pytest.approx(saved_fwd, rel=1e-6)
+    assert a.bwd_s - b.bwd_s == pytest.approx(saved_bwd, rel=1e-6)
+    assert a.act_bytes == b.act_bytes and a.params == b.params
