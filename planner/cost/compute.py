@@ -4,8 +4,10 @@ For a GPU, each phase (forward, backward) of a layer costs
     max(matmul FLOPs / (peak x gpu.matmul_efficiency x MATMUL_EFFICIENCY)
         + attention FLOPs / (16-bit peak x gpu.attention_efficiency),
         matmul bytes / (HBM x MEMORY_EFFICIENCY))
+  + max(batched FLOPs / that matmul rate, batched bytes / (HBM x MEMORY_EFFICIENCY))
   + other bytes / (HBM x MEMORY_EFFICIENCY),
-at least ops x OP_OVERHEAD_S (launch-bound when kernels are tiny). The FLOPs and bytes come from
+at least ops x OP_OVERHEAD_S (launch-bound when kernels are tiny); "batched" are the batched
+matmuls of two activations (an unfused attention's), apart from the rest (Work.batched_flops). The FLOPs and bytes come from
 the profile (measured per op), so the same formula covers GEMM-heavy transformers and
 bandwidth-heavy CNNs, and the balance of each GPU (FLOP/s against HBM bandwidth) shows.
 `gpu.matmul_efficiency` is the GPU's own measured ceiling (best matmul / peak, a catalogue field
@@ -39,16 +41,26 @@ class Work:
     """Of flops, those run at the FP8 rate (Linear matmuls under --precision fp8)."""
     attention_flops: float = 0.0
     """Of flops, the fused attention kernels' (16-bit whatever the precision)."""
+    batched_flops: float = 0.0
+    """Of flops, the batched matmuls of two activations (an unfused attention's Q K^T and scores x
+    V): a roofline of their own, since their arithmetic intensity (about the head dimension: 96 to
+    160 FLOPs per byte) does not grow with the batch and sits at or below a GPU's balance point
+    (A100: 153 FLOPs per byte), where the layer's other matmuls are far above it."""
+    batched_bytes: float = 0.0
+    """Of matmul_bytes, what those matmuls read and write."""
 
     def minus(self, other: "Work") -> "Work":
         """This work without `other` (a part of it)."""
-        return Work(max(0.0, self.flops - other.flops), max(0.0, self.matmul_bytes - other.matmul_bytes),
-                    max(0.0, self.other_bytes - other.other_bytes), max(0, self.ops - other.ops),
-                    max(0.0, self.fp8_flops - other.fp8_flops), max(0.0, self.attention_flops - other.attention_flops))
+        return Work(*(max(0, a - b) for a, b in zip(self.figures(), other.figures())))
 
     def scaled(self, factor: float) -> "Work":
         return Work(self.flops * factor, self.matmul_bytes * factor, self.other_bytes * factor, self.ops,
-                    self.fp8_flops * factor, self.attention_flops * factor)
+                    self.fp8_flops * factor, self.attention_flops * factor, self.batched_flops * factor,
+                    self.batched_bytes * factor)
+
+    def figures(self) -> tuple:
+        return (self.flops, self.matmul_bytes, self.other_bytes, self.ops, self.fp8_flops, self.attention_flops,
+                self.batched_flops, self.batched_bytes)
 
 
 def roofline_s(work: Work, gpu: GPUSpec, dtype: str) -> float:
@@ -56,11 +68,13 @@ def roofline_s(work: Work, gpu: GPUSpec, dtype: str) -> float:
     peak = gpu.peak("bf16" if dtype == "fp8" else dtype)
     rate = gpu.matmul_efficiency * MATMUL_EFFICIENCY  # the same share of each peak (no FP8 MAMF published)
     attention = rate if gpu.attention_efficiency is None else gpu.attention_efficiency
-    flops_s = (work.flops - work.fp8_flops - work.attention_flops) / (peak * rate) + work.attention_flops / (peak * attention)
+    rest = work.flops - work.fp8_flops - work.attention_flops - work.batched_flops
+    flops_s = rest / (peak * rate) + work.attention_flops / (peak * attention)
     if work.fp8_flops:
         flops_s += work.fp8_flops / (gpu.peak("fp8") * rate)
     hbm = gpu.hbm_bandwidth_Bps * MEMORY_EFFICIENCY
-    matmul = max(flops_s, work.matmul_bytes / hbm)
+    matmul = max(flops_s, (work.matmul_bytes - work.batched_bytes) / hbm)
+    matmul += max(work.batched_flops / (peak * rate), work.batched_bytes / hbm)
     return max(matmul + work.other_bytes / hbm, work.ops * OP_OVERHEAD_S)
 
 

@@ -390,10 +390,13 @@ def _layer_costs(
     cast = fp8_cast_bytes(layer, scale, shard, training.fp8_recipe) if fp8 else (0.0, 0.0)
     # causal attention runs half the FLOPs the profile counts (its kernels skip the masked blocks)
     skip = layer.fwd_causal_attention_flops / 2, layer.bwd_causal_attention_flops / 2
+    # an unfused attention's batched matmuls (those selective recompute reruns), backward two per one
+    batched = layer.fwd_selective_flops, layer.fwd_selective_io_bytes
     fwd_work = Work(layer.fwd_flops - skip[0], layer.fwd_matmul_io_bytes, layer.fwd_other_io_bytes * (1 - whole),
-                    layer.fwd_ops, layer.fwd_linear_flops if fp8 else 0.0, layer.fwd_attention_flops - skip[0])
+                    layer.fwd_ops, layer.fwd_linear_flops if fp8 else 0.0, layer.fwd_attention_flops - skip[0], *batched)
     bwd_work = Work(layer.bwd_flops - skip[1], layer.bwd_matmul_io_bytes, layer.bwd_other_io_bytes * (1 - whole),
-                    layer.bwd_ops, layer.bwd_linear_flops if fp8 else 0.0, layer.bwd_attention_flops - skip[1])
+                    layer.bwd_ops, layer.bwd_linear_flops if fp8 else 0.0, layer.bwd_attention_flops - skip[1],
+                    *(min(2 * b, total) for b, total in zip(batched, (layer.bwd_flops, layer.bwd_matmul_io_bytes))))
     # Recompute reruns a layer's forward up to the last tensor backward reads (LayerProfile.fwd_tail_*:
     # torch's non-reentrant checkpoint stops there) unless the trainer's checkpoint reruns it whole
     stops = not training.recompute_whole_forward
@@ -402,7 +405,7 @@ def _layer_costs(
     alt_work = Work(alt_flops, layer.fwd_alternate_io_bytes - (layer.fwd_tail_alternate_io_bytes if stops else 0), 0.0, 0,
                     alt_flops if fp8 else 0.0).scaled(scale / shard)
     # the matmul-like ops selective recompute reruns (an unfused attention's batched matmuls)
-    core_work = Work(layer.fwd_selective_flops, layer.fwd_selective_io_bytes, 0.0, 0).scaled(scale / shard)
+    core_work = Work(*batched, 0.0, 0, batched_flops=batched[0], batched_bytes=batched[1]).scaled(scale / shard)
     fwd_work, bwd_work = fwd_work.scaled(scale / shard), bwd_work.scaled(scale / shard)
     fwd_work = replace(fwd_work, other_bytes=fwd_work.other_bytes + layer.fwd_other_io_bytes * whole * scale + cast[0])
     bwd_work = replace(bwd_work, other_bytes=bwd_work.other_bytes + layer.bwd_other_io_bytes * whole * scale + cast[1])

@@ -192,6 +192,26 @@ def test_matmuls_run_at_the_gpus_measured_ceiling_times_one_share():
         assert roofline_s(work, gpu, "bf16") == pytest.approx(1e15 / (gpu.peak("bf16") * ceiling * MATMUL_EFFICIENCY))
 
 
+def test_batched_activation_matmuls_have_a_roofline_of_their_own():
+    """An unfused attention's batched matmuls (about head-dimension FLOPs per byte) are memory-bound
+    on an A100 even where the layer's Linears, far above the balance point, hide the layer's bytes
+    in aggregate: they cost their own max(FLOPs / rate, bytes / HBM) on top of the rest's."""
+    from planner.cost.compute import Work, roofline_s
+    from planner.cost.constants import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
+    from planner.hardware import get_gpu
+
+    gpu = get_gpu("a100-80gb")
+    rate = gpu.peak("bf16") * gpu.matmul_efficiency * MATMUL_EFFICIENCY
+    hbm = gpu.hbm_bandwidth_Bps * MEMORY_EFFICIENCY
+    linears, batched, batched_bytes = 1e13, 1e12, 1e12 / 64  # 64 FLOPs per byte: below the balance
+    whole = Work(linears + batched, 1e10 + batched_bytes, 0.0, 1, batched_flops=batched, batched_bytes=batched_bytes)
+    assert roofline_s(whole, gpu, "bf16") == pytest.approx(linears / rate + batched_bytes / hbm)
+    assert batched_bytes / hbm > batched / rate
+    aggregate = Work(linears + batched, 1e10 + batched_bytes, 0.0, 1)  # the layer's sums alone hide them
+    assert roofline_s(aggregate, gpu, "bf16") == pytest.approx((linears + batched) / rate)
+    assert whole.minus(Work(0.0, 0.0, 0.0, 0, batched_flops=batched, batched_bytes=batched_bytes)).batched_bytes == 0
+
+
 def test_attention_runs_at_its_kernels_share_and_causal_attention_does_half(gpt_bf16):
     """Fused attention runs at the GPU's `attention_efficiency` of the 16-bit peak (FlashAttention-2:
     35% on an H100, 60% on an A100), the rest at the matmul rate; a GPU file without the figure puts
