@@ -85,8 +85,8 @@ class Row:
 
     def training(self) -> Training:
         return Training(self.precision, "adamw", self.global_batch, self.gpu.memory_bytes,
-                        recompute_whole_forward=self.recompute_whole_forward, fp8_recipe=self.fp8_recipe, fused_kernels=self.fused_kernels,
-                        dp_overlap=self.dp_overlap)
+                        recompute_whole_forward=self.recompute_whole_forward, fp8_recipe=self.fp8_recipe,
+                        dp_overlap=self.dp_overlap, fused_kernels=self.fused_kernels)
 
     def config(self) -> str:
         f = self.fixed

@@ -7,9 +7,10 @@ For a GPU, each phase (forward, backward) of a layer costs
   + max(batched FLOPs / that matmul rate, batched bytes / (HBM x MEMORY_EFFICIENCY))
   + other bytes / (HBM x MEMORY_EFFICIENCY),
 at least ops x OP_OVERHEAD_S (launch-bound when kernels are tiny); "batched" are the batched
-matmuls of two activations (an unfused attention's), apart from the rest (Work.batched_flops). The FLOPs and bytes come from
-the profile (measured per op), so the same formula covers GEMM-heavy transformers and
-bandwidth-heavy CNNs, and the balance of each GPU (FLOP/s against HBM bandwidth) shows.
+matmuls of two activations (an unfused attention's), apart from the rest (Work.batched_flops).
+The FLOPs and bytes come from the profile (measured per op), so the same formula covers
+GEMM-heavy transformers and bandwidth-heavy CNNs, and the balance of each GPU (FLOP/s against HBM
+bandwidth) shows.
 `gpu.matmul_efficiency` is the GPU's own measured ceiling (best matmul / peak, a catalogue field
 with its source: newer GPUs reach a smaller share of their peak); MATMUL_EFFICIENCY is the share
 of that ceiling a model's GEMMs reach, one figure for every GPU. Fused attention (SDPA) is not a
