@@ -235,3 +235,14 @@ def test_fused_traffic_of_a_llama_block(model_file):
     expected = 2 + 2.5 + 2.25 + 2 + 4 + 3 * 2.6875 + 3
     assert block.fwd_fused_io_bytes / sh == pytest.approx(expected, abs=0.5)  # + RoPE's tables
     assert block.fwd_other_io_bytes / sh == pytest.approx(73, abs=3)
+
+
+@pytest.mark.parametrize("example", ["mlp.py", "resnet.py", "moe.py", "hf_gpt2.py"])
+def test_fused_traffic_never_exceeds_op_by_op(example):
+    """Fused, a kernel reads what its ops read from outside it at most once and writes a subset of
+    what they wrote: no layer's fused traffic exceeds its op-by-op traffic, in either phase, and a
+    layer with memory-bound work moves something fused."""
+    for layer in _profile(EXAMPLES / example).layers:
+        assert layer.fwd_fused_io_bytes <= layer.fwd_other_io_bytes, layer.name
+        assert layer.bwd_fused_io_bytes <= layer.bwd_other_io_bytes, layer.name
+        assert bool(layer.fwd_fused_io_bytes) == bool(layer.fwd_other_io_bytes), layer.name
