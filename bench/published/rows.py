@@ -75,6 +75,8 @@ class Row:
     """The trainer's full recompute reruns the whole forward (Training.recompute_whole_forward)."""
     fused_kernels: bool = False
     """The trainer fuses its memory-bound ops (Training.fused_kernels)."""
+    recompute_collectives: str = "all"
+    """The TP collectives the trainer's selective recompute reruns (Training.recompute_collectives)."""
     fp8_recipe: str = "torchao"
     """How the trainer's FP8 casts (Training.fp8_recipe)."""
     dp_overlap: float | None = None
@@ -86,7 +88,8 @@ class Row:
     def training(self) -> Training:
         return Training(self.precision, "adamw", self.global_batch, self.gpu.memory_bytes,
                         recompute_whole_forward=self.recompute_whole_forward, fp8_recipe=self.fp8_recipe,
-                        dp_overlap=self.dp_overlap, fused_kernels=self.fused_kernels)
+                        dp_overlap=self.dp_overlap, fused_kernels=self.fused_kernels,
+                        recompute_collectives=self.recompute_collectives)
 
     def config(self) -> str:
         f = self.fixed
@@ -346,11 +349,22 @@ def _recompute_whole_forward(e: dict) -> bool:
 TE_FP8 = ("megatron", "nemo", "transformer engine")
 
 
-# Trainers that run their memory-bound ops fused (Training.fused_kernels): Megatron-LM (its fused
-# layer norm, bias-GeLU / SwiGLU, bias-dropout-add, RoPE and softmax kernels, with Transformer
-# Engine's since Megatron-Core), NeMo and Megatron-Bridge on it, and MT-NLG's Megatron-DeepSpeed;
-# any trainer with torch_compile. A publication is one trainer: the words may be in any of its rows.
-FUSED_KERNELS = ("megatron", "nemo", "transformer engine", "mt-nlg")
+# Megatron-LM and the trainers on it: NeMo, Megatron-Bridge, MT-NLG's Megatron-DeepSpeed. They run
+# their memory-bound ops fused (Training.fused_kernels: Megatron's fused layer norm, bias-GeLU /
+# SwiGLU, bias-dropout-add, RoPE and softmax kernels, Transformer Engine's since Megatron-Core), as
+# any trainer with torch_compile does, and their selective recompute reruns the attention core
+# only, no TP collective (Training.recompute_collectives). A publication is one trainer: the words
+# may be in any of its rows.
+MEGATRON = ("megatron", "nemo", "transformer engine", "mt-nlg")
+# torchtitan's per-op selective checkpointing keeps reduce-scatter outputs (its _save_list), not
+# all-gathers.
+KEEPS_REDUCE_SCATTERS = ("torchtitan",)
+
+
+def _recompute_collectives(trainer_text: str) -> str:
+    if any(t in trainer_text for t in MEGATRON):
+        return "none"
+    return "all_gathers" if any(t in trainer_text for t in KEEPS_REDUCE_SCATTERS) else "all"
 
 
 def _fp8_recipe(e: dict) -> str:
@@ -424,7 +438,8 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
         measured_peak_bytes=peak_gib * GIB if peak_gib else None,
         notes=tuple(notes), assumed=tuple(assumed), recompute_whole_forward=_recompute_whole_forward(e),
         fp8_recipe=_fp8_recipe(e) if precision == "fp8" else "torchao", dp_overlap=dp_overlap,
-        fused_kernels=compiled or any(t in trainer_text for t in FUSED_KERNELS),
+        fused_kernels=compiled or any(t in trainer_text for t in MEGATRON),
+        recompute_collectives=_recompute_collectives(trainer_text),
     )
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE_COLLECTIVES = ("all", "all_gathers", "none")
+"""Training.recompute_collectives."""
 RECOMPUTE = ("none", "selective", "alternate", "full")
 """Recompute choices, in the order of planner.cost.stage_costs.KINDS."""
 
@@ -40,6 +42,14 @@ class Training:
     the two, as comm.overlapped_s has it); None: the cost model's OVERLAP_EFFICIENCY, fitted on the
     published runs. Megatron's distributed optimizer with --overlap-grad-reduce (the default of
     Megatron-Bridge and NeMo with dp > 1) hides its gradient reduce-scatter behind the backward: 1."""
+    recompute_collectives: str = "all"
+    """The forward TP collectives selective and alternate recompute run again: those whose outputs
+    backward reads (a column-wise Linear's gathered input, the residual after a row-wise one),
+    which a policy that saves only matmul-like outputs does not keep. "all": this runtime's
+    save-matmuls policy (runtime/recompute.py). "all_gathers": torchtitan's per-op policy, whose
+    save list keeps reduce-scatter outputs (with sequence parallelism, half the forward's
+    collectives; its all-reduces without). "none": Megatron-LM's selective recompute, which reruns
+    the attention core only. Full recompute reruns them all whatever this says."""
     fused_kernels: bool = False
     """The trainer runs each chain of memory-bound ops (norms, activation functions, RoPE, residual
     adds) as one fused kernel: Megatron-LM, NeMo and Megatron-Bridge (Transformer Engine's and

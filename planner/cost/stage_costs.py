@@ -496,8 +496,11 @@ def _layer_costs(
         ep_fwd = ep_bwd = 2 * comm.all_to_all(cand.ep, lk.ep)(layer.moe_dispatch_bytes * scale / routed)
     cp_fwd, cp_bwd = cp_fwd * gpu.factor("comm"), cp_bwd * gpu.factor("comm")
     ep_fwd, ep_bwd = ep_fwd * gpu.factor("comm"), ep_bwd * gpu.factor("comm")
-    # a recomputed layer exchanges its tokens again (checkpointing keeps matmul outputs at most)
-    sel_extra, alt_extra = sel_extra + ep_fwd, alt_extra + ep_fwd
+    # a recomputed layer exchanges its tokens again (checkpointing keeps matmul outputs at most),
+    # and gathers again what its policy does not keep (Training.recompute_collectives)
+    rerun_tp_comm = {"all": 1.0, "none": 0.0,
+                     "all_gathers": 0.5 if cand.sequence_parallel else 1.0}[training.recompute_collectives]
+    sel_extra, alt_extra = (x + ep_fwd + tp_fwd * rerun_tp_comm for x in (sel_extra, alt_extra))
     full_extra = fwd * rerun + tp_fwd * rerun_tp + cp_fwd + ep_fwd
     fwd += tp_fwd + cp_fwd + ep_fwd
     bwd += tp_bwd + cp_bwd + ep_bwd

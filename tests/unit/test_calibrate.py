@@ -110,8 +110,10 @@ def test_the_plan_says_how_many_processes_compute_at_once(monkeypatch):
         assert "compute at once on average" in text
         return int(re.search(r"each computes (\d+)% of the step", text).group(1))
 
-    # a pipeline rank waits for its neighbour through the bubble; a DDP rank only for the all-reduce
-    assert share(said(pp=2, dp=2, schedule="gpipe", micro_batch=1)) < share(said(pp=1, dp=4)) <= 100
+    # a pipeline rank waits for its neighbour through the bubble (half the step with one micro-batch
+    # on two stages); a DDP rank only for the all-reduce. (With four micro-batches the bubble is a
+    # fifth, about the DDP ranks' wait here: the two shares were within 2 points, either way.)
+    assert share(said(pp=2, dp=2, schedule="gpipe", micro_batch=4)) < share(said(pp=1, dp=4)) <= 100
 
 
 def test_slowdown_and_collectives_read_from_the_calibration():

@@ -15,7 +15,7 @@ from planner.cost.constants import DDP_BUCKET_BYTES, LINK_EFFICIENCY, MEMORY_EFF
 from planner.cost.evaluate import evaluate
 from planner.cost.pipeline import inflight_per_device, pipeline_s
 from planner.cost.setup import Candidate, Training
-from planner.cost.stage_costs import NONE, stage_costs
+from planner.cost.stage_costs import NONE, stage_costs, tp_collectives_s
 from planner.hardware import make_cluster
 from tests.unit.test_partition import synthetic_profile
 
@@ -282,6 +282,31 @@ def test_sequence_parallelism_splits_the_rest(gpt_bf16):
     assert off[i].act_bytes[NONE] == pytest.approx((tp_part / 2 + block.activation_bytes - tp_part) * scale)
     assert off[i].fwd_s > on[i].fwd_s  # norms and residuals run whole on both ranks (memory-bound at 256 x 256 tokens)
     assert off[i].params == on[i].params
+
+
+def test_selective_recompute_gathers_again_what_its_policy_does_not_keep(gpt_bf16):
+    """Selective and alternate recompute rerun the forward TP collectives whose outputs backward
+    reads, as far as the trainer's policy does not keep them: this runtime's save-matmuls policy
+    reruns all of them (an all-gather and a reduce-scatter per region under SP), torchtitan's
+    keeps the reduce-scatters (half), Megatron-LM's attention-core recompute none. Full recompute
+    is the same under each."""
+    from planner.cost.stage_costs import ALTERNATE, FULL, SELECTIVE, atom_table
+    from planner.cost.topology import links
+
+    cluster = make_cluster("a100-80gb", 2)
+    base = Training("bf16", "adamw", 8, 80 * 2**30)
+    tables = {kind: atom_table(gpt_bf16, cluster, replace(base, recompute_collectives=kind), tp=2, micro_batch=256,
+                               sequence_parallel=True) for kind in ("all", "all_gathers", "none")}
+    i = next(k for k, a in enumerate(tables["all"]) if gpt_bf16.layers[a.first].name == "blocks.0")
+    block = gpt_bf16.layers[tables["all"][i].first]
+    lk = links(cluster, Candidate(tp=2, pp=1, dp=1, micro_batch=256, num_microbatches=1, zero=0, schedule="1f1b",
+                                  sequence_parallel=True))
+    tp_fwd = tp_collectives_s(block, 2, True, lk.tp, 256 / gpt_bf16.batch_size)[0]
+    extra = {kind: t[i].extra_s for kind, t in tables.items()}
+    for k in (SELECTIVE, ALTERNATE):
+        assert extra["all"][k] - extra["none"][k] == pytest.approx(tp_fwd, rel=1e-6)
+        assert extra["all_gathers"][k] - extra["none"][k] == pytest.approx(tp_fwd / 2, rel=1e-6)
+    assert extra["all"][FULL] == extra["none"][FULL] == extra["all_gathers"][FULL]
 
 
 def test_a_pipeline_cut_sends_each_tp_rank_its_shard(gpt_bf16):
