@@ -7,8 +7,6 @@ from dataclasses import dataclass
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-RECOMPUTE_COLLECTIVES = ("all", "all_gathers", "none")
-"""Training.recompute_collectives."""
 RECOMPUTE = ("none", "selective", "alternate", "full")
 """Recompute choices, in the order of planner.cost.stage_costs.KINDS."""
 
