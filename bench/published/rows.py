@@ -323,6 +323,9 @@ def _schedule(p: dict, pp: int, notes: list[str], assumed: list[str]) -> tuple[s
     return "1f1b", None
 
 
+# What a row's trainer does is read from what its publication says (the source fields of every
+# row of it: a publication is one trainer, and the words may be in any of its rows).
+
 # Trainers whose full recompute stops once backward has what it reads: torchtitan wraps blocks in
 # torch's non-reentrant checkpoint (early stop on by default since torch 2.1) and compiles them
 # (AOTAutograd reruns only what backward reads). Megatron-LM's CheckpointFunction, DeepSpeed's
@@ -330,6 +333,18 @@ def _schedule(p: dict, pp: int, notes: list[str], assumed: list[str]) -> tuple[s
 # llm-foundry) are reentrant: the whole forward again. A trainer not named is taken as reentrant,
 # torch.utils.checkpoint's long-standing default.
 STOPPING_RECOMPUTE = ("torchtitan",)
+# Megatron-LM and the trainers on it: NeMo, Megatron-Bridge, MT-NLG's Megatron-DeepSpeed.
+# - Their memory-bound ops run fused (Training.fused_kernels: Megatron's fused layer norm,
+#   bias-GeLU / SwiGLU, bias-dropout-add, RoPE and softmax kernels, Transformer Engine's since
+#   Megatron-Core), as any trainer's with torch_compile do.
+# - Their selective recompute reruns the attention core only, no TP collective
+#   (Training.recompute_collectives).
+# - Their FP8 is Transformer Engine's (Megatron-Core's --fp8-format; Training.fp8_recipe "te").
+#   torchtitan's is torchao's Float8 training, as a trainer not named here is taken to run.
+MEGATRON = ("megatron", "nemo", "transformer engine", "mt-nlg")
+# torchtitan's per-op selective checkpointing keeps reduce-scatter outputs (its _save_list), not
+# all-gathers.
+KEEPS_REDUCE_SCATTERS = ("torchtitan",)
 
 
 def _source_text(e: dict) -> str:
@@ -337,43 +352,17 @@ def _source_text(e: dict) -> str:
     return " ".join(str(src.get(k, "")) for k in ("repo", "paper", "path", "where")).lower()
 
 
-def _recompute_whole_forward(e: dict) -> bool:
-    src = e["source"]
-    text = " ".join(str(src.get(k, "")) for k in ("repo", "paper", "path")).lower()
-    return not any(t in text for t in STOPPING_RECOMPUTE)
-
-
-# Trainers whose FP8 is Transformer Engine's: Megatron-LM / Megatron-Core (its FP8 is TE's
-# --fp8-format), and NeMo and Megatron-Bridge on Megatron-Core. torchtitan's is torchao's Float8
-# training, as a trainer not named here is taken to run.
-TE_FP8 = ("megatron", "nemo", "transformer engine")
-
-
-# Megatron-LM and the trainers on it: NeMo, Megatron-Bridge, MT-NLG's Megatron-DeepSpeed. They run
-# their memory-bound ops fused (Training.fused_kernels: Megatron's fused layer norm, bias-GeLU /
-# SwiGLU, bias-dropout-add, RoPE and softmax kernels, Transformer Engine's since Megatron-Core), as
-# any trainer with torch_compile does, and their selective recompute reruns the attention core
-# only, no TP collective (Training.recompute_collectives). A publication is one trainer: the words
-# may be in any of its rows.
-MEGATRON = ("megatron", "nemo", "transformer engine", "mt-nlg")
-# torchtitan's per-op selective checkpointing keeps reduce-scatter outputs (its _save_list), not
-# all-gathers.
-KEEPS_REDUCE_SCATTERS = ("torchtitan",)
+def _names(trainer_text: str, trainers: tuple[str, ...]) -> bool:
+    return any(t in trainer_text for t in trainers)
 
 
 def _recompute_collectives(trainer_text: str) -> str:
-    if any(t in trainer_text for t in MEGATRON):
+    if _names(trainer_text, MEGATRON):
         return "none"
-    return "all_gathers" if any(t in trainer_text for t in KEEPS_REDUCE_SCATTERS) else "all"
+    return "all_gathers" if _names(trainer_text, KEEPS_REDUCE_SCATTERS) else "all"
 
 
-def _fp8_recipe(e: dict) -> str:
-    src = e["source"]
-    text = " ".join(str(src.get(k, "")) for k in ("repo", "paper", "path")) + " " + str(value(e.get("precision")))
-    return "te" if any(t in text.lower() for t in TE_FP8) else "torchao"
-
-
-def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: str = "") -> Row:
+def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: str) -> Row:
     """`trainer_text`: what the entry's publication says of its trainer (every row's source)."""
     notes: list[str] = []
     assumed: list[str] = []
@@ -436,9 +425,10 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
         precision=precision, global_batch=gb, fixed=fixed,
         measured_step_s=measured_step(e, shape, gb, gpus),
         measured_peak_bytes=peak_gib * GIB if peak_gib else None,
-        notes=tuple(notes), assumed=tuple(assumed), recompute_whole_forward=_recompute_whole_forward(e),
-        fp8_recipe=_fp8_recipe(e) if precision == "fp8" else "torchao", dp_overlap=dp_overlap,
-        fused_kernels=compiled or any(t in trainer_text for t in MEGATRON),
+        notes=tuple(notes), assumed=tuple(assumed),
+        recompute_whole_forward=not _names(trainer_text, STOPPING_RECOMPUTE),
+        fp8_recipe="te" if precision == "fp8" and _names(trainer_text + " " + precision_text, MEGATRON) else "torchao",
+        dp_overlap=dp_overlap, fused_kernels=compiled or _names(trainer_text, MEGATRON),
         recompute_collectives=_recompute_collectives(trainer_text),
     )
 

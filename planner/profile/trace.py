@@ -275,11 +275,11 @@ class _Fusion:
 
     def op(self, phase: PhaseCosts, unit: int, memory_bound: bool, inputs: list[torch.Tensor],
            outputs: list[torch.Tensor], random: bool = False) -> None:
-        ours = [(t, self.made.get(storage_key(t))) for t in inputs]
-        ours = [(t, m if m is not None and m.phase is phase and m.unit == unit else None, m) for t, m in ours]
-        level = max((m.level for _, m, _ in ours if m is not None), default=0) + (0 if memory_bound else 1)
-        for t, mine, m in ours:
-            inside = memory_bound and mine is not None and mine.memory_bound and mine.level == level
+        made = [self.made.get(storage_key(t)) for t in inputs]
+        ours = [m is not None and m.phase is phase and m.unit == unit for m in made]  # this unit and phase's
+        level = max((m.level for m, o in zip(made, ours) if o), default=0) + (0 if memory_bound else 1)
+        for t, m, o in zip(inputs, made, ours):
+            inside = memory_bound and o and m.memory_bound and m.level == level
             if m is not None and m.memory_bound:
                 m.consumed = True
                 m.materialized |= not inside and (m.phase is phase or m.random)
@@ -335,10 +335,10 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func.namespace == "prim":  # metadata queries (prim.device) that fake tensors answer
             return out
-        view = _is_view(func, args, kwargs, out)
         seg = self.seg.current()
         costs = self.bwd if self.seg.backward else self.fwd
         formula = formula_for(func)
+        view = formula is None and _is_view(func, args, kwargs, out)
         other_io = flops = matmul_io = 0
         if formula is not None:
             flops = int(formula(*args, **kwargs, out_val=out))
