@@ -69,6 +69,8 @@ class GPUSpec:
     """Per GPU, per direction: its share of the node's network."""
     inter_node_latency_s: float
     gpus_per_node: int
+    """GPUs that reach each other over the intra-node link (NVLink, xGMI or PCIe): a server, or
+    a rack-scale NVLink domain (GB200 NVL72: 72)."""
     tdp_w: float | None
     sources: dict[str, str]
     """Field (``peak_flops.tf32`` for one dtype) -> where the number comes from."""
@@ -82,11 +84,22 @@ class GPUSpec:
     """The largest share of the dense peak that 16-bit matmuls reach on this GPU, measured
     (maximum achievable matmul FLOPS over the best shapes / peak: A100 SXM 86%, H100 SXM 80%,
     MI300X 60%); 1.0 for the local CPU, whose peak is itself a measured matmul."""
+    fp8_matmul_efficiency: float | None = None
+    """The same for FP8 matmuls, against the FP8 dense peak, where measured (H100 SXM 71% against
+    80% in bf16: FP8 GEMMs reach a smaller share); None: the 16-bit share."""
+    gpus_per_host: int | None = None
+    """Where the NVLink domain spans hosts (an NVL72 rack of 4-GPU trays), the GPUs of one host: a
+    cluster that does not fill whole domains fills them host by host (256 GPUs: 4 racks of 64);
+    None: the domain is one host."""
     attention_efficiency: float | None = None
     """The share of the 16-bit dense peak that the fused attention kernels PyTorch's SDPA runs
     (FlashAttention-2) reach in training, forward and backward, published per GPU generation (A100
     ~60%, H100 35%: FlashAttention-2 was written for Ampere); None: unknown, attention at the
     matmul rate."""
+    cudnn_attention_efficiency: float | None = None
+    """The same for cuDNN's fused attention, which Transformer Engine runs (Megatron-LM, NeMo:
+    Training.attention_kernel "te"), where published: it uses Hopper's asynchronous tensor
+    cores, FlashAttention-2 does not (H100: 54% against 35%); None: `attention_efficiency`."""
     tp_forward_overhead_s: float = 0.0
     """Host seconds DTensor adds to one tensor-parallel Linear's forward (sharding propagation,
     redistribution, wrapping), measured by `plan calibrate` on this stack (a column-wise then

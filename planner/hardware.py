@@ -16,11 +16,17 @@ A GPU file (packaged ones live in ``profiles/``; ``profiles/README.md`` shows a 
     intra_node_latency_us: 8          # optional (default 10)
     inter_node_bandwidth_GBps: 50     # per GPU, per direction (its share of the node's NICs)
     inter_node_latency_us: 15         # optional (default 20)
-    gpus_per_node: 8
+    gpus_per_node: 8                  # GPUs that reach each other over NVLink (xGMI, PCIe)
+    gpus_per_host: 4                  # optional: where that domain spans hosts (an NVL72 rack of
+                                      #   4-GPU trays), the GPUs of one host; it is filled host by host
     tdp_w: 700                        # optional
     matmul_efficiency: 0.80           # optional (default 0.82): best measured matmul / dense peak
+    fp8_matmul_efficiency: 0.71       # optional: the same for FP8 matmuls / the FP8 dense peak;
+                                      #   default: the 16-bit share
     attention_efficiency: 0.35        # optional: fused attention (SDPA, fwd + bwd) / dense peak;
                                       #   default: the matmul rate
+    cudnn_attention_efficiency: 0.54  # optional: the same for cuDNN's fused attention (Transformer
+                                      #   Engine's); default: attention_efficiency
     sources:                          # optional: field (or peak_tflops.<dtype>) -> where from
       memory_gb: NVIDIA H100 datasheet
     uncertain: [inter_node_latency_us]  # optional: fields that are estimates
@@ -64,9 +70,12 @@ _SCALARS: dict[str, tuple[str, bool]] = {
     "inter_node_bandwidth_GBps": ("inter_node_bandwidth_Bps", True),
     "inter_node_latency_us": ("inter_node_latency_s", False),
     "gpus_per_node": ("gpus_per_node", True),
+    "gpus_per_host": ("gpus_per_host", False),
     "tdp_w": ("tdp_w", False),
     "matmul_efficiency": ("matmul_efficiency", False),
+    "fp8_matmul_efficiency": ("fp8_matmul_efficiency", False),
     "attention_efficiency": ("attention_efficiency", False),
+    "cudnn_attention_efficiency": ("cudnn_attention_efficiency", False),
     "tp_forward_overhead_us": ("tp_forward_overhead_s", False),
     "tp_backward_overhead_us": ("tp_backward_overhead_s", False),
 }
@@ -132,7 +141,8 @@ class Cluster:
         return self.gpu.intra_node_latency_s
 
     def describe(self) -> str:
-        nodes = "1 node" if self.num_nodes == 1 else f"{self.num_nodes} nodes"
+        unit = "NVLink domain" if self.gpu.gpus_per_host else "node"  # a rack-scale domain spans hosts
+        nodes = f"1 {unit}" if self.num_nodes == 1 else f"{self.num_nodes} {unit}s"
         return f"{self.num_gpus} x {self.gpu.display_name} ({nodes} of {self.gpus_per_node})"
 
 
@@ -184,11 +194,15 @@ def parse_gpu(data: Any, *, where: str, default_name: str, origin: str) -> GPUSp
             if required:
                 raise _fail(where, f"missing field '{key}'")
             continue
-        number = _positive(where, key, data[key], integer=key == "gpus_per_node")
-        if key in ("matmul_efficiency", "attention_efficiency") and number > 1:
+        counts = key in ("gpus_per_node", "gpus_per_host")
+        number = _positive(where, key, data[key], integer=counts)
+        if key.endswith("_efficiency") and number > 1:
             raise _fail(where, f"field '{key}' is a share of the peak, at most 1, got {number!r}")
-        values[attr] = int(number) if key == "gpus_per_node" else _to_si(key, number)
+        values[attr] = int(number) if counts else _to_si(key, number)
     values["memory_bytes"] = int(round(values["memory_bytes"]))
+    host = values.get("gpus_per_host")
+    if host is not None and values["gpus_per_node"] % host:
+        raise _fail(where, f"field 'gpus_per_host' ({host}) must divide 'gpus_per_node' ({values['gpus_per_node']})")
 
     factors = data.get("phase_factors") or {}
     if not isinstance(factors, dict) or any(k not in PHASES for k in factors):
@@ -375,6 +389,10 @@ def make_cluster(gpu: str | GPUSpec, num_gpus: int, gpus_per_node: int | None = 
         spec = share_host(spec, num_gpus)
         gpus_per_node = gpus_per_node or num_gpus
     per_node = min(gpus_per_node or spec.gpus_per_node, num_gpus)
+    if num_gpus % per_node and gpus_per_node is None and spec.gpus_per_host:
+        # a rack-scale NVLink domain the cluster does not fill: equal parts of racks, whole hosts each
+        per_node = max((d for d in range(spec.gpus_per_host, per_node + 1, spec.gpus_per_host) if num_gpus % d == 0),
+                       default=per_node)
     if num_gpus % per_node:
         raise BadInput(
             f"{num_gpus} GPUs do not fill whole nodes of {per_node} ({spec.name}); "

@@ -61,7 +61,8 @@ class Row:
     gpu: GPUSpec
     """The catalogue GPU with the row's own figures where it gives them (inter-node bandwidth)."""
     num_gpus: int
-    gpus_per_node: int
+    gpus_per_node: int | None
+    """The GPUs of one NVLink domain; None: the catalogue's (a rack-scale part's, make_cluster)."""
     precision: str
     global_batch: int
     fixed: Fixed
@@ -79,6 +80,8 @@ class Row:
     """The TP collectives the trainer's selective recompute reruns (Training.recompute_collectives)."""
     fp8_recipe: str = "torchao"
     """How the trainer's FP8 casts (Training.fp8_recipe)."""
+    attention_kernel: str = "sdpa"
+    """The trainer's fused attention kernels (Training.attention_kernel)."""
     dp_overlap: float | None = None
     """The trainer's data-parallel overlap where the row states it (Training.dp_overlap)."""
 
@@ -89,7 +92,7 @@ class Row:
         return Training(self.precision, "adamw", self.global_batch, self.gpu.memory_bytes,
                         recompute_whole_forward=self.recompute_whole_forward, fp8_recipe=self.fp8_recipe,
                         dp_overlap=self.dp_overlap, fused_kernels=self.fused_kernels,
-                        recompute_collectives=self.recompute_collectives)
+                        recompute_collectives=self.recompute_collectives, attention_kernel=self.attention_kernel)
 
     def config(self) -> str:
         f = self.fixed
@@ -185,7 +188,7 @@ def gpu_of(hw: dict, catalogue: dict[str, GPUSpec]) -> tuple[GPUSpec, str | None
     """The catalogue GPU a row names (family and memory), with the row's figures replacing the
     catalogue's where it gives them; and a note when the GPU itself is not in the catalogue."""
     text = str(value(hw["gpu"]))
-    family = re.search(r"(A100|H100|H200|B200|V100|L40S|MI300X|RTX ?4090)", text, re.I)
+    family = re.search(r"(GB300|GB200|B300|B200|A100|A800|H100|H800|H200|V100|L40S|MI300X|RTX ?4090)", text, re.I)
     assert family, f"unknown GPU in the reference: {text!r}"
     fam = family.group(1).lower().replace(" ", "")
     names = sorted(n for n in catalogue if n.startswith(fam))
@@ -213,6 +216,9 @@ def gpu_of(hw: dict, catalogue: dict[str, GPUSpec]) -> tuple[GPUSpec, str | None
         capped = spec.power_capped(float(cap.group(1)))
         scale = capped.peak_flops["bf16"] / spec.peak_flops["bf16"]
         spec, note = capped, "; ".join(filter(None, [note, f"{cap.group(1)} W power limit: peaks x{scale:.2f}"]))
+    domain = re.search(r"NVL(\d+)", text, re.I)
+    if domain and spec.gpus_per_host:  # a rack-scale part in a smaller NVLink domain than the catalogue's
+        spec = replace(spec, gpus_per_node=int(domain.group(1)))
     bw = inter_node_Bps(value(hw.get("inter_node_link")), hw["gpus_per_node"])
     if bw is not None and bw != spec.inter_node_bandwidth_Bps:
         spec = replace(spec, inter_node_bandwidth_Bps=bw)
@@ -340,6 +346,8 @@ STOPPING_RECOMPUTE = ("torchtitan",)
 # - Their selective recompute reruns the attention core only, no TP collective
 #   (Training.recompute_collectives).
 # - Their FP8 is Transformer Engine's (Megatron-Core's --fp8-format; Training.fp8_recipe "te").
+# - Their fused attention is Transformer Engine's (cuDNN's kernels, preferred on Hopper;
+#   Training.attention_kernel "te"), not PyTorch's SDPA (FlashAttention-2).
 #   torchtitan's is torchao's Float8 training, as a trainer not named here is taken to run.
 MEGATRON = ("megatron", "nemo", "transformer engine", "mt-nlg")
 # torchtitan's per-op selective checkpointing keeps reduce-scatter outputs (its _save_list), not
@@ -372,6 +380,9 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     gpu, gpu_note = gpu_of(hw, catalogue)
     if gpu_note:
         notes.append(gpu_note)
+    if gpu.gpus_per_host and per_node <= gpu.gpus_per_host:
+        per_node = None  # the row gives a host of a rack-scale NVLink domain (a GB200 NVL72 tray): the
+        # cluster is in domains (make_cluster: whole racks, or equal parts of them)
     precision_text = str(value(e.get("precision"))).lower()
     precision = "fp16" if "fp16" in precision_text else "bf16"  # same peak on every GPU here
     if "fp8" in precision_text:
@@ -430,6 +441,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
         fp8_recipe="te" if precision == "fp8" and _names(trainer_text + " " + precision_text, MEGATRON) else "torchao",
         dp_overlap=dp_overlap, fused_kernels=compiled or _names(trainer_text, MEGATRON),
         recompute_collectives=_recompute_collectives(trainer_text),
+        attention_kernel="te" if _names(trainer_text, MEGATRON) else "sdpa",
     )
 
 

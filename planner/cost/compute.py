@@ -12,7 +12,8 @@ The FLOPs and bytes come from the profile (measured per op), so the same formula
 GEMM-heavy transformers and bandwidth-heavy CNNs, and the balance of each GPU (FLOP/s against HBM
 bandwidth) shows.
 `gpu.matmul_efficiency` is the GPU's own measured ceiling (best matmul / peak, a catalogue field
-with its source: newer GPUs reach a smaller share of their peak); MATMUL_EFFICIENCY is the share
+with its source: newer GPUs reach a smaller share of their peak; FP8 matmuls have their own,
+`gpu.fp8_matmul_efficiency`, where measured); MATMUL_EFFICIENCY is the share
 of that ceiling a model's GEMMs reach, one figure for every GPU. Fused attention (SDPA) is not a
 GEMM: its kernels reach a share of the peak published per GPU generation
 (`gpu.attention_efficiency`: FlashAttention-2, which SDPA runs, was written for Ampere and reaches
@@ -67,12 +68,13 @@ class Work:
 def roofline_s(work: Work, gpu: GPUSpec, dtype: str) -> float:
     """`dtype` "fp8": `work.fp8_flops` at the FP8 peak, the other matmuls at bf16's."""
     peak = gpu.peak("bf16" if dtype == "fp8" else dtype)
-    rate = gpu.matmul_efficiency * MATMUL_EFFICIENCY  # the same share of each peak (no FP8 MAMF published)
+    rate = gpu.matmul_efficiency * MATMUL_EFFICIENCY
     attention = rate if gpu.attention_efficiency is None else gpu.attention_efficiency
     rest = work.flops - work.fp8_flops - work.attention_flops - work.batched_flops
     flops_s = rest / (peak * rate) + work.attention_flops / (peak * attention)
     if work.fp8_flops:
-        flops_s += work.fp8_flops / (gpu.peak("fp8") * rate)
+        fp8_share = gpu.fp8_matmul_efficiency or gpu.matmul_efficiency  # the GPU's own FP8 ceiling
+        flops_s += work.fp8_flops / (gpu.peak("fp8") * fp8_share * MATMUL_EFFICIENCY)
     hbm = gpu.hbm_bandwidth_Bps * MEMORY_EFFICIENCY
     matmul = max(flops_s, (work.matmul_bytes - work.batched_bytes) / hbm)
     matmul += max(work.batched_flops / (peak * rate), work.batched_bytes / hbm)

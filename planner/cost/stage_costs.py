@@ -280,11 +280,16 @@ def tp_collectives_s(layer: LayerProfile, tp: int, sequence_parallel: bool, link
             calls(rows, comm.allgather) + calls(groups, comm.reduce_scatter) + norms * comm.allreduce(tp, link)(0.0))
 
 
-def ring_bytes(layer: LayerProfile, profile: ModelProfile, micro_batch: int, shard: int) -> tuple[float, float]:
+def ring_bytes(layer: LayerProfile, profile: ModelProfile, micro_batch: int, shard: int,
+               training: Training) -> tuple[float, float]:
     """A context-parallel ring per micro-batch on one rank: (keys and values of the whole
     sequence for this rank's heads, their fp32 gradients): what forward gathers (and backward
-    again), and what backward returns to their owners."""
-    kv = layer.attention_kv_bytes * _scale(profile, micro_batch) / shard
+    again), and what backward returns to their owners. Transformer Engine's attention takes
+    grouped-query keys and values as they are and its ring moves those (the key/value heads);
+    torch's context_parallel moves what SDPA is given (repeated to the query heads where the model
+    repeats them)."""
+    unique = training.attention_kernel == "te" and layer.attention_kv_unique_bytes
+    kv = (layer.attention_kv_unique_bytes if unique else layer.attention_kv_bytes) * _scale(profile, micro_batch) / shard
     return kv, kv * CP_GRAD_ACCUM_BYTES / _dtype_bytes(profile)
 
 
@@ -380,6 +385,8 @@ def _layer_costs(
     scale = _scale(profile, cand.micro_batch, cand.cp)
     shard = _shard(layer, cand.tp)
     gpu = cluster.gpu
+    if training.attention_kernel == "te" and gpu.cudnn_attention_efficiency is not None:
+        gpu = replace(gpu, attention_efficiency=gpu.cudnn_attention_efficiency)
     # Without sequence parallelism a block's work and tensors outside its column-wise -> row-wise
     # regions (norms, residuals, dropout) are whole on every TP rank: `whole` is that share of the
     # memory-bound traffic (backward in the forward's proportion); `split` below does the bytes.
@@ -474,7 +481,7 @@ def _layer_costs(
         # the attention on those already there; backward gathers them again and passes their
         # gradients back (a reduce-scatter's volume, in fp32). Exposed past the attention's time
         # as any overlapped collective (comm.exposed_after_s).
-        kv, dkv = ring_bytes(layer, profile, cand.micro_batch, shard)
+        kv, dkv = ring_bytes(layer, profile, cand.micro_batch, shard, training)
         ag, rs = comm.allgather(cand.cp, lk.cp), comm.reduce_scatter(cand.cp, lk.cp)
         attn_fwd = fwd * _attention_share(fwd_work, gpu, training.precision)
         attn_bwd = bwd * _attention_share(bwd_work, gpu, training.precision)
@@ -615,11 +622,12 @@ def atom_table(
     return AtomTable(atoms)
 
 
-def _ring_working_bytes(profile: ModelProfile, cand: Candidate) -> float:
+def _ring_working_bytes(profile: ModelProfile, cand: Candidate, training: Training) -> float:
     """With CP, one layer's gathered keys and values and their fp32 gradients live at once."""
     if cand.cp == 1:
         return 0.0
-    return max((sum(ring_bytes(l, profile, cand.micro_batch, _shard(l, cand.tp))) for l in profile.layers), default=0.0)
+    return max((sum(ring_bytes(l, profile, cand.micro_batch, _shard(l, cand.tp), training)) for l in profile.layers),
+               default=0.0)
 
 
 def stage_costs(
@@ -689,7 +697,7 @@ def stage_costs(
         grad_bytes=g,
         optim_bytes=o,
         working_bytes=max(2 * max_act, loss_working_bytes(profile, cand.tp, cand.micro_batch, cand.cp))
-        + _ring_working_bytes(profile, cand),
+        + _ring_working_bytes(profile, cand, training),
         zero3_gather_bytes=sum(max_params) * w if cand.zero == 3 and not in_pipeline else 0.0,
         reserve_fixed_bytes=RESERVE_GPU_BYTES if on_gpu else RESERVE_CPU_BYTES,
         fragmentation=FRAGMENTATION_GPU if on_gpu else FRAGMENTATION_CPU,

@@ -405,6 +405,7 @@ def _assemble(
         "fwd_causal_attention_flops": per_layer(trace.fwd.causal_attention_flops),
         "bwd_causal_attention_flops": per_layer(trace.bwd.causal_attention_flops),
         "attention_kv_bytes": per_layer(trace.fwd.attention_kv_bytes),
+        "attention_kv_unique_bytes": per_layer(trace.fwd.attention_kv_unique_bytes),
     }
 
     # Tensors crossing each cut, and the layer graph's edges.

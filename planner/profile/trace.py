@@ -161,6 +161,9 @@ class PhaseCosts:
     """Of attention_flops, the calls with is_causal (counted whole: the kernels skip the masked half)."""
     attention_kv_bytes: Counter = field(default_factory=Counter)
     """Bytes of the keys and values those kernels read (what a context-parallel ring exchanges)."""
+    attention_kv_unique_bytes: Counter = field(default_factory=Counter)
+    """The same before grouped-query attention repeated them for the kernel (repeat_interleave,
+    expand): the key/value heads themselves."""
     masked_attention: Counter = field(default_factory=Counter)
     """Fused attention calls given an explicit mask (context parallelism splits causal or
     unmasked attention only)."""
@@ -178,6 +181,9 @@ def _arg(func, args: tuple, kwargs: dict, name: str):
         if a.name == name:
             return kwargs[name] if name in kwargs else (args[i] if i < len(args) else a.default_value)
     return None
+
+
+_REPEATS = (torch.ops.aten.expand, torch.ops.aten.repeat, torch.ops.aten.repeat_interleave)
 
 
 def _is_view(func, args: tuple, kwargs: dict, out) -> bool:
@@ -329,6 +335,23 @@ class _Recorder(TorchDispatchMode):
         self.other_io_tp: Counter = Counter()
         self.tail = _Tail()
         self.fusion = _Fusion()
+        self.repeated: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # tensor -> copies of each element
+
+    def _track_repeats(self, func, args: tuple, kwargs: dict, out) -> None:
+        """How many copies of each element a tensor holds, through the ops that repeat one (expand,
+        repeat, repeat_interleave: grouped-query attention's keys and values made as many as the
+        query heads) and those that move it whole (views, reshapes, copies)."""
+        made = tensors_in(out)
+        given = tensors_in((args, kwargs))
+        if len(made) != 1 or len(given) != 1:
+            return
+        copies = self.repeated.get(given[0], 1)
+        if func.overloadpacket in _REPEATS:
+            copies *= made[0].numel() / max(1, given[0].numel())
+        elif made[0].numel() != given[0].numel():
+            return
+        if copies > 1:
+            self.repeated[made[0]] = copies
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -337,6 +360,8 @@ class _Recorder(TorchDispatchMode):
             return out
         seg = self.seg.current()
         costs = self.bwd if self.seg.backward else self.fwd
+        if not self.seg.backward:
+            self._track_repeats(func, args, kwargs, out)
         formula = formula_for(func)
         view = formula is None and _is_view(func, args, kwargs, out)
         other_io = flops = matmul_io = 0
@@ -358,6 +383,7 @@ class _Recorder(TorchDispatchMode):
                     costs.causal_attention_flops[seg] += flops
                 if not self.seg.backward:
                     costs.attention_kv_bytes[seg] += _nbytes(args[1]) + _nbytes(args[2])
+                    costs.attention_kv_unique_bytes[seg] += sum(_nbytes(t) / self.repeated.get(t, 1) for t in args[1:3])
                     if kwargs.get("attn_mask") is not None or any(isinstance(a, torch.Tensor) for a in args[3:]):
                         costs.masked_attention[seg] += 1
             elif func.overloadpacket in ATTENTION_CORE and not self.seg.backward:

@@ -134,6 +134,10 @@ class LayerProfile:
     attention_kv_bytes: int = 0
     """Bytes of the keys and values those kernels read in forward: what a context-parallel ring
     passes around (each rank's shard to every other rank of the group)."""
+    attention_kv_unique_bytes: int = 0
+    """Of those, the key/value heads themselves: less where grouped-query attention repeats them for
+    the kernel (repeat_interleave, HF's repeat_kv), which a kernel with grouped-query attention of
+    its own (Transformer Engine's) does not, nor its ring. 0: not recorded (an older profile)."""
     # -- what expert parallelism splits (mixture-of-experts blocks: moe.py) ----------------------
     moe_experts: int = 0
     """Experts of each mixture-of-experts block in this layer (the gcd when its blocks differ;

@@ -43,6 +43,7 @@ def scale_profile(profile: ModelProfile, model: float = 1.0, seq: float = 1.0) -
             fwd_causal_attention_flops=r(l.fwd_causal_attention_flops, both),
             bwd_causal_attention_flops=r(l.bwd_causal_attention_flops, both),
             attention_kv_bytes=r(l.attention_kv_bytes, both),
+            attention_kv_unique_bytes=r(l.attention_kv_unique_bytes, both),
         ))
     t = profile.totals
     totals = replace(

@@ -124,7 +124,11 @@ def test_held_out_runs_read_whole_and_an_unknown_gpu_is_named_not_fatal(tmp_path
     held_out = REFERENCE.parent / "held_out_runs.yaml"
     unread: list = []
     rows = load_rows(held_out, unread)
-    assert rows and unread == [] and {r.gpu.name for r in rows} >= {"h100-sxm-80gb", "b200", "a100-80gb"}
+    assert rows and unread == [] and {r.gpu.name for r in rows} >= {"h100-sxm-80gb", "b200", "gb200", "gb300", "a100-80gb"}
+    # a GB200 row gives the host (a 4-GPU compute tray); its NVLink domain is the rack's, in equal
+    # parts of racks at 256 GPUs
+    gb200 = next(r for r in rows if r.gpu.name == "gb200" and r.num_gpus == 256)
+    assert gb200.cluster().gpus_per_node == 64
     entries = yaml.safe_load(held_out.read_text())["entries"][:2]
     entries[1] = {**entries[1], "id": "on_a_tpu", "hardware": {**entries[1]["hardware"], "gpu": "TPU v5p"}}
     mixed = tmp_path / "mixed.yaml"

@@ -37,6 +37,8 @@ def test_profile_records_the_keys_and_values_attention_reads(llama):
     assert len(blocks) == 4 and llama.cp_blocker == ""
     # K and V after the grouped-query repeat: batch 2 x 8 heads x 256 tokens x 32 dims x 2 bytes each
     assert blocks[0].attention_kv_bytes == 2 * (2 * 8 * 256 * 32 * 2)
+    # before the repeat: the 2 key/value heads themselves (what Transformer Engine's ring moves)
+    assert blocks[0].attention_kv_unique_bytes == 2 * (2 * 2 * 256 * 32 * 2)
     # SDPA forward: Q K^T and P V, 2 x (2 x 8 x 256 x 256 x 32) multiply-adds
     assert blocks[0].fwd_attention_flops == 2 * 2 * (2 * 8 * 256 * 256 * 32)
     assert 0 < blocks[0].fwd_attention_flops < blocks[0].fwd_flops
@@ -104,6 +106,21 @@ def test_cp_splits_the_tokens_and_adds_the_ring(llama7b):
     assert sum(b.cp_comm_s for b in two) > 0
 
 
+@pytest.mark.parametrize("kernel, heads", [("sdpa", 8), ("te", 2)])
+def test_a_ring_moves_the_key_value_heads_the_attention_kernel_reads(llama, kernel, heads):
+    """examples/llama.py repeats its 2 key/value heads to the 8 query heads before SDPA: torch's
+    ring moves the 8 repeated; Transformer Engine's attention takes the 2 as they are, and so does
+    its ring (Training.attention_kernel "te"): a quarter of the bytes."""
+    cluster = make_cluster("h100-sxm-80gb", 2)
+    training = Training("bf16", "adamw", 4, 80 * GIB, attention_kernel=kernel)
+    link = links(cluster, Candidate(1, 1, 1, 1, 1, 0, "1f1b", cp=2)).cp
+    ag, rs = comm.allgather(2, link), comm.reduce_scatter(2, link)
+    block = next(k for k, l in enumerate(llama.layers) if l.attention_kv_bytes)
+    atom = next(a for a in atom_table(llama, cluster, training, 1, 1, cp=2) if a.first == block)
+    kv = 2 * (8 * 256 * 32 * 2) * heads / 8  # micro-batch 1: the whole sequence's K and V, bf16
+    assert atom.cp_comm_s == pytest.approx(ag(kv) + ag(kv) + rs(2 * kv))
+
+
 def test_zero_shards_over_dp_times_cp_and_the_ranks_are_tp_cp_dp(llama):
     cluster = make_cluster("a100-80gb", 16)  # two nodes of 8, one 25 GB/s NIC per GPU
     training = Training("bf16", "adamw", 4, 80 * GIB)
@@ -156,3 +173,34 @@ def test_no_cp_on_pipeline_stages_the_tracer_splits(llama):
     assert found == [] and any("split by the tracer" in why for why in stats.rejected)
     plain = list(candidates(llama, 4, 8, 6, 8, Fixed(tp=1, pp=2, cp=2), SpaceStats()))
     assert plain and all((c.pp, c.cp) == (2, 2) for c in plain)
+
+
+def test_grouped_query_keys_and_values_are_counted_once_however_the_model_repeats_them(model_file):
+    """HF's repeat_kv (expand then reshape) as well as repeat_interleave: the unique bytes are the
+    key/value heads', what a kernel with grouped-query attention of its own reads and its ring moves."""
+    path = model_file(
+        """
+        import torch, torch.nn as nn, torch.nn.functional as F
+        B, S, HEADS, KV, D = 2, 64, 8, 2, 16
+        class Attn(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.q = nn.Linear(HEADS * D, HEADS * D)
+                self.kv = nn.Linear(HEADS * D, 2 * KV * D)
+            def forward(self, x):
+                q = self.q(x).view(B, S, HEADS, D).transpose(1, 2)
+                k, v = self.kv(x).view(B, S, 2, KV, D).unbind(2)
+                k, v = k.transpose(1, 2), v.transpose(1, 2)
+                k = k[:, :, None].expand(B, KV, HEADS // KV, S, D).reshape(B, HEADS, S, D)
+                v = v.repeat_interleave(HEADS // KV, dim=1)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, S, -1)
+        def build_model():
+            return nn.Sequential(Attn(), nn.Linear(HEADS * D, 4))
+        def sample_batch(b):
+            return torch.randn(b, S, HEADS * D), torch.randn(b, S, 4)
+        """
+    )
+    profile = profile_model(load_model_file(path), batch_size=2, dtype="fp32", measure=False)
+    attn = next(l for l in profile.layers if l.attention_kv_bytes)
+    assert attn.attention_kv_bytes == 2 * (2 * 8 * 64 * 16 * 4)
+    assert attn.attention_kv_unique_bytes == 2 * (2 * 2 * 64 * 16 * 4)

@@ -159,6 +159,8 @@ def test_gpu_by_path(tmp_path):
         ({**MINIMAL, "uncertain": ["nvlink"]}, "uncertain"),
         ({**MINIMAL, "name": "cpu"}, "name"),
         ({**MINIMAL, "attention_efficiency": 35}, "attention_efficiency"),
+        ({**MINIMAL, "fp8_matmul_efficiency": 71}, "fp8_matmul_efficiency"),
+        ({**MINIMAL, "gpus_per_host": 3}, "gpus_per_host"),
     ],
 )
 def test_malformed_user_file_names_file_and_field(gpu_dir, data, field):
@@ -206,6 +208,18 @@ def test_cluster_partial_node_and_explicit_node_size():
     assert make_cluster("a100-80gb", 4).gpus_per_node == 4
     cluster = make_cluster(get_gpu("rtx4090"), 8, gpus_per_node=4)
     assert (cluster.num_nodes, cluster.gpus_per_node) == (2, 4)
+
+
+def test_a_rack_scale_nvlink_domain_is_filled_host_by_host():
+    """GB200 NVL72: 72 GPUs per NVLink domain, 4 per host (compute tray). A cluster that does not
+    fill whole racks takes equal parts of racks, whole trays each; a node size given is kept."""
+    assert make_cluster("gb200", 8).gpus_per_node == 8
+    assert make_cluster("gb200", 144).describe() == "144 x NVIDIA GB200 NVL72 186GB (2 NVLink domains of 72)"
+    assert (make_cluster("gb200", 256).num_nodes, make_cluster("gb200", 256).gpus_per_node) == (4, 64)
+    assert make_cluster("gb200", 96).gpus_per_node == 48
+    assert make_cluster("gb200", 256, gpus_per_node=4).gpus_per_node == 4
+    with pytest.raises(BadInput, match="do not fill whole nodes of 72"):
+        make_cluster("gb200", 74)  # no whole-tray divisor of 74 up to 72
 
 
 @pytest.mark.parametrize(
