@@ -75,7 +75,7 @@ def cmd_gpus(argv: Sequence[str]) -> int:
 
 
 def _plan_parser() -> argparse.ArgumentParser:
-    from planner.cost.setup import OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES
+    from planner.cost.setup import OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES, TRAINERS
     from planner.planning import DEFAULT_GPU
 
     p = _Parser(prog="plan", description="Plan how to parallelise a model's training over a cluster.")
@@ -103,6 +103,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", choices=RECOMPUTE, help="fix activation recompute for every layer")
     p.add_argument("--sequence-parallel", choices=("on", "off"),
                    help="with tensor parallelism: split norms, residuals and dropout along the sequence too (default: searched)")
+    p.add_argument("--trainer", choices=TRAINERS, default="this",
+                   help="the trainer that will run the plan, for its kernels and overlaps: this (plan run's runtime, "
+                        "the default), torchtitan, or megatron (Megatron-LM, NeMo, Megatron-Bridge on Transformer Engine)")
     p.add_argument("--tp-overlap", choices=("on", "off"),
                    help="plan for a trainer that overlaps TP collectives with the GEMMs (Megatron-LM --tp-comm-overlap, "
                         "torchtitan async TP; default off: plan run does not)")
@@ -143,6 +146,7 @@ def cmd_plan(argv: Sequence[str]) -> int:
         optimizer=args.optimizer,
         memory_limit_gib=args.memory_limit,
         inter_node_gbps=args.inter_node_gbps,
+        trainer=args.trainer,
         fixed=Fixed(
             tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep, micro_batch=args.micro_batch, zero=args.zero,
             schedule=args.schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,

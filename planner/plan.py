@@ -170,6 +170,8 @@ class TrainingInfo:
     precision: str
     optimizer: str
     global_batch: int
+    trainer: str = "this"
+    """The trainer the plan was made for (plan --trainer; planner.cost.setup.TRAINERS)."""
 
 
 @dataclass(frozen=True)

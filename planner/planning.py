@@ -13,7 +13,7 @@ from typing import Callable
 
 from planner import default_batch
 from planner.cost import constants
-from planner.cost.setup import Training, tensor_dtype
+from planner.cost.setup import TRAINER_NOTES, TRAINERS, Training, tensor_dtype
 from planner.errors import BadInput, Infeasible
 from planner.hardware import Cluster, load_catalogue, make_cluster
 from planner.model_file import ModelHandle
@@ -38,6 +38,8 @@ class PlanRequest:
     memory_limit_gib: float | None = None
     inter_node_gbps: float | None = None
     """The network between nodes, Gb/s per GPU (default: the GPU type's catalogue figure)."""
+    trainer: str = "this"
+    """The trainer that will run the plan (planner.cost.setup.TRAINERS): its kernels and overlaps."""
     fixed: Fixed = Fixed()
     top_k: int = 3
 
@@ -97,7 +99,9 @@ def _training(request: PlanRequest, cluster: Cluster, global_batch: int) -> Trai
         if request.memory_limit_gib <= 0:
             raise BadInput(f"--memory-limit must be positive, got {request.memory_limit_gib}")
         limit = int(request.memory_limit_gib * 2**30)
-    return Training(request.precision, request.optimizer, global_batch, limit)
+    if request.trainer not in TRAINERS:
+        raise BadInput(f"--trainer must be one of {', '.join(TRAINERS)}, got {request.trainer!r}")
+    return Training.for_trainer(request.trainer, request.precision, request.optimizer, global_batch, limit)
 
 
 def _cpu_factor(profile: ModelProfile, cluster: Cluster, busy: float = 1.0) -> float | None:
@@ -172,7 +176,13 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
     result, training = search(profile, request, cluster)
     if result.best is None:
         raise Infeasible(_infeasible_message(profile, request, cluster, result, training))
+    attention = cluster.gpu.attention_efficiency
+    fp8_share = cluster.gpu.fp8_matmul_efficiency or cluster.gpu.matmul_efficiency
+    if training.attention_kernel == "te" and cluster.gpu.cudnn_attention_efficiency is not None:
+        attention = cluster.gpu.cudnn_attention_efficiency
     assumptions = [
+        f"trainer: {TRAINER_NOTES[training.trainer]}"
+        + (" (plan run executes it with its own runtime)" if training.trainer != "this" else " (--trainer: another)"),
         f"{cluster.describe()}; dense peak {cluster.gpu.peak(tensor_dtype(request.precision)) / 1e12:,.1f} TFLOP/s "
         f"({tensor_dtype(request.precision)})"
         + (f", {cluster.gpu.peak('fp8') / 1e12:,.1f} for the FP8 Linear matmuls (their casts as memory-bound work)"
@@ -182,12 +192,14 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
         f"{cluster.gpu.inter_node_bandwidth_Bps / 1e9:,.1f} GB/s ({cluster.gpu.inter_node_bandwidth_Bps * 8 / 1e9:,.0f} Gb/s) "
         f"across nodes per GPU" + (" (--inter-node-gbps)" if request.inter_node_gbps else "") + " (plan gpus: sources)",
         f"efficiencies: matmuls {constants.MATMUL_EFFICIENCY:.0%} of this GPU's best measured matmul rate "
-        f"({cluster.gpu.matmul_efficiency:.1%} of peak: {cluster.gpu.matmul_efficiency * constants.MATMUL_EFFICIENCY:.0%} in all), "
-        + (f"fused attention {cluster.gpu.attention_efficiency:.0%} of peak (causal: half its FLOPs), "
-           if cluster.gpu.attention_efficiency is not None else "") +
-        f"memory-bound ops {constants.MEMORY_EFFICIENCY:.0%} of HBM bandwidth, data-parallel traffic beside "
-        f"compute {constants.OVERLAP_EFFICIENCY:.0%} hidden (fitted on published runs, "
-        f"bench/bench_published.py), links {constants.LINK_EFFICIENCY:.0%}",
+        f"({cluster.gpu.matmul_efficiency:.1%} of peak: {cluster.gpu.matmul_efficiency * constants.MATMUL_EFFICIENCY:.0%} in all"
+        + (f"; FP8 ones {fp8_share:.1%} of the FP8 peak: {fp8_share * constants.MATMUL_EFFICIENCY:.0%}"
+           if request.precision == "fp8" else "") + "), "
+        + (f"fused attention {attention:.0%} of peak (causal: half its FLOPs), " if attention is not None else "") +
+        f"memory-bound ops {constants.MEMORY_EFFICIENCY:.0%} of HBM bandwidth, data-parallel traffic beside compute "
+        + (f"{training.dp_overlap:.0%} hidden (the trainer's), " if training.dp_overlap is not None else
+           f"{constants.OVERLAP_EFFICIENCY:.0%} hidden, ")
+        + f"links {constants.LINK_EFFICIENCY:.0%} (fitted on published runs, bench/bench_published.py)",
         f"memory reserve per device: {fmt_bytes(constants.RESERVE_GPU_BYTES if cluster.gpu.origin != 'measured' else constants.RESERVE_CPU_BYTES)} "
         f"(runtime, communication buffers) + {constants.FRAGMENTATION_GPU if cluster.gpu.origin != 'measured' else constants.FRAGMENTATION_CPU:.0%} "
         "allocator fragmentation",
@@ -223,7 +235,7 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
         assumptions.append(f"{basis} (set --global-batch)")
     return build_plan(
         result, profile, cluster, request.precision, request.optimizer, training.global_batch,
-        training.memory_limit_bytes, str(handle.path), assumptions, warnings + list(profile.warnings),
+        training.memory_limit_bytes, str(handle.path), assumptions, warnings + list(profile.warnings), training.trainer,
     )
 
 

@@ -293,4 +293,10 @@ def runtime_warnings(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
             "so activations exceed the plan's 16-bit figure (about 1.4x on examples/gpt.py); ZeRO-2/3 casts "
             "the parameters instead (FSDP2 MixedPrecisionPolicy)"
         )
+    if plan.training.trainer != "this":
+        out.append(
+            f"the plan was made for --trainer {plan.training.trainer}; this runtime runs its own kernels "
+            "(eager PyTorch, SDPA, torchao), so its measured step differs from the predicted one (plan again "
+            "with --trainer this to compare them)"
+        )
     return out

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -72,27 +73,17 @@ class Row:
     """What the cost model cannot express and was approximated."""
     assumed: tuple[str, ...]
     """Figures the row does not publish, left to the search or assumed."""
-    recompute_whole_forward: bool = True
-    """The trainer's full recompute reruns the whole forward (Training.recompute_whole_forward)."""
-    fused_kernels: bool = False
-    """The trainer fuses its memory-bound ops (Training.fused_kernels)."""
-    recompute_collectives: str = "all"
-    """The TP collectives the trainer's selective recompute reruns (Training.recompute_collectives)."""
-    fp8_recipe: str = "torchao"
-    """How the trainer's FP8 casts (Training.fp8_recipe)."""
-    attention_kernel: str = "sdpa"
-    """The trainer's fused attention kernels (Training.attention_kernel)."""
-    dp_overlap: float | None = None
-    """The trainer's data-parallel overlap where the row states it (Training.dp_overlap)."""
+    trainer: str = "this"
+    """The trainer the publication names, as the cost model knows it (Training.for_trainer)."""
+    settings: tuple[tuple[str, Any], ...] = ()
+    """Training fields the row's own text sets over its trainer's (its overlap, torch_compile)."""
 
     def cluster(self) -> Cluster:
         return make_cluster(self.gpu, self.num_gpus, self.gpus_per_node)
 
     def training(self) -> Training:
-        return Training(self.precision, "adamw", self.global_batch, self.gpu.memory_bytes,
-                        recompute_whole_forward=self.recompute_whole_forward, fp8_recipe=self.fp8_recipe,
-                        dp_overlap=self.dp_overlap, fused_kernels=self.fused_kernels,
-                        recompute_collectives=self.recompute_collectives, attention_kernel=self.attention_kernel)
+        return Training.for_trainer(self.trainer, self.precision, "adamw", self.global_batch, self.gpu.memory_bytes,
+                                    **dict(self.settings))
 
     def config(self) -> str:
         f = self.fixed
@@ -332,27 +323,19 @@ def _schedule(p: dict, pp: int, notes: list[str], assumed: list[str]) -> tuple[s
 # What a row's trainer does is read from what its publication says (the source fields of every
 # row of it: a publication is one trainer, and the words may be in any of its rows).
 
-# Trainers whose full recompute stops once backward has what it reads: torchtitan wraps blocks in
-# torch's non-reentrant checkpoint (early stop on by default since torch 2.1) and compiles them
-# (AOTAutograd reruns only what backward reads). Megatron-LM's CheckpointFunction, DeepSpeed's
-# (SC'21 Table 2's ZeRO-3) and Composer's FSDP default (activation_checkpointing_reentrant=True,
-# llm-foundry) are reentrant: the whole forward again. A trainer not named is taken as reentrant,
-# torch.utils.checkpoint's long-standing default.
-STOPPING_RECOMPUTE = ("torchtitan",)
-# Megatron-LM and the trainers on it: NeMo, Megatron-Bridge, MT-NLG's Megatron-DeepSpeed.
-# - Their memory-bound ops run fused (Training.fused_kernels: Megatron's fused layer norm,
-#   bias-GeLU / SwiGLU, bias-dropout-add, RoPE and softmax kernels, Transformer Engine's since
-#   Megatron-Core), as any trainer's with torch_compile do.
-# - Their selective recompute reruns the attention core only, no TP collective
-#   (Training.recompute_collectives).
-# - Their FP8 is Transformer Engine's (Megatron-Core's --fp8-format; Training.fp8_recipe "te").
-# - Their fused attention is Transformer Engine's (cuDNN's kernels, preferred on Hopper;
-#   Training.attention_kernel "te"), not PyTorch's SDPA (FlashAttention-2).
-#   torchtitan's is torchao's Float8 training, as a trainer not named here is taken to run.
+# Which trainer (planner.cost.setup.TRAINERS) a publication names:
+# - "megatron": Megatron-LM and the trainers on it (NeMo, Megatron-Bridge, MT-NLG's
+#   Megatron-DeepSpeed): fused memory-bound kernels (Megatron's fused layer norm, bias-GeLU /
+#   SwiGLU, bias-dropout-add, RoPE and softmax kernels, Transformer Engine's since Megatron-Core),
+#   Transformer Engine's attention (cuDNN's kernels) and FP8, a reentrant full recompute, a
+#   selective recompute of the attention core alone.
+# - "torchtitan": torch's non-reentrant checkpoint (early stop on by default since torch 2.1), a
+#   per-op selective policy that keeps reduce-scatter outputs, SDPA and torchao's Float8.
+# - any other ("this", the runtime's own kernels) with a reentrant full recompute: DeepSpeed's
+#   (SC'21 Table 2's ZeRO-3) and Composer's FSDP default (activation_checkpointing_reentrant=True,
+#   llm-foundry) rerun the whole forward, torch.utils.checkpoint's long-standing default.
 MEGATRON = ("megatron", "nemo", "transformer engine", "mt-nlg")
-# torchtitan's per-op selective checkpointing keeps reduce-scatter outputs (its _save_list), not
-# all-gathers.
-KEEPS_REDUCE_SCATTERS = ("torchtitan",)
+TORCHTITAN = ("torchtitan",)
 
 
 def _source_text(e: dict) -> str:
@@ -364,10 +347,10 @@ def _names(trainer_text: str, trainers: tuple[str, ...]) -> bool:
     return any(t in trainer_text for t in trainers)
 
 
-def _recompute_collectives(trainer_text: str) -> str:
+def _trainer(trainer_text: str) -> str:
     if _names(trainer_text, MEGATRON):
-        return "none"
-    return "all_gathers" if _names(trainer_text, KEEPS_REDUCE_SCATTERS) else "all"
+        return "megatron"
+    return "torchtitan" if _names(trainer_text, TORCHTITAN) else "this"
 
 
 def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: str) -> Row:
@@ -384,6 +367,8 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
         per_node = None  # the row gives a host of a rack-scale NVLink domain (a GB200 NVL72 tray): the
         # cluster is in domains (make_cluster: whole racks, or equal parts of them)
     precision_text = str(value(e.get("precision"))).lower()
+    if re.search(r"fp4|int4", precision_text):  # NVFP4, MXFP4: not a precision the planner has
+        raise ValueError(f"{e['id']}: precision {precision_text!r}: the cost model has no 4-bit training")
     precision = "fp16" if "fp16" in precision_text else "bf16"  # same peak on every GPU here
     if "fp8" in precision_text:
         precision = "fp8"  # Float8 Linears (torchtitan, torchao): the cost model's --precision fp8
@@ -414,7 +399,14 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     # the backward (Training.dp_overlap); other trainers' overlap is the fitted OVERLAP_EFFICIENCY
     dp_overlap = 1.0 if re.search(r"overlap[-_ ]grad[-_ ]reduce", overlap_text) and dp * cp > 1 else None
     tp_overlap = tp > 1 and bool(value(p.get("async_tp")) or value(p.get("tp_comm_overlap")) or named)
-    compiled = bool(value(p.get("torch_compile")))  # its fused kernels are costed (Training.fused_kernels)
+    trainer = _trainer(trainer_text)
+    settings: dict[str, Any] = {"dp_overlap": dp_overlap}  # what the row says, over its trainer's
+    if value(p.get("torch_compile")):
+        settings["fused_kernels"] = True  # inductor's fused kernels (Training.fused_kernels)
+    if trainer == "this":
+        settings["recompute_whole_forward"] = True  # a trainer not named: a reentrant checkpoint
+    if precision == "fp8" and _names(precision_text, MEGATRON):
+        settings["fp8_recipe"] = "te"  # Transformer Engine's FP8, whoever drives it
     zero, hsdp = _zero(p)
     if zero == 3 and pp > 1 and source == "torchtitan":
         # torchtitan's FSDP2 does not reshard after forward under a pipeline (to avoid a gather
@@ -436,12 +428,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
         precision=precision, global_batch=gb, fixed=fixed,
         measured_step_s=measured_step(e, shape, gb, gpus),
         measured_peak_bytes=peak_gib * GIB if peak_gib else None,
-        notes=tuple(notes), assumed=tuple(assumed),
-        recompute_whole_forward=not _names(trainer_text, STOPPING_RECOMPUTE),
-        fp8_recipe="te" if precision == "fp8" and _names(trainer_text + " " + precision_text, MEGATRON) else "torchao",
-        dp_overlap=dp_overlap, fused_kernels=compiled or _names(trainer_text, MEGATRON),
-        recompute_collectives=_recompute_collectives(trainer_text),
-        attention_kernel="te" if _names(trainer_text, MEGATRON) else "sdpa",
+        notes=tuple(notes), assumed=tuple(assumed), trainer=trainer, settings=tuple(settings.items()),
     )
 
 

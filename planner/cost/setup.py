@@ -18,6 +18,30 @@ def tensor_dtype(precision: str) -> str:
     return "bf16" if precision == "fp8" else precision
 
 
+TRAINERS: dict[str, dict] = {
+    # plan run's runtime: eager PyTorch, SDPA, torchao's Float8, torch's non-reentrant checkpoint
+    # (early stop) with a save-the-matmuls selective policy
+    "this": {},
+    # torchtitan as its configs run it (eager; torch_compile adds fused kernels): the same kernels,
+    # and its per-op selective checkpointing keeps reduce-scatter outputs
+    "torchtitan": {"recompute_collectives": "all_gathers"},
+    # Megatron-LM, NeMo and Megatron-Bridge on Transformer Engine, with the overlaps their
+    # performance recipes turn on (--overlap-grad-reduce)
+    "megatron": {"recompute_whole_forward": True, "fused_kernels": True, "attention_kernel": "te", "fp8_recipe": "te",
+                 "recompute_collectives": "none", "dp_overlap": 1.0},
+}
+"""The trainers a plan can be made for (`plan --trainer`): the Training fields each sets."""
+TRAINER_NOTES = {
+    "this": "plan run's runtime: eager PyTorch (memory-bound ops one kernel each), SDPA attention, torchao "
+            "Float8, non-reentrant recompute",
+    "torchtitan": "torchtitan: eager PyTorch, SDPA attention, torchao Float8, per-op selective recompute that keeps "
+                  "reduce-scatter outputs",
+    "megatron": "Megatron-LM / NeMo / Megatron-Bridge on Transformer Engine: fused memory-bound kernels, cuDNN "
+                "attention, TE's FP8 casts, full recompute of whole layers, selective recompute of the attention "
+                "core, gradient reduce-scatter hidden behind the backward",
+}
+
+
 @dataclass(frozen=True)
 class Training:
     precision: str
@@ -69,6 +93,13 @@ class Training:
     their transpose) once per step after the optimizer and cached across the micro-batches, each
     forward input cast once and kept in FP8 for the weight gradient, each output gradient cast
     once with its transpose (cast_transpose) for both backward matmuls."""
+    trainer: str = "this"
+    """The trainer the plan is for (TRAINERS: what it set above); "this": plan run's runtime."""
+
+    @staticmethod
+    def for_trainer(trainer: str, *args, **kwargs) -> "Training":
+        """A Training as `trainer` runs it (TRAINERS), `kwargs` over its settings."""
+        return Training(*args, **{**TRAINERS[trainer], **kwargs}, trainer=trainer)
 
     def bytes_per_param(self) -> tuple[int, int, int]:
         """(weights, gradients, optimizer state) bytes per parameter before any sharding.

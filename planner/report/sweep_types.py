@@ -47,6 +47,8 @@ class SweepSpec:
     gpus_per_node: Optional[int] = None
     memory_limit_gib: Optional[float] = None
     inter_node_gbps: Optional[float] = None
+    trainer: str = "this"
+    """The trainer that will run the plans (plan --trainer)."""
     scale_batch: bool = False
     """Grow the global batch with the GPU count (the same samples per GPU as the smallest count)
     instead of holding it fixed."""
@@ -56,7 +58,7 @@ class SweepSpec:
         return PlanRequest(
             gpus=num_gpus, gpu=gpu, gpus_per_node=self.gpus_per_node, global_batch=global_batch,
             precision=self.precision, optimizer=self.optimizer, memory_limit_gib=self.memory_limit_gib,
-            inter_node_gbps=self.inter_node_gbps,
+            inter_node_gbps=self.inter_node_gbps, trainer=self.trainer,
         )
 
     def price(self, gpu: str) -> Optional[float]:

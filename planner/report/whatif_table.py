@@ -91,7 +91,7 @@ def parse_prices(text: str, types: Sequence[str], names: Sequence[str]) -> tuple
 
 def _parser() -> argparse.ArgumentParser:
     from planner.cli_args import _Parser, _positive_int
-    from planner.cost.setup import OPTIMIZERS, PRECISIONS
+    from planner.cost.setup import OPTIMIZERS, PRECISIONS, TRAINERS
     from planner.planning import DEFAULT_GPU
 
     p = _Parser(prog="plan whatif", description="Plan a model over GPU types x counts: speed, memory, time and cost.")
@@ -108,6 +108,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline-days", help="pick the cheapest configuration that trains within this many days")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="default bf16")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default adamw")
+    p.add_argument("--trainer", choices=TRAINERS, default="this",
+                   help="the trainer that will run the plans: this (plan run's runtime, the default), torchtitan, megatron")
     p.add_argument("--gpus-per-node", type=_positive_int, help="GPUs per node (default: each type's usual node)")
     p.add_argument("--memory-limit", type=float, metavar="GiB", help="usable memory per GPU (default: all of it)")
     p.add_argument("--inter-node-gbps", type=float, metavar="Gb/s",
@@ -151,7 +153,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         prices_per_gpu_hour=parse_prices(args.price, types, names) if args.price is not None else (),
         deadline_days=deadline, precision=args.precision, optimizer=args.optimizer,
         gpus_per_node=args.gpus_per_node, memory_limit_gib=args.memory_limit, scale_batch=args.scale_batch,
-        inter_node_gbps=args.inter_node_gbps,
+        inter_node_gbps=args.inter_node_gbps, trainer=args.trainer,
     )
 
 

@@ -329,6 +329,7 @@ def build_plan(
     model_path: str,
     assumptions: list[str],
     warnings: list[str],
+    trainer: str = "this",
 ) -> Plan:
     best = result.best
     assert best is not None, "build_plan needs a feasible search result"
@@ -353,7 +354,7 @@ def build_plan(
             pipeline_split=profile.pipeline_split, pipeline_split_note=profile.pipeline_split_note,
             cp_blocker=profile.cp_blocker,
         ),
-        training=TrainingInfo(precision=precision, optimizer=optimizer, global_batch=global_batch),
+        training=TrainingInfo(precision=precision, optimizer=optimizer, global_batch=global_batch, trainer=trainer),
         solver=SolverInfo(
             status=result.status, seconds=round(result.seconds, 3), candidates=result.stats.enumerated,
             pruned=result.pruned_memory + result.pruned_time, ilps_solved=result.ilps,

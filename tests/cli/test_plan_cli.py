@@ -361,3 +361,24 @@ def test_a_cut_followed_by_glue_is_not_offered(capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert "cannot be split into pipeline stages" in err and "\n" not in err
     assert _plan_json(capsys, str(model), "--gpu", "cpu", "--gpus", "2")["parallel"]["pp"] == 1
+
+
+def test_a_plan_for_another_trainer_prices_its_kernels(capsys, tmp_path):
+    """--trainer megatron: Transformer Engine's fused kernels and cuDNN attention make the same
+    configuration faster on an H100 than this runtime's eager kernels; the plan says which trainer
+    it assumed and records it, plan run warns that it runs its own, and an unknown one is exit 2."""
+    from planner.plan import Plan
+    from runtime.layout import runtime_warnings
+
+    args = [str(EXAMPLES / "llama_7b.py"), "--gpus", "8", "--global-batch", "64", "--dp", "8", "--zero", "1",
+            "--micro-batch", "1", "--recompute", "none"]
+    this, megatron = (_plan_json(capsys, *args, "--trainer", t) for t in ("this", "megatron"))
+    assert (this["training"]["trainer"], megatron["training"]["trainer"]) == ("this", "megatron")
+    assert megatron["predicted"]["step_time_s"] < this["predicted"]["step_time_s"]
+    assert any(a.startswith("trainer: Megatron-LM") for a in megatron["assumptions"])
+    out = tmp_path / "megatron.json"
+    assert main([*args, "--trainer", "megatron", "-o", str(out)]) == 0
+    plan = Plan.load(out)
+    assert any("--trainer megatron" in w for w in runtime_warnings(plan, ()))
+    assert main([*args, "--trainer", "deepspeed"]) == EXIT_BAD_INPUT
+    assert "--trainer" in capsys.readouterr().err
