@@ -135,6 +135,16 @@ class GPUSpec:
     computations, where DDP runs a few after the backward (on gloo a rank's collectives and its
     compute share its cores). Empty: 1; "zero_comm" or "tp_comm" unset: "comm"."""
 
+    def matmul_share(self, dtype: str) -> float:
+        """The measured ceiling of `dtype`'s matmuls, a share of that dtype's dense peak."""
+        return (self.fp8_matmul_efficiency if dtype == "fp8" else None) or self.matmul_efficiency
+
+    def attention_share(self, kernel: str) -> float | None:
+        """The share of the 16-bit peak fused attention reaches with `kernel` (Training.attention_kernel)."""
+        if kernel == "te" and self.cudnn_attention_efficiency is not None:
+            return self.cudnn_attention_efficiency
+        return self.attention_efficiency
+
     def factor(self, phase: str) -> float:
         default = self.factor("comm") if phase in ("zero_comm", "tp_comm") else 1.0
         return next((f for name, f in self.phase_factors if name == phase), default)

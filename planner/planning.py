@@ -176,13 +176,11 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
     result, training = search(profile, request, cluster)
     if result.best is None:
         raise Infeasible(_infeasible_message(profile, request, cluster, result, training))
-    attention = cluster.gpu.attention_efficiency
-    fp8_share = cluster.gpu.fp8_matmul_efficiency or cluster.gpu.matmul_efficiency
-    if training.attention_kernel == "te" and cluster.gpu.cudnn_attention_efficiency is not None:
-        attention = cluster.gpu.cudnn_attention_efficiency
+    attention = cluster.gpu.attention_share(training.attention_kernel)
+    fp8_share = cluster.gpu.matmul_share("fp8")
     assumptions = [
         f"trainer: {TRAINER_NOTES[training.trainer]}"
-        + (" (plan run executes it with its own runtime)" if training.trainer != "this" else " (--trainer: another)"),
+        + (" (plan run executes it with its own runtime)" if training.trainer != "this" else " (--trainer says another)"),
         f"{cluster.describe()}; dense peak {cluster.gpu.peak(tensor_dtype(request.precision)) / 1e12:,.1f} TFLOP/s "
         f"({tensor_dtype(request.precision)})"
         + (f", {cluster.gpu.peak('fp8') / 1e12:,.1f} for the FP8 Linear matmuls (their casts as memory-bound work)"

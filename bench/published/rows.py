@@ -191,6 +191,12 @@ def gpu_of(hw: dict, catalogue: dict[str, GPUSpec]) -> tuple[GPUSpec, str | None
         return int(re.search(r"(\d+)\s*GB", spec.display_name).group(1))
 
     same = [n for n in names if mem is None or labelled_gb(catalogue[n]) == int(mem.group(1))]
+
+    def form(t: str) -> str:
+        """The part's form factor: a PCIe card, an H100 NVL (not an NVL72 rack), or SXM."""
+        return "pcie" if re.search(r"pcie", t, re.I) else "nvl" if re.search(r"\bNVL\b", t) else "sxm"
+
+    same = [n for n in same if form(catalogue[n].display_name) == form(text)] or same
     note = None
     if same:
         spec = catalogue[same[0]]

@@ -73,8 +73,7 @@ def roofline_s(work: Work, gpu: GPUSpec, dtype: str) -> float:
     rest = work.flops - work.fp8_flops - work.attention_flops - work.batched_flops
     flops_s = rest / (peak * rate) + work.attention_flops / (peak * attention)
     if work.fp8_flops:
-        fp8_share = gpu.fp8_matmul_efficiency or gpu.matmul_efficiency  # the GPU's own FP8 ceiling
-        flops_s += work.fp8_flops / (gpu.peak("fp8") * fp8_share * MATMUL_EFFICIENCY)
+        flops_s += work.fp8_flops / (gpu.peak("fp8") * gpu.matmul_share("fp8") * MATMUL_EFFICIENCY)
     hbm = gpu.hbm_bandwidth_Bps * MEMORY_EFFICIENCY
     matmul = max(flops_s, (work.matmul_bytes - work.batched_bytes) / hbm)
     matmul += max(work.batched_flops / (peak * rate), work.batched_bytes / hbm)

@@ -385,8 +385,8 @@ def _layer_costs(
     scale = _scale(profile, cand.micro_batch, cand.cp)
     shard = _shard(layer, cand.tp)
     gpu = cluster.gpu
-    if training.attention_kernel == "te" and gpu.cudnn_attention_efficiency is not None:
-        gpu = replace(gpu, attention_efficiency=gpu.cudnn_attention_efficiency)
+    if gpu.attention_share(training.attention_kernel) != gpu.attention_efficiency:
+        gpu = replace(gpu, attention_efficiency=gpu.attention_share(training.attention_kernel))
     # Without sequence parallelism a block's work and tensors outside its column-wise -> row-wise
     # regions (norms, residuals, dropout) are whole on every TP rank: `whole` is that share of the
     # memory-bound traffic (backward in the forward's proportion); `split` below does the bytes.

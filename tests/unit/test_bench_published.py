@@ -186,3 +186,18 @@ def test_the_ways_a_file_of_runs_from_elsewhere_states_a_configuration(tmp_path,
             assert want in row.notes
         else:
             assert getattr(row.fixed, key) == want, key
+
+
+@pytest.mark.parametrize("text, name", [
+    ("H100-SXM5-80GB", "h100-sxm-80gb"), ("H100 80GB HBM3", "h100-sxm-80gb"), ("H100 PCIe 80GB", "h100-pcie-80gb"),
+    ("H100 NVL 94GB", "h100-nvl-94gb"), ("A100-SXM4-80GB", "a100-80gb"), ("A100 PCIe 80GB", "a100-pcie-80gb"),
+    ("A100-SXM4-40GB", "a100-40gb"), ("GB200 NVL72", "gb200"), ("B200 180GB", "b200"), ("H800 80GB", "h800"),
+])
+def test_a_rows_gpu_is_the_catalogue_part_of_its_family_memory_and_form_factor(text, name):
+    """A PCIe card or an H100 NVL is not read as the SXM part of the same memory (nor an NVL72 rack
+    as an H100 NVL); a row that names neither is the SXM part."""
+    from bench.published.rows import gpu_of
+    from planner.hardware import load_catalogue
+
+    spec, note = gpu_of({"gpu": text, "gpus_per_node": 8}, load_catalogue())
+    assert (spec.name, note) == (name, None)
