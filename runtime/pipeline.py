@@ -117,6 +117,11 @@ def check_pipeline(plan: Plan, layers: tuple[LayerSplit, ...]) -> None:
         # torch's Schedule1F1B refuses fewer micro-batches than stages; GPipe runs them the same way
         raise BadInput(f"1F1B needs at least pp = {p.pp} micro-batches, the plan has {p.num_microbatches}: "
                        "re-plan (or with --schedule gpipe, which runs so few the same way)")
+    rounds = max(1, p.num_microbatches // p.pp)
+    if p.schedule == "interleaved" and p.num_microbatches % rounds:
+        # torch's ScheduleInterleaved1F1B runs the micro-batches in m // pp equal rounds
+        raise BadInput(f"interleaved 1F1B runs the micro-batches in {rounds} equal rounds of at least pp = {p.pp}; "
+                       f"the plan has {p.num_microbatches}: re-plan")
     stages = stage_layers(plan)
     order = [name for _, names in stages for name in names]
     if order != [l.name for l in layers]:

@@ -5,7 +5,8 @@ feature sizes) and at most a node (TP's all-reduces want NVLink: Narayanan et al
 a user may force more), pp at most the number of atoms, micro-batch b a power of two dividing
 the per-replica batch, m = global batch / (dp b) micro-batches, ZeRO 0-3 (0 only without data
 parallelism), the schedule (GPipe, 1F1B with m >= pp as torch runs it, interleaved 1F1B with
-v = 2-4 chunks when m % pp == 0, as Megatron-LM requires), with tp > 1 sequence parallelism on
+v = 2-4 chunks when m comes in whole rounds of pp, as torch's ScheduleInterleaved1F1B requires:
+m % max(1, m // pp) == 0), with tp > 1 sequence parallelism on
 or off (on only where tp divides the sequence, as the runtime needs), and for ZeRO-2/3 over dp ranks in several nodes, HSDP (one
 shard group per node, replicas across nodes) or not; cp a degree whose 2 cp load-balanced shards
 split the sequence evenly, on models where context parallelism can run (ModelProfile.cp_blocker),
@@ -330,8 +331,8 @@ def _schedules(tp, pp, dp, b, m, num_atoms, fixed: Fixed, stats: SpaceStats, cp:
                 stats.enumerated += 1
                 yield Candidate(tp, pp, dp, b, m, zero, schedule, 1, cp=cp)
                 continue
-            if m % pp:
-                stats.reject("interleaving needs micro-batches divisible by pp")
+            if m % max(1, m // pp):  # torch's ScheduleInterleaved1F1B runs m in m // pp equal rounds
+                stats.reject("interleaving needs the micro-batches in equal rounds of at least pp")
                 continue
             for v in [fixed.virtual_stages] if fixed.virtual_stages else INTERLEAVE:
                 if pp * v <= num_atoms:

@@ -137,3 +137,28 @@ def test_1f1b_is_planned_only_with_at_least_pp_microbatches():
     old = SimpleNamespace(parallel=SimpleNamespace(schedule="1f1b", num_microbatches=1, pp=2))
     with pytest.raises(BadInput, match="1F1B needs at least pp = 2 micro-batches, the plan has 1"):
         check_pipeline(old, ())
+
+
+def test_interleaving_is_planned_with_micro_batches_in_equal_rounds_of_pp():
+    """torch's ScheduleInterleaved1F1B runs m micro-batches in m // pp equal rounds (at least one):
+    pp 2 takes 3 (one round) and 6 (three of 2), not 5 (two rounds of 2.5); the search offers what
+    it runs, and a plan file with 5 is refused before launch in one line."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from planner.errors import BadInput
+    from planner.search.space import Fixed, SpaceStats, candidates
+    from runtime.pipeline import check_pipeline
+    from tests.unit.test_partition import synthetic_profile
+
+    profile = synthetic_profile()
+    for batch, offered in ((3, True), (6, True), (5, False)):
+        stats = SpaceStats()
+        fixed = Fixed(pp=2, dp=1, micro_batch=1, schedule="interleaved")
+        cands = list(candidates(profile, 2, 2, len(profile.layers), batch, fixed, stats))
+        assert bool(cands) == offered, batch
+        assert offered or any("equal rounds" in why for why in stats.rejected)
+    five = SimpleNamespace(parallel=SimpleNamespace(schedule="interleaved", num_microbatches=5, pp=2))
+    with pytest.raises(BadInput, match="2 equal rounds of at least pp = 2; the plan has 5"):
+        check_pipeline(five, ())
