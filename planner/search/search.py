@@ -209,7 +209,8 @@ def run_search(
         return stage_costs(profile, cluster, training, cand, factor, atoms=tables[key, factor])
 
     survivors: list[tuple[float, StageCosts]] = []
-    for cand in candidates(profile, cluster.num_gpus, cluster.gpus_per_node, num_atoms, training.global_batch, fixed, stats):
+    for cand in candidates(profile, cluster.num_gpus, cluster.gpus_per_node, num_atoms, training.global_batch, fixed, stats,
+                           torch_schedules=training.trainer != "megatron"):
         costs = costs_of(cand, lowest)
         need = memory_lower_bound(costs, fixed.recompute)
         if need > costs.limit_bytes:

@@ -90,14 +90,19 @@ def candidates(
     global_batch: int,
     fixed: Fixed,
     stats: SpaceStats,
+    torch_schedules: bool = True,
 ) -> Iterator[Candidate]:
+    """`torch_schedules`: only the micro-batch counts torch's pipeline schedules run (this runtime's,
+    torchtitan's); False for a trainer with schedules of its own (Megatron-LM's run 1F1B with fewer
+    micro-batches than stages, and interleaving with any count of at least pp)."""
     check_fixed_cp(profile, fixed)
     check_fixed_ep(profile, fixed)
     # --sequence-parallel on where only expert parallelism lets it run (mixture-of-experts blocks):
     # refused in one line only when no candidate runs it
     deferred: list[BadInput] = []
     with_sp = False
-    for cand in _enumerate(profile, num_gpus, gpus_per_node, num_atoms, global_batch, fixed, stats, deferred):
+    for cand in _enumerate(profile, num_gpus, gpus_per_node, num_atoms, global_batch, fixed, stats, deferred,
+                           torch_schedules):
         with_sp = with_sp or cand.sequence_parallel
         yield cand
     if deferred and not with_sp:
@@ -106,7 +111,7 @@ def candidates(
 
 def _enumerate(
     profile: ModelProfile, num_gpus: int, gpus_per_node: int, num_atoms: int, global_batch: int, fixed: Fixed,
-    stats: SpaceStats, deferred: list[BadInput],
+    stats: SpaceStats, deferred: list[BadInput], torch_schedules: bool,
 ) -> Iterator[Candidate]:
     for tp in divisors(num_gpus):
         if fixed.tp is not None and tp != fixed.tp:
@@ -147,7 +152,7 @@ def _enumerate(
                             # dominated: with g = gcd(cp, b), cp / g CP ranks and dp x g replicas of
                             # micro-batch b / g do the same work per rank, with a smaller ring
                             continue
-                        for cand in _schedules(tp, pp, dp, b, per_replica // b, num_atoms, fixed, stats, cp):
+                        for cand in _schedules(tp, pp, dp, b, per_replica // b, num_atoms, fixed, stats, cp, torch_schedules):
                             for rep in replicas if cand.zero >= 2 else [] if fixed.hsdp else [1]:
                                 for ep in eps if rep == 1 else [1]:
                                     if sp in sp_by_ep.get(ep, ()):
@@ -310,7 +315,8 @@ def _sequence_parallel(profile: ModelProfile, tp: int, fixed: Fixed, stats: Spac
     return choices
 
 
-def _schedules(tp, pp, dp, b, m, num_atoms, fixed: Fixed, stats: SpaceStats, cp: int = 1) -> Iterator[Candidate]:
+def _schedules(tp, pp, dp, b, m, num_atoms, fixed: Fixed, stats: SpaceStats, cp: int = 1,
+               torch_schedules: bool = True) -> Iterator[Candidate]:
     zeros = [0] if dp * cp == 1 else [0, 1, 2, 3]
     for zero in zeros:
         if fixed.zero is not None and zero != fixed.zero:
@@ -322,7 +328,7 @@ def _schedules(tp, pp, dp, b, m, num_atoms, fixed: Fixed, stats: SpaceStats, cp:
         for schedule in ("1f1b", "gpipe", "interleaved"):
             if fixed.schedule is not None and schedule != fixed.schedule:
                 continue
-            if schedule == "1f1b" and m < pp:
+            if schedule == "1f1b" and m < pp and torch_schedules:
                 # the runtime's (torch's Schedule1F1B) refuses it; with so few micro-batches GPipe
                 # runs the same forwards then backwards, and stays a candidate
                 stats.reject("1F1B needs at least pp micro-batches (GPipe runs fewer the same way)")
@@ -331,8 +337,11 @@ def _schedules(tp, pp, dp, b, m, num_atoms, fixed: Fixed, stats: SpaceStats, cp:
                 stats.enumerated += 1
                 yield Candidate(tp, pp, dp, b, m, zero, schedule, 1, cp=cp)
                 continue
-            if m % max(1, m // pp):  # torch's ScheduleInterleaved1F1B runs m in m // pp equal rounds
+            if m % max(1, m // pp) and torch_schedules:  # torch's runs m in m // pp equal rounds
                 stats.reject("interleaving needs the micro-batches in equal rounds of at least pp")
+                continue
+            if m < pp and not torch_schedules:  # Megatron-LM's interleaved schedule needs a round
+                stats.reject("interleaving needs at least pp micro-batches (Megatron-LM)")
                 continue
             for v in [fixed.virtual_stages] if fixed.virtual_stages else INTERLEAVE:
                 if pp * v <= num_atoms:

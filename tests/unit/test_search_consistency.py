@@ -159,6 +159,8 @@ def test_interleaving_is_planned_with_micro_batches_in_equal_rounds_of_pp():
         cands = list(candidates(profile, 2, 2, len(profile.layers), batch, fixed, stats))
         assert bool(cands) == offered, batch
         assert offered or any("equal rounds" in why for why in stats.rejected)
+        # a trainer with schedules of its own (plan --trainer megatron) runs any count of at least pp
+        assert list(candidates(profile, 2, 2, len(profile.layers), batch, fixed, SpaceStats(), torch_schedules=False))
     five = SimpleNamespace(parallel=SimpleNamespace(schedule="interleaved", num_microbatches=5, pp=2))
     with pytest.raises(BadInput, match="2 equal rounds of at least pp = 2; the plan has 5"):
         check_pipeline(five, ())
