@@ -355,7 +355,7 @@ def render_report(sweep: Sweep) -> str:
     length = (f"{fmt_count(s.tokens)} tokens" if s.tokens else f"{s.steps:,} steps" if s.steps else "no training length given (--tokens/--steps)")
     parts = [
         f"<h1>What if: {_e(sweep.model_name)}</h1>",
-        f"<p>{_e(fmt_count(sweep.num_params))} parameters{_e(seq)}; {_e(s.precision)}, {_e(s.optimizer)}; "
+        f"<p>{_e(fmt_count(sweep.num_params))} parameters{_e(seq)}; {_e(s.precision)}, {_e(s.optimizer)}{_e(', for --trainer ' + s.trainer if s.trainer != 'this' else '')}; "
         f"GPU types {_e(', '.join(sweep.gpus))} at {_e(', '.join(map(str, s.gpu_counts)))} GPUs; {_e(length)}. "
         f"<span class='note'>{_e(sweep.model_path)}</span></p>",
         "<h2>Answers</h2><ul class='answers'>" + "".join(f"<li>{_e(x)}</li>" for x in summary_lines(sweep)) + "</ul>",

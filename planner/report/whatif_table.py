@@ -173,7 +173,8 @@ def render_sweep(sweep: Sweep, console: Console | None = None) -> None:
     console = console or make_console()
     seq = f", seq {sweep.seq_len:,}" if sweep.seq_len else ""
     console.print(f"[bold]What if: {sweep.model_name}[/bold] ({fmt_count(sweep.num_params)} parameters{seq}), "
-                  f"{sweep.spec.precision}, {sweep.spec.optimizer}")
+                  f"{sweep.spec.precision}, {sweep.spec.optimizer}"
+                  + (f", for --trainer {sweep.spec.trainer}" if sweep.spec.trainer != "this" else ""))
     table = Table(title_justify="left")
     rate = "tokens/s" if sweep.seq_len else "samples/s"  # both are in --csv / --json
     cols = ("GPU", "GPUs", "best plan", "batch", "step", rate, "MFU", "memory/GPU", "time", "cost", "scaling", "")

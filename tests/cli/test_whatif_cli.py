@@ -211,3 +211,17 @@ def test_fp8_sweep_marks_gpus_without_fp8(capsys):
     assert h100["fits"] is True
     mins = {m["gpu"]: m for m in data["min_gpus"]}
     assert mins["a100-80gb"]["num_gpus"] is None and "no FP8 matmul peak" in mins["a100-80gb"]["plan"]
+
+
+def test_a_sweep_for_another_trainer_is_what_plan_says_for_it(capsys):
+    """--trainer megatron in plan whatif: each row is plan's for the same trainer, and the header
+    says which."""
+    args = ["--gpu", "h100-sxm-80gb", "--global-batch", "64", "--trainer", "megatron"]
+    data = _json(capsys, "whatif", str(EXAMPLES / "llama.py"), "--gpus", "8", *args)
+    plan = Plan.from_dict(_json(capsys, str(EXAMPLES / "llama.py"), "--gpus", "8", *args))
+    row = _row(data, "h100-sxm-80gb", 8)
+    assert plan.training.trainer == "megatron"
+    assert row["plan"] == plan.parallel.one_line()
+    assert row["step_time_s"] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+    assert main(["whatif", str(EXAMPLES / "llama.py"), "--gpus", "8", *args]) == 0
+    assert "for --trainer megatron" in capsys.readouterr().out
