@@ -381,7 +381,10 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     p = e["parallel"]
     tp, pp, dp, cp = (int(value(p.get(k)) or 1) for k in ("tp", "pp", "dp", "cp"))
     assert tp * pp * dp * cp == gpus, f"{e['id']}: tp*pp*dp*cp != {gpus}"
-    gb = value(e.get("global_batch"))
+    gb = e.get("global_batch")
+    if isinstance(gb, dict) and "tokens" in gb:  # the schema's {tokens: N}: sequences of the row's length
+        gb = value(gb["tokens"]) / shape.seq_len
+    gb = value(gb)
     if gb is None:
         gb = gpus
         assumed.append(f"global batch {gb} (1 per GPU)")
@@ -395,6 +398,10 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
         micro = value(mb)
         if micro is None:
             assumed.append("micro-batch free")
+    whole = dp * (micro or 1)  # a step is whole micro-batches on every data-parallel rank
+    if gb % whole:
+        said, gb = gb, whole * max(1, round(gb / whole))
+        notes.append(f"global batch {said:g} as {gb}: whole micro-batches of {micro or 1} per data-parallel rank")
     sp = value(p.get("sequence_parallel"))
     if sp is None and tp > 1:
         assumed.append("sequence parallelism free")

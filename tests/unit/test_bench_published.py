@@ -201,3 +201,20 @@ def test_a_rows_gpu_is_the_catalogue_part_of_its_family_memory_and_form_factor(t
 
     spec, note = gpu_of({"gpu": text, "gpus_per_node": 8}, load_catalogue())
     assert (spec.name, note) == (name, None)
+
+
+def test_a_global_batch_in_tokens_is_read_in_sequences_of_whole_micro_batches(tmp_path):
+    """The schema's global_batch {tokens: N} is N / seq_len sequences; a batch that does not split
+    into whole micro-batches on every data-parallel rank is rounded to the nearest that does, with
+    a note (never read as one sequence per GPU, nor refused for it)."""
+    import yaml
+
+    entry = yaml.safe_load((REFERENCE.parent / "held_out_runs.yaml").read_text())["entries"][0]  # dp 8, mb 1, seq 8192
+    exact = {**entry, "id": "exact", "global_batch": {"tokens": 128 * 8192}}
+    rough = {**entry, "id": "rough", "global_batch": {"tokens": 1_000_000}}
+    path = tmp_path / "tokens.yaml"
+    path.write_text(yaml.safe_dump({"entries": [exact, rough]}))
+    by_id = {r.id: r for r in load_rows(path)}
+    assert by_id["exact"].global_batch == 128 and not by_id["exact"].notes
+    assert by_id["rough"].global_batch == 120  # 122.07 sequences: 15 per rank of 8
+    assert any("as 120: whole micro-batches" in n for n in by_id["rough"].notes)
