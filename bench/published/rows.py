@@ -229,21 +229,42 @@ def korthikanti_model_flops(shape: Shape, batch: int) -> float:
     return 72 * batch * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
 
 
+def _published(e: dict, key: str) -> float | None:
+    """A figure of the row, measured or else derived."""
+    return next((float(value(x[key])) for x in (e.get("measured") or {}, e.get("derived") or {}) if value(x.get(key))), None)
+
+
+def palm_model_flops(shape: Shape, params_b: float, batch: int) -> float:
+    """Model FLOPs of one step for any decoder: 6 N + 12 l h s per token (Chowdhery et al. 2022,
+    PaLM, Appendix B: the parameters' matmuls forward and backward, and attention's)."""
+    tokens = batch * shape.seq_len
+    return 6 * params_b * 1e9 * tokens + 12 * shape.layers * shape.hidden * shape.seq_len * tokens
+
+
 def measured_step(e: dict, shape: Shape, global_batch: int, gpus: int) -> float:
-    """The measured step time, or derived from what was published: a step time, tokens/s per
-    GPU, or model TFLOP/s per GPU (MFU x peak) with the model-FLOPs formula."""
-    m, d = e.get("measured") or {}, e.get("derived") or {}
-    for x in (m.get("step_time_s"), d.get("step_time_s")):
-        if value(x):
-            return float(value(x))
-    tps = value(m.get("tokens_per_s_per_gpu"))
+    """The measured step time, or derived from what was published (measured first, then derived):
+    a step time, tokens/s per GPU, or model TFLOP/s per GPU (MFU x peak) with the model-FLOPs
+    formula of its source (Korthikanti et al.'s for GPT, PaLM's for the others)."""
+    step = _published(e, "step_time_s")
+    if step:
+        return step
+    tps = _published(e, "tokens_per_s_per_gpu")
     if tps:
         return global_batch * shape.seq_len / (tps * gpus)
-    tflops = value(d.get("model_tflops_per_gpu"))
+    m = e.get("measured") or {}
+    tflops = _published(e, "model_tflops_per_gpu")
     if tflops is None and value(m.get("mfu")) and value(m.get("peak_used_tflops")):
         tflops = value(m["mfu"]) * value(m["peak_used_tflops"])
-    assert tflops and shape.arch == "gpt", f"{e['id']}: no step time, throughput or GPT MFU"
-    return korthikanti_model_flops(shape, global_batch) / (tflops * 1e12 * gpus)
+    if tflops is None and value(m.get("tflops_per_gpu")) and "model" in str(value(m.get("tflops_kind"))).lower():
+        tflops = value(m["tflops_per_gpu"])
+    assert tflops, f"{e['id']}: no step time, throughput or model FLOP/s"
+    if shape.arch == "gpt":
+        flops = korthikanti_model_flops(shape, global_batch)
+    else:
+        params_b = value(e["model"].get("params_b"))
+        assert params_b, f"{e['id']}: model FLOP/s without params_b"
+        flops = palm_model_flops(shape, params_b, global_batch)
+    return flops / (tflops * 1e12 * gpus)
 
 
 def _zero(p: dict) -> tuple[int, bool]:
@@ -435,6 +456,8 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
         hsdp=hsdp if zero >= 2 and dp * cp > 1 else None,
         tp_overlap=tp_overlap or None,
     )
+    if shape.arch != "gpt" and not (_published(e, "step_time_s") or _published(e, "tokens_per_s_per_gpu")):
+        notes.append("step from model FLOP/s by PaLM's formula (sources count attention differently)")
     peak_gib = value((e.get("measured") or {}).get("peak_memory_gib"))
     return Row(
         id=e["id"], source=source, shape=shape, gpu=gpu, num_gpus=gpus, gpus_per_node=per_node,

@@ -218,3 +218,23 @@ def test_a_global_batch_in_tokens_is_read_in_sequences_of_whole_micro_batches(tm
     assert by_id["exact"].global_batch == 128 and not by_id["exact"].notes
     assert by_id["rough"].global_batch == 120  # 122.07 sequences: 15 per rank of 8
     assert any("as 120: whole micro-batches" in n for n in by_id["rough"].notes)
+
+
+def test_a_row_with_only_model_flops_gets_its_step_from_the_formula_of_its_kind(tmp_path):
+    """Without a step time or tokens/s, the step comes from model TFLOP/s per GPU: Korthikanti et
+    al.'s formula for GPT, PaLM's 6N + 12 l h s per token for other decoders (noted: sources count
+    attention differently); a row with none of them is named, not read."""
+    import yaml
+
+    from bench.published.rows import palm_model_flops
+
+    entry = yaml.safe_load((REFERENCE.parent / "held_out_runs.yaml").read_text())["entries"][0]  # Llama 3 8B, 8 GPUs
+    flops = {**entry, "id": "flops", "measured": {"model_tflops_per_gpu": 744}}
+    none = {**entry, "id": "none", "measured": {}}
+    path = tmp_path / "flops.yaml"
+    path.write_text(yaml.safe_dump({"entries": [flops, none]}))
+    unread: list = []
+    (row,) = load_rows(path, unread)
+    assert row.measured_step_s == pytest.approx(palm_model_flops(row.shape, 8.0, 128) / (744e12 * 8))
+    assert any("PaLM's formula" in n for n in row.notes)
+    assert [u[0] for u in unread] == ["none"]
