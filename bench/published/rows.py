@@ -458,12 +458,13 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     )
     if shape.arch != "gpt" and not (_published(e, "step_time_s") or _published(e, "tokens_per_s_per_gpu")):
         notes.append("step from model FLOP/s by PaLM's formula (sources count attention differently)")
-    peak_gib = value((e.get("measured") or {}).get("peak_memory_gib"))
+    measured = e.get("measured") or {}
+    peak = (value(measured.get("peak_memory_gib")) or 0) * GIB or (value(measured.get("peak_memory_gb")) or 0) * 1e9
     return Row(
         id=e["id"], source=source, shape=shape, gpu=gpu, num_gpus=gpus, gpus_per_node=per_node,
         precision=precision, global_batch=gb, fixed=fixed,
         measured_step_s=measured_step(e, shape, gb, gpus),
-        measured_peak_bytes=peak_gib * GIB if peak_gib else None,
+        measured_peak_bytes=peak or None,
         notes=tuple(notes), assumed=tuple(assumed), trainer=trainer, settings=tuple(settings.items()),
     )
 
