@@ -82,7 +82,8 @@ class Training:
     """The fused attention kernels the trainer runs. "sdpa": PyTorch's scaled_dot_product_attention
     (FlashAttention-2's kernel on NVIDIA GPUs), as this runtime and torchtitan run it, at the GPU's
     `attention_efficiency`. "te": Transformer Engine's DotProductAttention, as Megatron-LM, NeMo
-    and Megatron-Bridge run it: cuDNN's fused kernels, at the GPU's `cudnn_attention_efficiency`
+    and Megatron-Bridge run it: cuDNN's fused kernels (its get_attention_backend disables
+    FlashAttention "to give FusedAttention preference on Hopper+"), at the GPU's `cudnn_attention_efficiency`
     where the catalogue has one (H100: 54% of the peak, against FlashAttention-2's 35%), with
     grouped-query attention of their own: a context-parallel ring moves the key/value heads, not
     copies repeated to the query heads (LayerProfile.attention_kv_unique_bytes)."""

@@ -153,7 +153,7 @@ def test_min_gpus_beyond_the_sweep_and_headroom(capsys):
 
 
 BAD = [
-    (["--gpus", "8", "--gpu", "h100"], "did you mean h100-sxm-80gb"),
+    (["--gpus", "8", "--gpu", "h100"], "did you mean h100-nvl-94gb or h100-pcie-80gb or h100-sxm-80gb"),
     (["--gpus", "8", "--gpu", "a100-80gb,h100-sxm"], "did you mean"),
     (["--gpus", ""], "--gpus: empty list"),
     (["--gpus", "8,,16"], "empty entry"),
