@@ -423,6 +423,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     if gb % whole:
         said, gb = gb, whole * max(1, round(gb / whole))
         notes.append(f"global batch {said:g} as {gb}: whole micro-batches of {micro or 1} per data-parallel rank")
+    gb = int(gb)
     sp = value(p.get("sequence_parallel"))
     if sp is None and tp > 1:
         assumed.append("sequence parallelism free")
