@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from planner.cost.pipeline import interleaved_rounds
 from planner.errors import BadInput
 from planner.model_file import ModelHandle
 from planner.plan import Plan
@@ -117,9 +118,8 @@ def check_pipeline(plan: Plan, layers: tuple[LayerSplit, ...]) -> None:
         # torch's Schedule1F1B refuses fewer micro-batches than stages; GPipe runs them the same way
         raise BadInput(f"1F1B needs at least pp = {p.pp} micro-batches, the plan has {p.num_microbatches}: "
                        "re-plan (or with --schedule gpipe, which runs so few the same way)")
-    rounds = max(1, p.num_microbatches // p.pp)
+    rounds = interleaved_rounds(p.num_microbatches, p.pp)
     if p.schedule == "interleaved" and p.num_microbatches % rounds:
-        # torch's ScheduleInterleaved1F1B runs the micro-batches in m // pp equal rounds
         raise BadInput(f"interleaved 1F1B runs the micro-batches in {rounds} equal rounds of at least pp = {p.pp}; "
                        f"the plan has {p.num_microbatches}: re-plan")
     stages = stage_layers(plan)

@@ -16,6 +16,12 @@ from __future__ import annotations
 from planner.cost.setup import Candidate
 
 
+def interleaved_rounds(num_microbatches: int, pp: int) -> int:
+    """The rounds torch's ScheduleInterleaved1F1B runs m micro-batches in (m // pp, at least one);
+    it takes m only in equal rounds."""
+    return max(1, num_microbatches // pp)
+
+
 def inflight_per_device(cand: Candidate) -> tuple[float, ...]:
     """Micro-batches' worth of each rank's activations held at the peak of the schedule."""
     p, m, v = cand.pp, cand.num_microbatches, cand.virtual_stages

@@ -385,8 +385,9 @@ def _layer_costs(
     scale = _scale(profile, cand.micro_batch, cand.cp)
     shard = _shard(layer, cand.tp)
     gpu = cluster.gpu
-    if gpu.attention_share(training.attention_kernel) != gpu.attention_efficiency:
-        gpu = replace(gpu, attention_efficiency=gpu.attention_share(training.attention_kernel))
+    attention = gpu.attention_share(training.attention_kernel)
+    if attention != gpu.attention_efficiency:  # the trainer's attention kernels (Transformer Engine's)
+        gpu = replace(gpu, attention_efficiency=attention)
     # Without sequence parallelism a block's work and tensors outside its column-wise -> row-wise
     # regions (norms, residuals, dropout) are whole on every TP rank: `whole` is that share of the
     # memory-bound traffic (backward in the forward's proportion); `split` below does the bytes.

@@ -341,6 +341,9 @@ class _Recorder(TorchDispatchMode):
         """How many copies of each element a tensor holds, through the ops that repeat one (expand,
         repeat, repeat_interleave: grouped-query attention's keys and values made as many as the
         query heads) and those that move it whole (views, reshapes, copies)."""
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if func.overloadpacket not in _REPEATS and (first is None or first not in self.repeated):
+            return  # most ops: nothing repeated comes in or goes out (the profiler's hot path)
         made = tensors_in(out)
         given = tensors_in((args, kwargs))
         if len(made) != 1 or len(given) != 1:

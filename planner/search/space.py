@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
+from planner.cost.pipeline import interleaved_rounds
 from planner.cost.setup import Candidate
 from planner.cost.stage_costs import FULL, KIND_OF, KINDS, NONE, StageCosts
 from planner.errors import BadInput
@@ -337,7 +338,7 @@ def _schedules(tp, pp, dp, b, m, num_atoms, fixed: Fixed, stats: SpaceStats, cp:
                 stats.enumerated += 1
                 yield Candidate(tp, pp, dp, b, m, zero, schedule, 1, cp=cp)
                 continue
-            if m % max(1, m // pp) and torch_schedules:  # torch's runs m in m // pp equal rounds
+            if m % interleaved_rounds(m, pp) and torch_schedules:
                 stats.reject("interleaving needs the micro-batches in equal rounds of at least pp")
                 continue
             if m < pp and not torch_schedules:  # Megatron-LM's interleaved schedule needs a round
