@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from planner.cost.constants import TRITON_FLASH_SLOWDOWN
 from planner.errors import BadInput
 
 DTYPES = ("bf16", "fp16", "fp8", "tf32", "fp32")
@@ -140,9 +141,13 @@ class GPUSpec:
         return (self.fp8_matmul_efficiency if dtype == "fp8" else None) or self.matmul_efficiency
 
     def attention_share(self, kernel: str) -> float | None:
-        """The share of the 16-bit peak fused attention reaches with `kernel` (Training.attention_kernel)."""
+        """The share of the 16-bit peak fused attention reaches with `kernel` (Training.attention_kernel):
+        "sdpa" FlashAttention-2's, "te" cuDNN's where published, "triton" FlashAttention in Triton's
+        (FlashAttention-2's over constants.TRITON_FLASH_SLOWDOWN)."""
         if kernel == "te" and self.cudnn_attention_efficiency is not None:
             return self.cudnn_attention_efficiency
+        if kernel == "triton" and self.attention_efficiency is not None:
+            return self.attention_efficiency / TRITON_FLASH_SLOWDOWN
         return self.attention_efficiency
 
     def factor(self, phase: str) -> float:

@@ -12,7 +12,8 @@
   and head, no learned positions, SDPA flash attention, no dropout. Approximated: ALiBi's bias is
   fused into MPT's flash-attention kernel; SDPA cannot add it without leaving the flash path, so
   it is left out (a few FLOPs per attention score). MPT's fused Wqkv is three Linears here (same
-  FLOPs).
+  FLOPs). The loss is llm-foundry's default, flash-attn's fused cross-entropy (16-bit logits kept,
+  no fp32 copy).
 """
 
 from __future__ import annotations
@@ -101,8 +102,31 @@ class MPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+class FusedCrossEntropy(torch.autograd.Function):
+    # llm-foundry's default loss (loss_fn: fused_crossentropy): flash-attn's cross-entropy kernel
+    # on the 16-bit logits. It keeps the logits and one log-sum-exp per token for backward, and
+    # backward writes the gradient in the logits' dtype (flash_attn.losses.cross_entropy), where
+    # F.cross_entropy on logits.float() keeps fp32 log-probabilities.
+    @staticmethod
+    def forward(ctx, logits, targets):
+        lse = torch.logsumexp(logits.float(), dim=-1)
+        ctx.save_for_backward(logits, lse, targets)
+        return (lse - logits.gather(1, targets[:, None]).squeeze(1).float()).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, lse, targets = ctx.saved_tensors
+        probs = torch.exp(logits.float() - lse[:, None])
+        probs.scatter_add_(1, targets[:, None], -torch.ones_like(probs[:, :1]))
+        return (probs * (grad / logits.shape[0])).to(logits.dtype), None
+
+
 def build_model():
     return MPT(CFG)
+
+
+def loss_fn(logits, targets):
+    return FusedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def sample_batch(b):

@@ -363,6 +363,10 @@ def _schedule(p: dict, pp: int, notes: list[str], assumed: list[str]) -> tuple[s
 #   llm-foundry) rerun the whole forward, torch.utils.checkpoint's long-standing default.
 MEGATRON = ("megatron", "nemo", "transformer engine", "mt-nlg")
 TORCHTITAN = ("torchtitan",)
+# - llm-foundry's benchmark table (scripts/train/benchmarking): MPT with attn_impl "triton"
+#   (submit_benchmarks.py's default; FlashAttention in Triton, for ALiBi) and its default loss,
+#   flash-attn's fused cross-entropy (bench/published/models.py).
+TRITON_ATTENTION = ("llm-foundry",)
 
 
 def _source_text(e: dict) -> str:
@@ -440,6 +444,8 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
         settings["fused_kernels"] = True  # inductor's fused kernels (Training.fused_kernels)
     if trainer == "this":
         settings["recompute_whole_forward"] = True  # a trainer not named: a reentrant checkpoint
+    if _names(trainer_text, TRITON_ATTENTION):
+        settings["attention_kernel"] = "triton"
     if precision == "fp8" and _names(precision_text, MEGATRON):
         settings["fp8_recipe"] = "te"  # Transformer Engine's FP8, whoever drives it
     zero, hsdp = _zero(p)

@@ -73,6 +73,17 @@ RESERVE_CPU_BYTES = int(0.35 * 2**30)
 FRAGMENTATION_GPU = 0.15
 FRAGMENTATION_CPU = 0.05
 
+# FlashAttention written in Triton (Tri Dao's flash_attn_triton, the first FlashAttention's
+# algorithm; llm-foundry's MPT runs it for ALiBi: attn_impl "triton") against FlashAttention-2 on
+# the same GPU: FlashAttention-2 "is around 1.3-1.5x faster than FlashAttention in Triton in the
+# forward pass and around 2x faster in the backward pass" (Dao 2023, arXiv 2307.08691, sec. 4.1,
+# A100). Forward and backward together, at FlashAttention-2's own rates there (forward up to 73%
+# of the peak, backward 63%; backward 2.5x the forward's FLOPs):
+#   (1.4 / 0.73 + 2 x 2.5 / 0.63) / (1 / 0.73 + 2.5 / 0.63) = 1.85 times FlashAttention-2's time.
+# Both kernels use Ampere's tensor-core instructions, so the ratio is taken to hold on every GPU
+# (GPUSpec.attention_share("triton")).
+TRITON_FLASH_SLOWDOWN = (1.4 / 0.73 + 2 * 2.5 / 0.63) / (1 / 0.73 + 2.5 / 0.63)
+
 # The default loss under tensor parallelism runs on the head's vocabulary shards (torch's
 # loss_parallel, as torchtitan and this runtime do: planner.model_file.sharded_cross_entropy).
 # Its log-softmax and their backward are separate ops (max, shift, exp, sum, subtract), so at the

@@ -86,7 +86,9 @@ class Training:
     FlashAttention "to give FusedAttention preference on Hopper+"), at the GPU's `cudnn_attention_efficiency`
     where the catalogue has one (H100: 54% of the peak, against FlashAttention-2's 35%), with
     grouped-query attention of their own: a context-parallel ring moves the key/value heads, not
-    copies repeated to the query heads (LayerProfile.attention_kv_unique_bytes)."""
+    copies repeated to the query heads (LayerProfile.attention_kv_unique_bytes). "triton":
+    FlashAttention written in Triton, as llm-foundry's MPT runs it for ALiBi (attn_impl "triton"):
+    FlashAttention-2's share over constants.TRITON_FLASH_SLOWDOWN (1.85)."""
     fp8_recipe: str = "torchao"
     """How FP8 training casts (precision fp8 only). "torchao": torchao's Float8Linear, which this
     runtime and torchtitan run: every matmul operand cast at each use, weights in every forward

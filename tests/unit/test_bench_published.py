@@ -47,6 +47,26 @@ def test_the_trainers_recompute_is_known(rows):
     assert stops == {"torchtitan"}
 
 
+def test_llm_foundrys_attention_and_loss_are_its_own(rows):
+    """llm-foundry's benchmark table ran MPT with FlashAttention in Triton (attn_impl "triton", for
+    ALiBi) and flash-attn's fused cross-entropy, which keeps the 16-bit logits (2 bytes each) where
+    F.cross_entropy on logits.float() keeps fp32 log-probabilities (4)."""
+    kernels = {r.source: r.training().attention_kernel for r in rows}
+    assert kernels["llm_foundry"] == "triton" and kernels["torchtitan"] == "sdpa" and kernels["megatron_lm"] == "te"
+    mpt = next(r for r in rows if r.source == "llm_foundry")
+    namespace: dict = {}
+    exec(compile(model_source(mpt.shape), mpt.id, "exec"), namespace)
+    torch = namespace["torch"]
+    logits = torch.randn(6, 11, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 11, (6,))
+    loss = namespace["loss_fn"](logits, targets)
+    assert loss.item() == pytest.approx(torch.nn.functional.cross_entropy(logits.float(), targets).item(), rel=1e-3)
+    loss.backward()
+    expected = torch.softmax(logits.detach().float(), -1) - torch.nn.functional.one_hot(targets, 11)
+    assert logits.grad.dtype == torch.bfloat16
+    assert torch.allclose(logits.grad.float(), expected / 6, atol=1e-3)
+
+
 def test_the_trainers_fused_kernels_are_known(rows):
     """Megatron-LM's rows (every one of a publication that names it, Korthikanti et al.'s abstract
     rows too) and torch.compile'd torchtitan run fused memory-bound kernels; llm-foundry's
