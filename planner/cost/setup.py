@@ -28,7 +28,7 @@ TRAINERS: dict[str, dict] = {
     # Megatron-LM, NeMo and Megatron-Bridge on Transformer Engine, with the overlaps their
     # performance recipes turn on (--overlap-grad-reduce)
     "megatron": {"recompute_whole_forward": True, "fused_kernels": True, "attention_kernel": "te", "fp8_recipe": "te",
-                 "recompute_collectives": "none", "dp_overlap": 1.0},
+                 "recompute_collectives": "none", "dp_overlap": 1.0, "fused_loss": True},
 }
 """The trainers a plan can be made for (`plan --trainer`): the Training fields each sets."""
 TRAINER_NOTES = {
@@ -78,6 +78,14 @@ class Training:
     Megatron's fused kernels), a torch.compile'd model. Their HBM traffic is then the profile's
     fused figure (LayerProfile.fwd_fused_io_bytes) instead of op by op. False: eager PyTorch, as
     this runtime runs a plan."""
+    fused_loss: bool = False
+    """The trainer runs the default loss (cross-entropy on the logits) without copies of the logits
+    beyond one: Megatron-LM's cross-entropy keeps the fp32 softmax it computes in place and
+    writes the gradient into it (tensor_parallel.vocab_parallel_cross_entropy). False: as
+    F.cross_entropy on logits.float() runs it eagerly (this runtime; torchtitan, whose train.py
+    leaves it uncompiled even with --compile: "compiling loss function causes CUDA errors"),
+    holding two more fp32 copies in backward, as the profile measured
+    (ModelProfile.loss_working_bytes)."""
     attention_kernel: str = "sdpa"
     """The fused attention kernels the trainer runs. "sdpa": PyTorch's scaled_dot_product_attention
     (FlashAttention-2's kernel on NVIDIA GPUs), as this runtime and torchtitan run it, at the GPU's

@@ -115,8 +115,9 @@ class StageCosts:
     grad_bytes: int
     optim_bytes: int
     working_bytes: float
-    """Backward working set: one atom's activations and their gradients, or the default loss's
-    on vocabulary shards (`loss_working_bytes`), whichever is larger (held on every device)."""
+    """Backward working set, the larger of: one atom's activation gradients and, where it may be
+    recomputed, its activations made again (two copies of its activations: every atom but the
+    last, which is never recomputed); and the loss's (`loss_working_bytes`). Held on every device."""
     zero3_gather_bytes: float
     """ZeRO-3: gathered parameters of the two largest atoms (current + prefetched)."""
     reserve_fixed_bytes: int
@@ -304,15 +305,32 @@ def _vocab_split(profile: ModelProfile, layer: LayerProfile, tp: int) -> bool:
             and not layer.tp.rowwise and layer.kind == "Linear")
 
 
-def loss_working_bytes(profile: ModelProfile, tp: int, micro_batch: int, cp: int = 1) -> float:
-    """The default loss's working set in backward when TP splits the head over the vocabulary:
-    torch's loss_parallel (max, shift, exp, sum, subtract as separate ops) holds
-    LOSS_PARALLEL_EXTRA more fp32 copies of the logits shard (which the head's activations are:
-    its saved log-probabilities) than the two of a fused cross-entropy. 0 without a split head."""
+def fused_loss(profile: ModelProfile, training: Training, tp: int) -> bool:
+    """Whether the trainer runs the model's default loss fused (Training.fused_loss): keeping what
+    the eager loss the profile measured keeps (its saved tensors: fp32 log-probabilities or
+    softmax), and in backward one gradient of the logits in their dtype where the eager one holds
+    two more fp32 copies. Not for a model file's own loss_fn (measured as written), nor for a
+    head TP splits over the vocabulary (torch's loss_parallel: `loss_working_bytes`)."""
+    return (training.fused_loss and not profile.own_loss and profile.output_bytes is not None
+            and not _vocab_split(profile, profile.layers[-1], tp))
+
+
+def loss_working_bytes(profile: ModelProfile, tp: int, micro_batch: int, cp: int = 1, fused: bool = False) -> float:
+    """The loss's working set in backward (on one rank, per micro-batch): what the profile measured
+    (ModelProfile.loss_working_bytes: the gradient of the model's output and the loss's
+    temporaries), the model's output once for a fused loss (`fused_loss`), or, when TP splits the
+    head over the vocabulary, the default loss run as torch's loss_parallel (max, shift, exp, sum,
+    subtract as separate ops), which holds LOSS_PARALLEL_EXTRA more fp32 copies of the logits
+    shard (which the head's activations are: its saved log-probabilities) than the two of
+    F.cross_entropy. 0 when the profile has no measurement (stage_costs then counts two copies of
+    the last atom's activations)."""
     head = profile.layers[-1]
-    if not _vocab_split(profile, head, tp):
-        return 0.0
-    return (2 + LOSS_PARALLEL_EXTRA) * head.activation_bytes * _scale(profile, micro_batch, cp) / tp
+    scale = _scale(profile, micro_batch, cp)
+    if _vocab_split(profile, head, tp):
+        return (2 + LOSS_PARALLEL_EXTRA) * head.activation_bytes * scale / tp
+    if fused:
+        return (profile.output_bytes or 0) * scale
+    return (profile.loss_working_bytes or 0) * scale
 
 
 FP8_CAST_PASSES = 2.5
@@ -596,6 +614,10 @@ def atom_table(
         act = tuple(sum(r[6][k] for r in rows) for k in KINDS)
         # Recomputing an atom keeps its own input only (the first layer's), not each layer's.
         act = (*act[:FULL], rows[0][6][FULL])
+        if last == len(layers) - 1:
+            # The last atom's backward follows its forward at once: recomputed, its activations
+            # are made again before anything is freed, so recomputing it lowers no peak.
+            act = (act[NONE],) * len(KINDS)
         last_layer = layers[last]
         # What crosses a pipeline cut, per rank: a TP layer's output, or the final norm's, is sent
         # 1/tp by each tp rank (its sequence shard with sequence parallelism; Megatron-LM's
@@ -648,8 +670,11 @@ def stage_costs(
     elif not isinstance(atoms, AtomTable):
         atoms = AtomTable(atoms)
     w, g, o = training.bytes_per_param()
-    max_act, max_params, cut_bytes = atoms.memo("largest", lambda: (
-        max(a.act_bytes[NONE] for a in atoms),
+    atom_working, max_params, cut_bytes = atoms.memo("largest", lambda: (
+        # backward's working set: an atom's activation gradients and, recomputed, its activations
+        # again (two copies); the last atom is never recomputed, and the loss's own is measured
+        max([2 * a.act_bytes[NONE] for a in atoms[:-1]]
+            + [(1 if profile.loss_working_bytes is not None else 2) * atoms[-1].act_bytes[NONE]]),
         sorted((a.params for a in atoms), reverse=True)[:2],
         max((a.out_bytes for a in atoms if a.cut_ok), default=0.0),
     ))
@@ -697,8 +722,10 @@ def stage_costs(
         weight_bytes=w,
         grad_bytes=g,
         optim_bytes=o,
-        working_bytes=max(2 * max_act, loss_working_bytes(profile, cand.tp, cand.micro_batch, cand.cp))
-        + _ring_working_bytes(profile, cand, training),
+        # a block's backward (with its context-parallel ring) and the loss's do not run at once
+        working_bytes=max(atom_working + _ring_working_bytes(profile, cand, training),
+                          loss_working_bytes(profile, cand.tp, cand.micro_batch, cand.cp,
+                                             fused_loss(profile, training, cand.tp))),
         zero3_gather_bytes=sum(max_params) * w if cand.zero == 3 and not in_pipeline else 0.0,
         reserve_fixed_bytes=RESERVE_GPU_BYTES if on_gpu else RESERVE_CPU_BYTES,
         fragmentation=FRAGMENTATION_GPU if on_gpu else FRAGMENTATION_CPU,

@@ -270,6 +270,9 @@ def profile_model(
         pipeline_split=split,
         pipeline_split_note=split_note,
         cp_blocker=cp_blocker(trace, units, seq_len_of(inputs)),
+        output_bytes=trace.loss_memory[0] if trace.loss_memory else None,
+        loss_working_bytes=trace.loss_memory[1] if trace.loss_memory else None,
+        own_loss=handle.has_loss_fn,
     )
 
 

@@ -382,6 +382,7 @@ def grow(trace: TraceResult, grows: list[_Grow], units: list[Unit]) -> TraceResu
         fwd_other_io_tp_bytes=_grow_counter(trace.fwd_other_io_tp_bytes, grows),
         tail=_grow_costs(trace.tail, grows),
         tail_rowwise=_grow_counter(trace.tail_rowwise, grows),
+        loss_memory=trace.loss_memory,
     )
 
 

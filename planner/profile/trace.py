@@ -93,6 +93,9 @@ class TraceResult:
     calls): what torch's non-reentrant checkpoint does not rerun (_Tail)."""
     tail_rowwise: Counter = field(default_factory=Counter)
     """Per unit, the row-wise Linear matmuls in that tail (their TP collectives are not rerun)."""
+    loss_memory: tuple[int, int] | None = None
+    """The model output's bytes, and what the loss holds at its peak beyond what its forward leaves
+    alive (`loss_memory`); None: not measured."""
 
     @property
     def uncounted_ops(self) -> Counter:
@@ -575,6 +578,7 @@ def run_trace(
         if loss.requires_grad:
             loss.backward()
         recorder.fusion.close()
+    loss_held = loss_memory(handle, outputs, targets)
     return TraceResult(
         order=order,
         fwd=recorder.fwd,
@@ -591,7 +595,45 @@ def run_trace(
         fwd_other_io_tp_bytes=recorder.other_io_tp,
         tail=recorder.tail.costs,
         tail_rowwise=recorder.tail.rowwise,
+        loss_memory=loss_held,
     )
+
+
+def loss_memory(handle: ModelHandle, outputs: Any, targets: Any) -> tuple[int, int] | None:
+    """The loss's memory (the model file's loss_fn, or the default): (the model output's bytes,
+    the bytes the loss holds at its peak, forward and backward, beyond what its forward leaves
+    alive for backward): its input, and its working set (the gradient of the model's output, its
+    temporaries; what it saves the trace counts as the last unit's activations).
+    F.cross_entropy on logits.float() saves fp32 log-probabilities and holds two more fp32 copies
+    of the logits at its peak; a fused cross-entropy saves a log-sum-exp per row and holds one
+    gradient in the logits' dtype. Measured by torch's
+    MemTracker (live tensors, on fake tensors too) on leaves shaped as the model's output; None
+    where it cannot run."""
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker
+        from torch.utils._pytree import tree_map
+
+        def leaf(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            return t.detach().requires_grad_(t.is_floating_point() and t.requires_grad)
+
+        leaves = tree_map(leaf, outputs)
+        tracker = MemTracker()
+        tracker.track_external(*tensors_in(leaves))
+        with tracker:
+            before = _total(tracker.get_tracker_snapshot())
+            loss = handle.loss(leaves, targets)
+            after = _total(tracker.get_tracker_snapshot())
+            if loss.requires_grad:
+                loss.backward()
+        return before, max(0, _total(tracker.get_tracker_snapshot("peak")) - after)
+    except Exception:  # noqa: BLE001 - a measurement the cost model can do without
+        return None
+
+
+def _total(snapshot: dict) -> int:
+    return sum(int(d.get("Total", 0)) for d in snapshot.values())
 
 
 def tp_regions(model: torch.nn.Module, units: list[Unit]) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:

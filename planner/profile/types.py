@@ -311,6 +311,17 @@ class ModelProfile(schema.Versioned):
     """Why context parallelism (the sequence split over ranks, attention as a ring: torch's
     context_parallel) cannot run on this model, "" when it can; None in a profile made before the
     profiler looked (read as blocked)."""
+    output_bytes: Optional[int] = None
+    """The model's output (what the loss takes: the logits of a language model) at this profile's
+    batch; None: not measured (a profile made before)."""
+    loss_working_bytes: Optional[int] = None
+    """What the loss holds at its peak beyond what its forward leaves alive for backward, at this
+    profile's batch (trace.loss_memory): the gradient of the model's output and the loss's
+    temporaries (F.cross_entropy on logits.float(): two fp32 copies of the logits). None: not
+    measured (the cost model then counts two copies of the last layer's activations)."""
+    own_loss: bool = False
+    """The model file defines loss_fn (False: the default loss, which a trainer may run fused:
+    Training.fused_loss)."""
     schema: str = field(default="planner.ModelProfile")
     version: int = field(default=1)
 

@@ -12,7 +12,7 @@ import pytest
 
 from planner.cost.constants import LOSS_PARALLEL_EXTRA
 from planner.cost.setup import Candidate, Training
-from planner.cost.stage_costs import NONE, loss_working_bytes, stage_costs
+from planner.cost.stage_costs import FULL, NONE, loss_working_bytes, stage_costs
 from planner.hardware import make_cluster
 from tests.unit.test_cost_formulas import gpt_bf16  # noqa: F401  (fixture)
 
@@ -62,16 +62,45 @@ def test_the_loss_holds_what_the_cost_model_counts():
     assert peak["sharded"] == pytest.approx(0.5 + 1 + 2 + LOSS_PARALLEL_EXTRA, rel=0.05)
 
 
+def test_the_profile_measures_the_losss_working_set(gpt_bf16):  # noqa: F811
+    """examples/gpt.py's default loss, F.cross_entropy on logits.float(): its forward leaves the
+    fp32 log-probabilities (the head's activations in the profile), and at its peak it holds two
+    more fp32 copies of the logits (MemTracker on the fake trace); the logits themselves are
+    bf16, half a copy."""
+    head = gpt_bf16.layers[-1]
+    assert not gpt_bf16.own_loss
+    assert gpt_bf16.loss_working_bytes == pytest.approx(2 * head.activation_bytes, rel=0.01)
+    assert gpt_bf16.output_bytes == pytest.approx(head.activation_bytes / 2, rel=0.01)
+
+
 def test_a_vocabulary_parallel_head_adds_the_losss_working_set(gpt_bf16):  # noqa: F811
     """examples/gpt.py: its untied head's activations are the fp32 log-probabilities, larger than
-    a block's; under tp 2 the working set is loss_parallel's, with tp 1 two copies of the largest."""
+    a block's. With tp 1 the working set is the loss's as measured (two copies of them); under tp
+    2 loss_parallel's; with a trainer that fuses the loss, one gradient of the bf16 logits."""
     head = gpt_bf16.layers[-1]
     cluster, training = make_cluster("a100-80gb", 2), Training("bf16", "adamw", 8, 80 * 2**30)
-    assert loss_working_bytes(gpt_bf16, 1, 4) == 0.0
+    assert loss_working_bytes(gpt_bf16, 1, 4) == pytest.approx(2 * head.activation_bytes * 4, rel=0.01)
+    assert loss_working_bytes(gpt_bf16, 1, 4, fused=True) == pytest.approx(head.activation_bytes * 4 / 2, rel=0.01)
     assert loss_working_bytes(gpt_bf16, 2, 4) == pytest.approx((2 + LOSS_PARALLEL_EXTRA) * head.activation_bytes * 4 / 2)
     for tp in (1, 2):
         costs = stage_costs(gpt_bf16, cluster, training, Candidate(tp, 1, 2 // tp, 4, 1, 0, "1f1b"))
         largest = max(a.act_bytes[NONE] for a in costs.atoms)
         assert costs.atoms[-1].act_bytes[NONE] == largest  # the head's
         expect = 2 * largest if tp == 1 else (2 + LOSS_PARALLEL_EXTRA) * largest
-        assert costs.working_bytes == pytest.approx(expect)
+        assert costs.working_bytes == pytest.approx(expect, rel=0.01)
+    fused = stage_costs(gpt_bf16, cluster, Training.for_trainer("megatron", "bf16", "adamw", 8, 80 * 2**30),
+                        Candidate(1, 1, 2, 4, 1, 0, "1f1b"))
+    # the head's own gradients (one copy of its activations) now outweigh the fused loss's logits
+    blocks = max(2 * a.act_bytes[NONE] for a in fused.atoms[:-1])
+    assert fused.working_bytes == pytest.approx(max(blocks, head.activation_bytes * 4), rel=0.01)
+    assert fused.working_bytes < 2 * head.activation_bytes * 4
+
+
+def test_recomputing_the_last_atom_lowers_no_peak(gpt_bf16):  # noqa: F811
+    """The last atom's backward follows its forward at once, so its activations are held whatever
+    the recompute choice; every other atom keeps less when recomputed."""
+    costs = stage_costs(gpt_bf16, make_cluster("a100-80gb", 1), Training("bf16", "adamw", 8, 80 * 2**30),
+                        Candidate(1, 1, 1, 4, 1, 0, "1f1b"))
+    *rest, last = costs.atoms
+    assert len(set(last.act_bytes)) == 1
+    assert any(a.act_bytes[FULL] < a.act_bytes[NONE] for a in rest)
