@@ -97,6 +97,10 @@ class GPUSpec:
     (FlashAttention-2) reach in training, forward and backward, published per GPU generation (A100
     ~60%, H100 35%: FlashAttention-2 was written for Ampere); None: unknown, attention at the
     matmul rate."""
+    matmul_shapes: str | None = None
+    """The architecture whose measured matmul-by-shape table (planner.cost.gemm_shapes.TABLES)
+    says how much of `matmul_efficiency` smaller GEMMs reach ("sm_90": Hopper); None: every GEMM
+    at the full share."""
     cudnn_attention_efficiency: float | None = None
     """The same for cuDNN's fused attention, which Transformer Engine runs (Megatron-LM, NeMo:
     Training.attention_kernel "te"), where published: it uses Hopper's asynchronous tensor

@@ -27,6 +27,9 @@ A GPU file (packaged ones live in ``profiles/``; ``profiles/README.md`` shows a 
                                       #   default: the matmul rate
     cudnn_attention_efficiency: 0.54  # optional: the same for cuDNN's fused attention (Transformer
                                       #   Engine's); default: attention_efficiency
+    matmul_shapes: sm_90              # optional: the measured matmul-by-shape table of its architecture
+                                      #   (planner.cost.gemm_shapes); default: none, every GEMM at
+                                      #   matmul_efficiency
     sources:                          # optional: field (or peak_tflops.<dtype>) -> where from
       memory_gb: NVIDIA H100 datasheet
     uncertain: [inter_node_latency_us]  # optional: fields that are estimates
@@ -51,6 +54,7 @@ import yaml
 
 import profiles
 from planner.errors import BadInput
+from planner.cost.gemm_shapes import TABLES as SHAPE_TABLES
 from planner.gpu_spec import _DTYPE_ALIASES, DTYPES, GPUSpec  # noqa: F401 (re-exported)
 
 DEFAULT_INTRA_LATENCY_US = 10.0
@@ -89,7 +93,7 @@ def _to_si(key: str, value: float) -> float:
     return float(value)
 
 
-_TEXTS = ("name", "display_name", "vendor")
+_TEXTS = ("name", "display_name", "vendor", "matmul_shapes")
 PHASES = ("compute", "comm", "optimizer", "tp_compute", "zero_comm", "tp_comm")
 OPTIMIZERS = ("adamw", "sgd")
 KNOWN_KEYS = (*_TEXTS, "peak_tflops", *_SCALARS, "optimizer_ns_per_param", "loss_parallel_ns_per_element", "phase_factors",
@@ -230,10 +234,14 @@ def parse_gpu(data: Any, *, where: str, default_name: str, origin: str) -> GPUSp
         values["matmul_efficiency"] = DEFAULT_MATMUL_EFFICIENCY
         sources["matmul_efficiency"] = f"uncertain: default {DEFAULT_MATMUL_EFFICIENCY:g} (not in the file); measured NVIDIA parts reach 80-86%"
         uncertain.append("matmul_efficiency")
+    shapes = data.get("matmul_shapes")
+    if shapes is not None and shapes not in SHAPE_TABLES:
+        raise _fail(where, f"field 'matmul_shapes': no table for {shapes!r}; tables: {', '.join(SHAPE_TABLES)}")
     return GPUSpec(
         name=name,
         display_name=data.get("display_name", name),
         vendor=data.get("vendor", "unknown"),
+        matmul_shapes=shapes,
         peak_flops=peak_flops,
         tdp_w=values.pop("tdp_w", None),
         sources=sources,

@@ -30,6 +30,7 @@ from dataclasses import dataclass, fields, replace
 
 from planner.cost import comm
 from planner.cost.compute import Work, memory_bound_s, roofline_s
+from planner.cost.gemm_shapes import TABLES as SHAPE_TABLES, linear_factor
 from planner.cost.constants import (
     ACCUMULATE_BYTES,
     DDP_BUCKET_BYTES,
@@ -380,6 +381,14 @@ def _attention_share(work: Work, gpu, dtype: str) -> float:
     return min(1.0, roofline_s(alone, gpu, dtype) / max(roofline_s(work, gpu, dtype), 1e-30))
 
 
+def _matmuls_at(gpu, share: float):
+    """`gpu` with its matmuls (16-bit and FP8) at `share` of their measured ceilings."""
+    if share >= 1.0:
+        return gpu
+    fp8 = gpu.fp8_matmul_efficiency * share if gpu.fp8_matmul_efficiency is not None else None
+    return replace(gpu, matmul_efficiency=gpu.matmul_efficiency * share, fp8_matmul_efficiency=fp8)
+
+
 def _layer_costs(
     layer: LayerProfile,
     input_bytes: float,
@@ -406,6 +415,13 @@ def _layer_costs(
     attention = gpu.attention_share(training.attention_kernel)
     if attention != gpu.attention_efficiency:  # the trainer's attention kernels (Transformer Engine's)
         gpu = replace(gpu, attention_efficiency=attention)
+    gpu_bwd = gpu
+    table = SHAPE_TABLES.get(gpu.matmul_shapes) if gpu.matmul_shapes and cpu_factor is None else None
+    if table is not None and layer.linears:
+        # its Linears' GEMMs at this micro-batch and TP degree reach a share of the best matmul rate
+        # (small and skinny ones less: planner.cost.gemm_shapes), forward and backward
+        f_fwd, f_bwd = linear_factor(table, layer.linears, scale, shard)
+        gpu, gpu_bwd = _matmuls_at(gpu, f_fwd), _matmuls_at(gpu, f_bwd)
     # Without sequence parallelism a block's work and tensors outside its column-wise -> row-wise
     # regions (norms, residuals, dropout) are whole on every TP rank: `whole` is that share of the
     # memory-bound traffic (backward in the forward's proportion); `split` below does the bytes.
@@ -461,7 +477,7 @@ def _layer_costs(
         alt_extra = sel_extra + fwd * min(1.0, roofline_s(alt_work, gpu, training.precision) / roof if roof > 0 else 0.0)
     else:
         fwd = roofline_s(fwd_work, gpu, training.precision)
-        bwd = roofline_s(bwd_work, gpu, training.precision)
+        bwd = roofline_s(bwd_work, gpu_bwd, training.precision)
         sel_extra = memory_bound_s(max(0.0, fwd_work.other_bytes - tail_other), gpu)
         if core_work.flops:
             sel_extra += roofline_s(core_work, gpu, training.precision)

@@ -470,8 +470,30 @@ def _assemble(
         layers[li] = replace(layers[li], **figures)
     for li, pos in enumerate(mains):
         is_head = li == num_layers - 1
-        layers[li] = replace(layers[li], tp=_tp_info(model, ordered[pos], layers[li].num_params, trace.io_bytes, is_head))
+        tp = _tp_info(model, ordered[pos], layers[li].num_params, trace.io_bytes, is_head)
+        layers[li] = replace(layers[li], tp=tp, linears=_linears(model, ordered[pos].name, layers[li].modules, tp,
+                                                                 trace.io_bytes))
     return layers, edges
+
+
+def _linears(model: torch.nn.Module, main: str, modules: tuple[str, ...], tp: TPInfo | None,
+             io_bytes: dict[int, tuple[int, int]]) -> tuple[tuple[int, int, int, str], ...]:
+    """LayerProfile.linears: every nn.Linear the layer's modules ran (the rows its input held over
+    the forward's calls, from the trace's hooks), with the side TP splits (its plan's names are
+    relative to the layer's main module)."""
+    col = {f"{main}.{n}" if n else main for n in tp.colwise} if tp else set()
+    row = {f"{main}.{n}" if n else main for n in tp.rowwise} if tp else set()
+    out, seen = [], set()
+    for name in modules:
+        for sub, m in model.get_submodule(name).named_modules(prefix=name):
+            if not isinstance(m, torch.nn.Linear) or id(m) in seen:
+                continue
+            seen.add(id(m))
+            ins = io_bytes.get(id(m), (0, 0))[0]
+            rows = ins // (m.in_features * m.weight.element_size())
+            if rows:
+                out.append((int(rows), m.out_features, m.in_features, "col" if sub in col else "row" if sub in row else ""))
+    return tuple(out)
 
 
 def _moe_figures(model: torch.nn.Module, layer_modules: list[tuple[str, ...]],

@@ -66,6 +66,10 @@ class LayerProfile:
     bwd_ops: int = 0
     tp: Optional["TPInfo"] = None
     """How tensor parallelism splits this layer, or None when it cannot."""
+    linears: tuple[tuple[int, int, int, str], ...] = ()
+    """Its nn.Linear matmuls: (rows over the forward's calls at the profiled batch, out features,
+    in features, "col" | "row" | "": which side tensor parallelism splits, per `tp`); the cost
+    model reads the shapes' speed from a measured table (planner.cost.gemm_shapes)."""
     # -- what tensor parallelism splits without sequence parallelism -----------------------------
     activation_tp_bytes: int = 0
     """Of activation_bytes, the tensors made inside a column-wise -> row-wise region (from a

@@ -161,6 +161,8 @@ def test_gpu_by_path(tmp_path):
         ({**MINIMAL, "attention_efficiency": 35}, "attention_efficiency"),
         ({**MINIMAL, "fp8_matmul_efficiency": 71}, "fp8_matmul_efficiency"),
         ({**MINIMAL, "gpus_per_host": 3}, "gpus_per_host"),
+        ({**MINIMAL, "matmul_shapes": "sm_70"}, "matmul_shapes"),
+        ({**MINIMAL, "matmul_shapes": 90}, "matmul_shapes"),
     ],
 )
 def test_malformed_user_file_names_file_and_field(gpu_dir, data, field):
