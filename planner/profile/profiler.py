@@ -481,8 +481,11 @@ def _linears(model: torch.nn.Module, main: str, modules: tuple[str, ...], tp: TP
     """LayerProfile.linears: every nn.Linear the layer's modules ran (the rows its input held over
     the forward's calls, from the trace's hooks), with the side TP splits (its plan's names are
     relative to the layer's main module)."""
-    col = {f"{main}.{n}" if n else main for n in tp.colwise} if tp else set()
-    row = {f"{main}.{n}" if n else main for n in tp.rowwise} if tp else set()
+    def full(n: str) -> str:
+        return ".".join(part for part in (main, n) if part)
+
+    col = {full(n) for n in tp.colwise} if tp else set()
+    row = {full(n) for n in tp.rowwise} if tp else set()
     out, seen = [], set()
     for name in modules:
         for sub, m in model.get_submodule(name).named_modules(prefix=name):
