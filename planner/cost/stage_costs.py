@@ -406,7 +406,8 @@ def _layer_costs(
         # Linears are not split by TP, nor counted in its parameters, collectives and host overhead
         # below; with sequence parallelism (which EP with TP needs) each tp rank runs the block on
         # its 1/tp of the tokens, so the layer's work and activations divide by tp as the rest do.
-        layer = replace(layer, tp=layer.tp.under_ep())
+        whole = tuple((r, n, k, "" if role.startswith("moe:") else role) for r, n, k, role in layer.linears)
+        layer = replace(layer, tp=layer.tp.under_ep(), linears=whole)
     if training.fused_kernels:
         layer = fused(layer)
     scale = _scale(profile, cand.micro_batch, cand.cp)

@@ -480,12 +480,13 @@ def _linears(model: torch.nn.Module, main: str, modules: tuple[str, ...], tp: TP
              io_bytes: dict[int, tuple[int, int]]) -> tuple[tuple[int, int, int, str], ...]:
     """LayerProfile.linears: every nn.Linear the layer's modules ran (the rows its input held over
     the forward's calls, from the trace's hooks), with the side TP splits (its plan's names are
-    relative to the layer's main module)."""
+    relative to the layer's main module), "moe:" before it inside a mixture-of-experts block."""
     def full(n: str) -> str:
         return ".".join(part for part in (main, n) if part)
 
     col = {full(n) for n in tp.colwise} if tp else set()
     row = {full(n) for n in tp.rowwise} if tp else set()
+    moe = [full(b) for b in tp.moe] if tp else []
     out, seen = [], set()
     for name in modules:
         for sub, m in model.get_submodule(name).named_modules(prefix=name):
@@ -495,7 +496,10 @@ def _linears(model: torch.nn.Module, main: str, modules: tuple[str, ...], tp: TP
             ins = io_bytes.get(id(m), (0, 0))[0]
             rows = ins // (m.in_features * m.weight.element_size())
             if rows:
-                out.append((int(rows), m.out_features, m.in_features, "col" if sub in col else "row" if sub in row else ""))
+                role = "col" if sub in col else "row" if sub in row else ""
+                if any(sub == b or sub.startswith(b + ".") for b in moe):
+                    role = "moe:" + role  # whole under expert parallelism (TPInfo.under_ep)
+                out.append((int(rows), m.out_features, m.in_features, role))
     return tuple(out)
 
 

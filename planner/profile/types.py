@@ -68,7 +68,8 @@ class LayerProfile:
     """How tensor parallelism splits this layer, or None when it cannot."""
     linears: tuple[tuple[int, int, int, str], ...] = ()
     """Its nn.Linear matmuls: (rows over the forward's calls at the profiled batch, out features,
-    in features, "col" | "row" | "": which side tensor parallelism splits, per `tp`); the cost
+    in features, "col" | "row" | "": which side tensor parallelism splits, per `tp`, after "moe:"
+    inside a mixture-of-experts block, which expert parallelism leaves whole); the cost
     model reads the shapes' speed from a measured table (planner.cost.gemm_shapes)."""
     # -- what tensor parallelism splits without sequence parallelism -----------------------------
     activation_tp_bytes: int = 0

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from planner.cost.gemm_shapes import SM90, linear_factor, shape_efficiency
+from planner.cost.gemm_shapes import SM90, SM100, linear_factor, shape_efficiency
 from planner.cost.setup import Training
 from planner.cost.stage_costs import atom_table
 from planner.hardware import make_cluster
@@ -31,8 +31,10 @@ def test_between_and_beyond_the_measured_shapes():
     expect = (SM90[(1, 4096, 1024, 4096)] + SM90[(1, 4096, 2048, 4096)]) / 2 / BEST
     assert shape_efficiency(SM90, 4096, mid, 4096) == pytest.approx(expect)
     assert shape_efficiency(SM90, 65536, 8192, 128) == pytest.approx(SM90[(4, 4096, 4096, 256)] / BEST)
-    # small and skinny GEMMs reach much less than large ones
+    # small and skinny GEMMs reach much less than large ones, on a B200 more so than on an H100
     assert shape_efficiency(SM90, 4096, 512, 512) < 0.35 < 0.9 < shape_efficiency(SM90, 16384, 4096, 4096)
+    assert max(SM100.values()) == 1670.5  # 4 x 4096^3
+    assert shape_efficiency(SM100, 16384, 2048, 2048) < shape_efficiency(SM90, 16384, 2048, 2048)
 
 
 def test_a_layers_linears_weighted_by_their_flops():
@@ -76,3 +78,22 @@ def test_hopper_runs_small_gemms_slower_and_other_gpus_do_not_know(gpt_bf16):  #
         plain = replace(cluster, gpu=replace(cluster.gpu, matmul_shapes=None))
         with_table, without = (atom_table(gpt_bf16, c, training, 1, 64)[i] for c in (cluster, plain))
         assert (with_table.fwd_s > without.fwd_s) is slower and (with_table.bwd_s > without.bwd_s) is slower
+
+
+def test_expert_parallelism_leaves_the_experts_gemms_whole():
+    """examples/moe.py: the experts' Linears are marked inside the mixture-of-experts block; TP
+    splits them, and under expert parallelism (torchtitan's ETP 1) they stay whole, so at tp 2
+    their shares are those of the unsplit shapes."""
+    from planner.model_file import load_model_file
+    from planner.profile import profile_model
+    from tests.conftest import EXAMPLES
+
+    moe = profile_model(load_model_file(EXAMPLES / "moe.py"), batch_size=4, dtype="bf16", measure=False)
+    block = next(l for l in moe.layers if l.tp is not None and l.tp.moe)
+    roles = {role for *_, role in block.linears}
+    assert {"col", "row", "moe:col", "moe:row"} <= roles
+    # the example's experts are tiny (64 x 128, below the table): the same roles at 32x the sides
+    experts = tuple((r * 64, n * 32, k * 32, role) for r, n, k, role in block.linears if role.startswith("moe:"))
+    whole = tuple((r, n, k, "") for r, n, k, _ in experts)
+    assert linear_factor(SM90, experts, 1.0, 2) != linear_factor(SM90, whole, 1.0, 2)
+    assert linear_factor(SM90, whole, 1.0, 2) == linear_factor(SM90, whole, 1.0, 1)
