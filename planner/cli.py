@@ -106,6 +106,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer", choices=TRAINERS, default="this",
                    help="the trainer that will run the plan, for its kernels and overlaps: this (plan run's runtime, "
                         "the default), torchtitan, or megatron (Megatron-LM, NeMo, Megatron-Bridge on Transformer Engine)")
+    p.add_argument("--compile", action="store_true",
+                   help="with --trainer torchtitan: it runs under torch.compile (its --compile): fused memory-bound "
+                        "kernels, and the loss compiled, keeping the logits in their dtype")
     p.add_argument("--tp-overlap", choices=("on", "off"),
                    help="plan for a trainer that overlaps TP collectives with the GEMMs (Megatron-LM --tp-comm-overlap, "
                         "torchtitan async TP; default off: plan run does not)")
@@ -147,6 +150,7 @@ def cmd_plan(argv: Sequence[str]) -> int:
         memory_limit_gib=args.memory_limit,
         inter_node_gbps=args.inter_node_gbps,
         trainer=args.trainer,
+        compile=args.compile,
         fixed=Fixed(
             tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep, micro_batch=args.micro_batch, zero=args.zero,
             schedule=args.schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,

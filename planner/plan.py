@@ -172,6 +172,8 @@ class TrainingInfo:
     global_batch: int
     trainer: str = "this"
     """The trainer the plan was made for (plan --trainer; planner.cost.setup.TRAINERS)."""
+    compile: bool = False
+    """It runs the model and its loss under torch.compile (plan --compile)."""
 
 
 @dataclass(frozen=True)

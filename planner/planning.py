@@ -40,6 +40,8 @@ class PlanRequest:
     """The network between nodes, Gb/s per GPU (default: the GPU type's catalogue figure)."""
     trainer: str = "this"
     """The trainer that will run the plan (planner.cost.setup.TRAINERS): its kernels and overlaps."""
+    compile: bool = False
+    """The trainer runs the model and its loss under torch.compile (torchtitan's --compile)."""
     fixed: Fixed = Fixed()
     top_k: int = 3
 
@@ -101,7 +103,14 @@ def _training(request: PlanRequest, cluster: Cluster, global_batch: int) -> Trai
         limit = int(request.memory_limit_gib * 2**30)
     if request.trainer not in TRAINERS:
         raise BadInput(f"--trainer must be one of {', '.join(TRAINERS)}, got {request.trainer!r}")
-    return Training.for_trainer(request.trainer, request.precision, request.optimizer, global_batch, limit)
+    compiled = {}
+    if request.compile:
+        if request.trainer != "torchtitan":
+            raise BadInput(f"--compile: plan for --trainer torchtitan (its --compile); {request.trainer!r} "
+                           + ("runs eager PyTorch" if request.trainer == "this" else "runs its own fused kernels"))
+        # inductor's fused memory-bound kernels, and the loss compiled with the model
+        compiled = {"fused_kernels": True, "compiled_loss": True}
+    return Training.for_trainer(request.trainer, request.precision, request.optimizer, global_batch, limit, **compiled)
 
 
 def _cpu_factor(profile: ModelProfile, cluster: Cluster, busy: float = 1.0) -> float | None:
@@ -180,6 +189,9 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
     fp8_share = cluster.gpu.matmul_share("fp8")
     assumptions = [
         f"trainer: {TRAINER_NOTES[training.trainer]}"
+        + ("; with --compile: torch.compile's fused memory-bound kernels instead, and the loss compiled (its logits "
+           "kept in their dtype)"
+           if request.compile else "")
         + (" (plan run executes it with its own runtime)" if training.trainer != "this" else " (--trainer says another)"),
         f"{cluster.describe()}; dense peak {cluster.gpu.peak(tensor_dtype(request.precision)) / 1e12:,.1f} TFLOP/s "
         f"({tensor_dtype(request.precision)})"
@@ -234,6 +246,7 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
     return build_plan(
         result, profile, cluster, request.precision, request.optimizer, training.global_batch,
         training.memory_limit_bytes, str(handle.path), assumptions, warnings + list(profile.warnings), training.trainer,
+        request.compile,
     )
 
 

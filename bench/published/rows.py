@@ -367,6 +367,22 @@ TORCHTITAN = ("torchtitan",)
 #   (submit_benchmarks.py's default; FlashAttention in Triton, for ALiBi) and its default loss,
 #   flash-attn's fused cross-entropy (bench/published/models.py).
 TRITON_ATTENTION = ("llm-foundry",)
+# - torchtitan with torch_compile compiles its default loss too since its loss builder does
+#   (pytorch/torchtitan PR #1033, merged 2025-04-01: "compiling the loss fn if
+#   job_config.training.compile is set"); before, train.py left it eager ("TODO: compiling loss
+#   function causes CUDA errors"). The row's month is read from its own source text ("Dec 2024",
+#   "2025-06", "_202506_"); a row without one is taken as today's torchtitan.
+TORCHTITAN_COMPILED_LOSS = (2025, 4)
+_MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
+
+
+def publication_month(text: str) -> tuple[int, int] | None:
+    """The (year, month) a source text names ("Dec 2024", "June 2025", "2025-06", "2025/06",
+    "202506"); the latest when it names several; None when it names none."""
+    found = [(int(y), _MONTHS.index(m[:3]) + 1) for m, y in re.findall(r"\b([a-z]{3,9})\.? (20\d\d)\b", text)
+             if m[:3] in _MONTHS]
+    found += [(int(y), int(m)) for y, m in re.findall(r"(?<!\d)(20\d\d)[-/_]?(0[1-9]|1[0-2])(?!\d)", text)]
+    return max(found, default=None)
 
 
 def _source_text(e: dict) -> str:
@@ -442,6 +458,8 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     settings: dict[str, Any] = {"dp_overlap": dp_overlap}  # what the row says, over its trainer's
     if value(p.get("torch_compile")):
         settings["fused_kernels"] = True  # inductor's fused kernels (Training.fused_kernels)
+        if trainer == "torchtitan" and (publication_month(_source_text(e)) or (9999, 1)) >= TORCHTITAN_COMPILED_LOSS:
+            settings["compiled_loss"] = True
     if trainer == "this":
         settings["recompute_whole_forward"] = True  # a trainer not named: a reentrant checkpoint
     if _names(trainer_text, TRITON_ATTENTION):

@@ -86,6 +86,13 @@ class Training:
     leaves it uncompiled even with --compile: "compiling loss function causes CUDA errors"),
     holding two more fp32 copies in backward, as the profile measured
     (ModelProfile.loss_working_bytes)."""
+    compiled_loss: bool = False
+    """The trainer compiles the default loss (torch.compile of F.cross_entropy on logits.float():
+    torchtitan with --compile since its loss builder compiles it, PR #1033, April 2025). Inductor
+    fuses the upcast, log-softmax and their backward: the loss saves the logits in their own dtype
+    and two fp32 figures per row (not the fp32 log-probabilities), and backward writes one
+    gradient of the logits in their dtype (as `fused_loss`). Measured on torch 2.13's inductor
+    (tests/unit/test_loss_memory.py)."""
     attention_kernel: str = "sdpa"
     """The fused attention kernels the trainer runs. "sdpa": PyTorch's scaled_dot_product_attention
     (FlashAttention-2's kernel on NVIDIA GPUs), as this runtime and torchtitan run it, at the GPU's

@@ -312,8 +312,18 @@ def fused_loss(profile: ModelProfile, training: Training, tp: int) -> bool:
     softmax), and in backward one gradient of the logits in their dtype where the eager one holds
     two more fp32 copies. Not for a model file's own loss_fn (measured as written), nor for a
     head TP splits over the vocabulary (torch's loss_parallel: `loss_working_bytes`)."""
-    return (training.fused_loss and not profile.own_loss and profile.output_bytes is not None
+    return ((training.fused_loss or training.compiled_loss) and not profile.own_loss and profile.output_bytes is not None
             and not _vocab_split(profile, profile.layers[-1], tp))
+
+
+def compiled_loss_saving(profile: ModelProfile, training: Training, tp: int) -> float:
+    """What a compiled default loss (Training.compiled_loss) saves for backward less than the
+    eager one the profile measured, at the profile's batch: the logits in their dtype instead of
+    the fp32 log-probabilities (`loss_saved_bytes` less `output_bytes`). 0 where the loss is not
+    compiled, is the model file's own, or runs on vocabulary shards (`fused_loss`)."""
+    if not (training.compiled_loss and fused_loss(profile, training, tp) and profile.loss_saved_bytes is not None):
+        return 0.0
+    return max(0.0, profile.loss_saved_bytes - profile.output_bytes)
 
 
 def loss_working_bytes(profile: ModelProfile, tp: int, micro_batch: int, cp: int = 1, fused: bool = False) -> float:
@@ -634,7 +644,8 @@ def atom_table(
         if last == len(layers) - 1:
             # The last atom's backward follows its forward at once: recomputed, its activations
             # are made again before anything is freed, so recomputing it lowers no peak.
-            act = (act[NONE],) * len(KINDS)
+            # A compiled loss keeps the logits in their dtype, not fp32 log-probabilities.
+            act = (act[NONE] - compiled_loss_saving(profile, training, tp) * scale,) * len(KINDS)
         last_layer = layers[last]
         # What crosses a pipeline cut, per rank: a TP layer's output, or the final norm's, is sent
         # 1/tp by each tp rank (its sequence shard with sequence parallelism; Megatron-LM's

@@ -272,6 +272,7 @@ def profile_model(
         cp_blocker=cp_blocker(trace, units, seq_len_of(inputs)),
         output_bytes=trace.loss_memory[0] if trace.loss_memory else None,
         loss_working_bytes=trace.loss_memory[1] if trace.loss_memory else None,
+        loss_saved_bytes=trace.loss_memory[2] if trace.loss_memory else None,
         own_loss=handle.has_loss_fn,
     )
 

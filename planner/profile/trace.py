@@ -93,9 +93,9 @@ class TraceResult:
     calls): what torch's non-reentrant checkpoint does not rerun (_Tail)."""
     tail_rowwise: Counter = field(default_factory=Counter)
     """Per unit, the row-wise Linear matmuls in that tail (their TP collectives are not rerun)."""
-    loss_memory: tuple[int, int] | None = None
-    """The model output's bytes, and what the loss holds at its peak beyond what its forward leaves
-    alive (`loss_memory`); None: not measured."""
+    loss_memory: tuple[int, int, int] | None = None
+    """The model output's bytes, what the loss holds at its peak beyond what its forward leaves
+    alive, and what its forward leaves alive (`loss_memory`); None: not measured."""
 
     @property
     def uncounted_ops(self) -> Counter:
@@ -599,11 +599,12 @@ def run_trace(
     )
 
 
-def loss_memory(handle: ModelHandle, outputs: Any, targets: Any) -> tuple[int, int] | None:
+def loss_memory(handle: ModelHandle, outputs: Any, targets: Any) -> tuple[int, int, int] | None:
     """The loss's memory (the model file's loss_fn, or the default): (the model output's bytes,
     the bytes the loss holds at its peak, forward and backward, beyond what its forward leaves
-    alive for backward): its input, and its working set (the gradient of the model's output, its
-    temporaries; what it saves the trace counts as the last unit's activations).
+    alive for backward, and what its forward leaves alive): its input, its working set (the
+    gradient of the model's output, its temporaries), and what it saves for backward (which the
+    trace counts as the last unit's activations too).
     F.cross_entropy on logits.float() saves fp32 log-probabilities and holds two more fp32 copies
     of the logits at its peak; a fused cross-entropy saves a log-sum-exp per row and holds one
     gradient in the logits' dtype. Measured by torch's
@@ -627,7 +628,7 @@ def loss_memory(handle: ModelHandle, outputs: Any, targets: Any) -> tuple[int, i
             after = _total(tracker.get_tracker_snapshot())
             if loss.requires_grad:
                 loss.backward()
-        return before, max(0, _total(tracker.get_tracker_snapshot("peak")) - after)
+        return before, max(0, _total(tracker.get_tracker_snapshot("peak")) - after), max(0, after - before)
     except Exception:  # noqa: BLE001 - a measurement the cost model can do without
         return None
 

@@ -324,6 +324,10 @@ class ModelProfile(schema.Versioned):
     profile's batch (trace.loss_memory): the gradient of the model's output and the loss's
     temporaries (F.cross_entropy on logits.float(): two fp32 copies of the logits). None: not
     measured (the cost model then counts two copies of the last layer's activations)."""
+    loss_saved_bytes: Optional[int] = None
+    """What the loss's forward leaves alive for backward, at this profile's batch
+    (trace.loss_memory; counted in the last layer's activations too): F.cross_entropy on
+    logits.float() keeps the fp32 log-probabilities. None: not measured."""
     own_loss: bool = False
     """The model file defines loss_fn (False: the default loss, which a trainer may run fused:
     Training.fused_loss)."""

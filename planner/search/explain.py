@@ -330,6 +330,7 @@ def build_plan(
     assumptions: list[str],
     warnings: list[str],
     trainer: str = "this",
+    compiled: bool = False,
 ) -> Plan:
     best = result.best
     assert best is not None, "build_plan needs a feasible search result"
@@ -354,7 +355,8 @@ def build_plan(
             pipeline_split=profile.pipeline_split, pipeline_split_note=profile.pipeline_split_note,
             cp_blocker=profile.cp_blocker,
         ),
-        training=TrainingInfo(precision=precision, optimizer=optimizer, global_batch=global_batch, trainer=trainer),
+        training=TrainingInfo(precision=precision, optimizer=optimizer, global_batch=global_batch, trainer=trainer,
+                              compile=compiled),
         solver=SolverInfo(
             status=result.status, seconds=round(result.seconds, 3), candidates=result.stats.enumerated,
             pruned=result.pruned_memory + result.pruned_time, ilps_solved=result.ilps,

@@ -382,3 +382,19 @@ def test_a_plan_for_another_trainer_prices_its_kernels(capsys, tmp_path):
     assert any("--trainer megatron" in w for w in runtime_warnings(plan, ()))
     assert main([*args, "--trainer", "deepspeed"]) == EXIT_BAD_INPUT
     assert "--trainer" in capsys.readouterr().err
+
+
+def test_a_plan_for_a_compiled_torchtitan_keeps_less_and_runs_faster(capsys):
+    """--trainer torchtitan --compile: inductor's fused kernels (a faster step) and the compiled
+    loss, which keeps the logits in bf16 rather than fp32 log-probabilities (a lower peak); the
+    plan records it. Asked of a trainer that does not compile, one line and exit 2."""
+    args = [str(EXAMPLES / "llama_7b.py"), "--gpus", "8", "--global-batch", "64", "--dp", "8", "--zero", "3",
+            "--micro-batch", "1", "--recompute", "full", "--trainer", "torchtitan"]
+    eager, compiled = _plan_json(capsys, *args), _plan_json(capsys, *args, "--compile")
+    assert (eager["training"]["compile"], compiled["training"]["compile"]) == (False, True)
+    assert compiled["predicted"]["step_time_s"] < eager["predicted"]["step_time_s"]
+    assert compiled["predicted"]["peak_memory_bytes"] < eager["predicted"]["peak_memory_bytes"]
+    assert any("torch.compile" in a for a in compiled["assumptions"])
+    assert main([*args[:-2], "--compile"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--compile" in err, err

@@ -8,7 +8,7 @@ import pytest
 
 from bench.published.models import model_source
 from bench.published.predict import Profiles, predict
-from bench.published.rows import REFERENCE, inter_node_Bps, load_rows
+from bench.published.rows import REFERENCE, inter_node_Bps, load_rows, publication_month
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,6 +77,28 @@ def test_the_trainers_fused_kernels_are_known(rows):
         assert by_source[source] <= fused, source
     assert not by_source["llm_foundry"] & fused
     assert "torchtitan_T1_8B_8gpu_0" not in fused and "torchtitan_T1_8B_8gpu_2" in fused
+
+
+def test_torchtitan_compiles_its_loss_with_the_model_since_april_2025(rows):
+    """torchtitan's loss builder compiles the loss under --compile since PR #1033 (April 2025):
+    the Trainy H200 run (June 2025, compiled) keeps its logits in bf16; the December 2024 runs
+    (compiled too) and every eager run keep fp32 log-probabilities."""
+    compiled = {r.id for r in rows if r.training().compiled_loss}
+    assert "torchtitan_trainy_h200_llama3_8b_32gpu" in compiled
+    assert not {"torchtitan_T1_8B_8gpu_0", "torchtitan_T1_8B_8gpu_2"} & compiled
+    assert {r.source for r in rows if r.id in compiled} == {"torchtitan"}
+
+
+@pytest.mark.parametrize("text, month", [
+    ("benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370, dec 2024)", (2024, 12)),
+    ("llama3-8b_h200_202506_trainy-whitefiber.md (trainy on whitefiber, june 2025)", (2025, 6)),
+    ("benchmarks/asynctp_llama3_h100_2025-06_torchtitan.md (torch 38410cf9)", (2025, 6)),
+    ("blog post, 2025/03/30", (2025, 3)),
+    ("pytorch/torchtitan docs/performance.md", None),
+    ("commit 2025012345", None),
+])
+def test_a_rows_month_is_read_from_its_source_text(text, month):
+    assert publication_month(text) == month
 
 
 def test_sources_come_from_the_source_fields(rows):
