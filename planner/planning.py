@@ -109,7 +109,7 @@ def _training(request: PlanRequest, cluster: Cluster, global_batch: int) -> Trai
             raise BadInput(f"--compile: plan for --trainer torchtitan (its --compile); {request.trainer!r} "
                            + ("runs eager PyTorch" if request.trainer == "this" else "runs its own fused kernels"))
         # inductor's fused memory-bound kernels, and the loss compiled with the model
-        compiled = {"fused_kernels": True, "compiled_loss": True}
+        compiled = {"fused_kernels": True, "compiled": True, "compiled_loss": True}
     return Training.for_trainer(request.trainer, request.precision, request.optimizer, global_batch, limit, **compiled)
 
 

@@ -458,6 +458,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     settings: dict[str, Any] = {"dp_overlap": dp_overlap}  # what the row says, over its trainer's
     if value(p.get("torch_compile")):
         settings["fused_kernels"] = True  # inductor's fused kernels (Training.fused_kernels)
+        settings["compiled"] = True  # and what its partitioner keeps (Training.compiled)
         if trainer == "torchtitan" and (publication_month(_source_text(e)) or (9999, 1)) >= TORCHTITAN_COMPILED_LOSS:
             settings["compiled_loss"] = True
     if trainer == "this":

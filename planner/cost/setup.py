@@ -86,6 +86,14 @@ class Training:
     leaves it uncompiled even with --compile: "compiling loss function causes CUDA errors"),
     holding two more fp32 copies in backward, as the profile measured
     (ModelProfile.loss_working_bytes)."""
+    compiled: bool = False
+    """The trainer runs the model's layers under torch.compile (torchtitan's --compile). Besides
+    the fused kernels (`fused_kernels`), AOTAutograd's partitioner keeps what backward reads: under
+    selective checkpointing it does not keep the matmul outputs backward never reads, which eager
+    selective checkpointing keeps (a block's last Linear's, read only by the residual add:
+    LayerProfile.activation_*_tail_bytes; measured on torch 2.13's inductor, one Llama block: 11.5
+    -> 10.5 hidden-size tensors kept). Without checkpointing it recomputes memory-bound chains too
+    (27 -> 18.5 there), which the profile does not measure: counted as eager (more memory, not less)."""
     compiled_loss: bool = False
     """The trainer compiles the default loss (torch.compile of F.cross_entropy on logits.float():
     torchtitan with --compile since its loss builder compiles it, PR #1033, April 2025). Inductor

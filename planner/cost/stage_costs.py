@@ -564,11 +564,15 @@ def _layer_costs(
 
     act = split(layer.activation_bytes, layer.activation_tp_bytes)
     kept_inputs = input_bytes * scale / (shard if split_all else 1)  # the block input: whole without SP
-    act_sel = min(act, split(layer.activation_matmul_bytes, layer.activation_matmul_tp_bytes) + kept_inputs)
+    # compiled (Training.compiled), selective checkpointing keeps no output that backward never reads
+    sel_tail, alt_tail = ((layer.activation_matmul_tail_bytes, layer.activation_alternate_tail_bytes)
+                          if training.compiled else (0, 0))
+    act_sel = min(act, split(layer.activation_matmul_bytes - sel_tail, layer.activation_matmul_tp_bytes) + kept_inputs)
     alt_bytes, alt_tp_bytes = layer.activation_alternate_bytes, layer.activation_alternate_tp_bytes
     if alt_bytes is None:  # a profile from before the policy: as selective
-        alt_bytes, alt_tp_bytes, alt_extra = layer.activation_matmul_bytes, layer.activation_matmul_tp_bytes, sel_extra
-    act_alt = min(act_sel, split(alt_bytes, alt_tp_bytes or 0) + kept_inputs)
+        alt_bytes, alt_tp_bytes, alt_extra, alt_tail = (layer.activation_matmul_bytes, layer.activation_matmul_tp_bytes,
+                                                        sel_extra, sel_tail)
+    act_alt = min(act_sel, split(alt_bytes - alt_tail, alt_tp_bytes or 0) + kept_inputs)
     act_full = min(act, kept_inputs)
     sharded = layer.tp.sharded_params if shard > 1 and layer.tp is not None else 0
     experts = layer.expert_params / cand.ep if cand.ep > 1 else 0.0

@@ -387,6 +387,8 @@ def _assemble(
         "fwd_tail_alternate_flops": per_layer(trace.tail.alternate_flops),
         "fwd_tail_alternate_io_bytes": per_layer(trace.tail.alternate_io_bytes),
         "fwd_tail_rowwise_linears": per_layer(trace.tail_rowwise),
+        "activation_matmul_tail_bytes": per_layer(trace.tail_kept),
+        "activation_alternate_tail_bytes": per_layer(trace.tail_kept_alternate),
         "fwd_matmul_io_bytes": per_layer(trace.fwd.matmul_io_bytes),
         "fwd_other_io_bytes": per_layer(trace.fwd.other_io_bytes),
         "bwd_matmul_io_bytes": per_layer(trace.bwd.matmul_io_bytes),

@@ -382,6 +382,8 @@ def grow(trace: TraceResult, grows: list[_Grow], units: list[Unit]) -> TraceResu
         fwd_other_io_tp_bytes=_grow_counter(trace.fwd_other_io_tp_bytes, grows),
         tail=_grow_costs(trace.tail, grows),
         tail_rowwise=_grow_counter(trace.tail_rowwise, grows),
+        tail_kept=_grow_counter(trace.tail_kept, grows),
+        tail_kept_alternate=_grow_counter(trace.tail_kept_alternate, grows),
         loss_memory=trace.loss_memory,
     )
 
@@ -398,7 +400,7 @@ def _flow_key(f: TensorFlow) -> tuple:
 def trace_key(trace: TraceResult) -> tuple:
     """Everything the profiler reads from a trace, with tensor ids replaced by what they name."""
     phases = [tuple(_nonzero(getattr(c, f.name)) for f in dataclasses.fields(c)) for c in (trace.fwd, trace.bwd, trace.tail)]
-    phases.append(_nonzero(trace.tail_rowwise))
+    phases += [_nonzero(trace.tail_rowwise), _nonzero(trace.tail_kept), _nonzero(trace.tail_kept_alternate)]
     returned = {u: Counter(_flow_key(trace.flows[t]) for t in tids) for u, tids in trace.returned.items() if tids}
     return (
         list(trace.order), phases, _nonzero(trace.saved_bytes), _nonzero(trace.matmul_out_bytes),

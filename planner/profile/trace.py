@@ -93,6 +93,11 @@ class TraceResult:
     calls): what torch's non-reentrant checkpoint does not rerun (_Tail)."""
     tail_rowwise: Counter = field(default_factory=Counter)
     """Per unit, the row-wise Linear matmuls in that tail (their TP collectives are not rerun)."""
+    tail_kept: Counter = field(default_factory=Counter)
+    """Per unit, the outputs of matmul-like ops in that tail (selective checkpointing keeps them;
+    backward reads them nowhere, so a compiled graph does not)."""
+    tail_kept_alternate: Counter = field(default_factory=Counter)
+    """Of tail_kept, what the alternate policy keeps."""
     loss_memory: tuple[int, int, int] | None = None
     """The model output's bytes, what the loss holds at its peak beyond what its forward leaves
     alive, and what its forward leaves alive (`loss_memory`); None: not measured."""
@@ -217,19 +222,26 @@ class _Tail:
     its tail, with the glue charged to the unit after it returns (a loss: outside any checkpoint).
     A unit's tail closes when it is called again and at the end of the forward."""
 
+    FIGURES = 12
+
     def __init__(self) -> None:
         self.costs = PhaseCosts()
         self.rowwise: Counter = Counter()
-        # unit -> [flops, matmul io, other io, ops, linear, attention, causal, alternate, alternate io, rowwise]
+        self.kept: Counter = Counter()
+        """Matmul-like outputs in the tail: selective checkpointing keeps them, autograd does not need them."""
+        self.kept_alternate: Counter = Counter()
+        """Of `kept`, what the alternate policy keeps."""
+        # unit -> [flops, matmul io, other io, ops, linear, attention, causal, alternate, alternate io, rowwise,
+        #          kept, kept by alternate]
         self.pending: dict[int, list[int]] = {}
 
     def enter(self, unit: int) -> None:
         self.close(unit)
-        self.pending[unit] = [0] * 10
+        self.pending[unit] = [0] * self.FIGURES
 
     def saved(self, unit: int) -> None:
         if unit in self.pending:
-            self.pending[unit] = [0] * 10
+            self.pending[unit] = [0] * self.FIGURES
 
     def add(self, unit: int, *figures: int) -> None:
         row = self.pending.get(unit)
@@ -245,7 +257,8 @@ class _Tail:
                 continue
             c = self.costs
             for counter, v in zip((c.flops, c.matmul_io_bytes, c.other_io_bytes, c.ops, c.linear_flops, c.attention_flops,
-                                   c.causal_attention_flops, c.alternate_flops, c.alternate_io_bytes, self.rowwise), row):
+                                   c.causal_attention_flops, c.alternate_flops, c.alternate_io_bytes, self.rowwise,
+                                   self.kept, self.kept_alternate), row):
                 if v:
                     counter[u] += v
 
@@ -410,6 +423,7 @@ class _Recorder(TorchDispatchMode):
             self.fusion.op(costs, seg, True, ins, tensors_in(out), torch.Tag.nondeterministic_seeded in func.tags)
         if not self.seg.backward:
             alternate = False
+            kept = 0
             sharded = self._in_region(args, kwargs)
             if sharded:
                 self.other_io_tp[seg] += other_io
@@ -443,7 +457,8 @@ class _Recorder(TorchDispatchMode):
                 attention = flops if formula is not None and is_attention(func) else 0
                 causal = attention if attention and _arg(func, args, kwargs, "is_causal") else 0
                 self.tail.add(seg, flops, matmul_io, other_io, 1, flops if linear else 0, attention, causal,
-                              flops if alternate else 0, matmul_io if alternate else 0, int(linear and self.in_rowwise > 0))
+                              flops if alternate else 0, matmul_io if alternate else 0, int(linear and self.in_rowwise > 0),
+                              kept, 0 if alternate else kept)
         return out
 
     def _in_region(self, args, kwargs) -> bool:
@@ -595,6 +610,8 @@ def run_trace(
         fwd_other_io_tp_bytes=recorder.other_io_tp,
         tail=recorder.tail.costs,
         tail_rowwise=recorder.tail.rowwise,
+        tail_kept=recorder.tail.kept,
+        tail_kept_alternate=recorder.tail.kept_alternate,
         loss_memory=loss_held,
     )
 

@@ -125,6 +125,12 @@ class LayerProfile:
     fwd_tail_alternate_io_bytes: int = 0
     fwd_tail_rowwise_linears: int = 0
     """Row-wise Linear matmuls in the tail: their TP collectives are not rerun either."""
+    activation_matmul_tail_bytes: int = 0
+    """Of activation_matmul_bytes, the outputs of the tail's matmul-like ops (a block's last
+    Linear, whose output only a residual add reads): selective checkpointing keeps them, backward
+    reads them nowhere, and a compiled graph's partitioner does not keep them (Training.compiled)."""
+    activation_alternate_tail_bytes: int = 0
+    """Of activation_alternate_bytes, likewise."""
     tp_role: Optional["TPRole"] = None
     """What tensor parallelism does to this layer besides its TPInfo (tp_roles.py); None when the
     model has no TPInfo, or its roles could not be found."""

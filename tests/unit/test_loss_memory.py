@@ -4,7 +4,6 @@ for it: the fused cross-entropy on whole logits, and torch's loss_parallel on vo
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -107,57 +106,3 @@ def test_recomputing_the_last_atom_lowers_no_peak(gpt_bf16):  # noqa: F811
     assert len(set(last.act_bytes)) == 1
     assert any(a.act_bytes[FULL] < a.act_bytes[NONE] for a in rest)
 
-
-# torch.compile of the default loss (what torchtitan runs under --compile): the tensors its forward
-# saves for backward, counted by a saved-tensors hook (which sees the compiled graph's saves too).
-COMPILED_SCRIPT = """
-import json, torch
-from planner.model_file import default_loss
-B, T, V = 2, 256, 4096
-logits = torch.randn(B, T, V, dtype=torch.bfloat16, requires_grad=True)
-targets = torch.randint(0, V, (B, T))
-out = {}
-for kind, fn in (("eager", default_loss), ("compiled", torch.compile(default_loss))):
-    saved = {}
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = fn(logits, targets)
-    loss.backward()
-    out[kind] = sum(saved.values()) / (B * T * V * 2)
-print(json.dumps(out))
-"""
-
-
-def test_a_compiled_loss_saves_the_logits_in_their_dtype():
-    """Eager F.cross_entropy on logits.float() saves the fp32 log-probabilities (two 16-bit
-    copies); compiled, the 16-bit logits and a few figures per row (Training.compiled_loss)."""
-    proc = subprocess.run([sys.executable, "-c", COMPILED_SCRIPT], capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0 and ("InductorError" in proc.stderr or "CppCompileError" in proc.stderr):
-        pytest.skip("torch.compile cannot build kernels here: " + proc.stderr.strip().splitlines()[-1][:200])
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    saved = json.loads(proc.stdout.strip().splitlines()[-1])  # in 16-bit logits
-    assert saved["eager"] == pytest.approx(2.0, rel=0.02)
-    assert saved["compiled"] == pytest.approx(1.0, rel=0.02)
-
-
-def test_a_compiled_loss_keeps_less_for_the_head(gpt_bf16):  # noqa: F811
-    """Training.compiled_loss: the head keeps the bf16 logits, not the fp32 log-probabilities (half
-    the profile's head activations here), and its backward one bf16 gradient; on vocabulary shards
-    (tp 2: loss_parallel) and for a model file's own loss, nothing changes."""
-    cluster, limit = make_cluster("a100-80gb", 2), 80 * 2**30
-    head = gpt_bf16.layers[-1]
-    eager, compiled = (Training("bf16", "adamw", 8, limit, compiled_loss=c) for c in (False, True))
-    cand = Candidate(1, 1, 2, 4, 1, 0, "1f1b")
-    a, b = (stage_costs(gpt_bf16, cluster, t, cand) for t in (eager, compiled))
-    assert a.atoms[-1].act_bytes[NONE] - b.atoms[-1].act_bytes[NONE] == pytest.approx(head.activation_bytes / 2 * 4, rel=0.01)
-    assert b.atoms[-1].act_bytes[NONE] == pytest.approx(a.atoms[-1].act_bytes[NONE] - gpt_bf16.output_bytes * 4, rel=0.01)
-    blocks = max(2 * x.act_bytes[NONE] for x in b.atoms[:-1])
-    assert b.working_bytes == pytest.approx(max(blocks, gpt_bf16.output_bytes * 4), rel=0.01)
-    assert b.working_bytes < a.working_bytes
-    sharded = Candidate(2, 1, 1, 4, 1, 0, "1f1b")
-    assert (stage_costs(gpt_bf16, cluster, compiled, sharded).atoms[-1].act_bytes
-            == stage_costs(gpt_bf16, cluster, eager, sharded).atoms[-1].act_bytes)
-    own = dataclasses.replace(gpt_bf16, own_loss=True)
-    assert stage_costs(own, cluster, compiled, cand).atoms[-1].act_bytes == stage_costs(own, cluster, eager, cand).atoms[-1].act_bytes
