@@ -105,6 +105,10 @@ class Predicted:
     breakdown_s: dict[str, float]
     """Where the bottleneck rank's step goes: compute, recompute, tp_comm, cp_comm, ep_comm, pp_comm, dp_comm,
     optimizer, bubble."""
+    fragmentation: Optional[float] = None
+    """The allocator's fragmentation counted in peak_memory_bytes (a share of what the tensors
+    need); 0.0 for a tight plan, which fits only without it (SearchResult.tight); None in a plan
+    from before the field."""
     phase_factors: dict[str, float] = field(default_factory=dict)
     """The calibration's phase factors these figures include (plan calibrate --from-run: compute,
     comm, optimizer), so that a refit from this plan's runs can take them out again; {} when none."""

@@ -234,6 +234,13 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
                            "neighbours and collectives, taking no CPU), so "
                            f"{1 + (cluster.num_gpus - 1) * share:.1f} of them compute at once on average, "
                            "taking turns on the cores as measured for that many")
+    if result.tight:
+        peak = result.best.evaluation.peak_bytes
+        warnings.append(
+            f"tight: its tensors take {fmt_bytes(peak)} per GPU of {fmt_bytes(training.memory_limit_bytes)}, leaving "
+            f"less than the {constants.FRAGMENTATION_GPU:.0%} the caching allocator holds unused on average; it then "
+            "frees its cached blocks and retries (slower steps) or the step runs out of memory. "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True fragments less; more GPUs or recompute leave room")
     if any(l.moe_experts for l in profile.layers):
         assumptions.append("mixture-of-experts routing balanced (every expert gets its share of the tokens x top-k, "
                            "what a load-balancing loss aims at); expert-parallel all-to-alls not overlapped with compute")

@@ -82,6 +82,8 @@ class Result:
     free_s: float | None = None
     free_same_recompute: object | None = None
     """With --free: the free search with the row's recompute kept (None where the row leaves it free)."""
+    tight: bool = False
+    """It fits only without the allocator's fragmentation (search.SearchResult.tight)."""
 
     @property
     def step_s(self) -> float | None:
@@ -105,7 +107,8 @@ def predict(row: Row, profile, free: bool = False) -> Result:
     cluster, training = row.cluster(), row.training()
     start = time.perf_counter()
     found = run_search(profile, cluster, training, row.fixed, top_k=1)
-    result = Result(row, found.best, None if found.best else found.min_need_bytes, time.perf_counter() - start)
+    result = Result(row, found.best, None if found.best else found.min_need_bytes, time.perf_counter() - start,
+                    tight=found.tight)
     if free:
         start = time.perf_counter()
         # every choice free but what the trainer can do: TP overlap where the row's trainer runs it

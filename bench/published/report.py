@@ -41,7 +41,8 @@ def print_table(results: list[Result]) -> None:
         else:
             config, pred, err = plan_label(r.scored), f"{r.step_s:8.2f}", _pct(r.error)
         mem_pred = ("≥" if r.scored is None and r.need_bytes else "") + _gib(r.peak_bytes)
-        note = "; ".join(row.notes + tuple(f"[{a}]" for a in row.assumed))
+        note = "; ".join(("tight: fits without the allocator's fragmentation",) * r.tight + row.notes
+                         + tuple(f"[{a}]" for a in row.assumed))
         print(
             f"{row.id:44s} {row.source:17s} {gpu:20s} {config:42s} {row.measured_step_s:8.2f} {pred:>8s} "
             f"{err:>6s} {_gib(row.measured_peak_bytes):>8s} {mem_pred:>8s} {_pct(r.memory_error):>6s}  {note}"
@@ -78,20 +79,22 @@ def print_summary(results: list[Result]) -> None:
         groups.setdefault(r.row.source, []).append(r)
     groups["overall"] = results
     print(
-        f"\n{'source':17s} {'rows':>4s} {'refused':>7s} {'approx':>6s} {'assumed':>7s} | "
+        f"\n{'source':17s} {'rows':>4s} {'refused':>7s} {'tight':>5s} {'approx':>6s} {'assumed':>7s} | "
         f"{'step: n':>7s} {'median':>7s} {'worst':>7s} | {'exact: n':>8s} {'median':>7s} {'worst':>7s} | "
         f"{'memory: n':>9s} {'median':>7s} {'worst':>7s}"
     )
     for name, rs in groups.items():
         exact = [r.error for r in rs if not r.row.notes]
         print(
-            f"{name:17s} {len(rs):4d} {sum(r.scored is None for r in rs):7d} {sum(bool(r.row.notes) for r in rs):6d} "
+            f"{name:17s} {len(rs):4d} {sum(r.scored is None for r in rs):7d} {sum(r.tight for r in rs):5d} "
+            f"{sum(bool(r.row.notes) for r in rs):6d} "
             f"{sum(bool(r.row.assumed) for r in rs):7d} | {error_stats([r.error for r in rs]):>23s} | "
             f"{error_stats(exact):>24s} | {error_stats([r.memory_error for r in rs]):>25s}"
         )
     print(
         "\nstep/memory: |predicted / measured - 1| over the rows predicted (refused rows have no step time;"
-        "\ntheir memory error uses the least memory they need); exact: rows without an approximation note;"
+        "\ntheir memory error uses the least memory they need); tight: rows that fit only without the"
+        "\nallocator's fragmentation (predicted, with that warning); exact: rows without an approximation note;"
         "\napprox: rows with a note (what the cost model cannot express); assumed: rows with figures"
         "\nnot published ([...] in the note: left to the search or assumed)."
     )

@@ -86,6 +86,10 @@ class Training:
     leaves it uncompiled even with --compile: "compiling loss function causes CUDA errors"),
     holding two more fp32 copies in backward, as the profile measured
     (ModelProfile.loss_working_bytes)."""
+    fragmentation: float | None = None
+    """The caching allocator's unused share counted on top of what tensors need; None: the cost
+    model's (constants.FRAGMENTATION_*). The search sets 0.0 when nothing fits with it
+    (search.run_search: a tight plan)."""
     compiled: bool = False
     """The trainer runs the model's layers under torch.compile (torchtitan's --compile). Besides
     the fused kernels (`fused_kernels`), AOTAutograd's partitioner keeps what backward reads: under

@@ -760,7 +760,8 @@ def stage_costs(
                                              fused_loss(profile, training, cand.tp))),
         zero3_gather_bytes=sum(max_params) * w if cand.zero == 3 and not in_pipeline else 0.0,
         reserve_fixed_bytes=RESERVE_GPU_BYTES if on_gpu else RESERVE_CPU_BYTES,
-        fragmentation=FRAGMENTATION_GPU if on_gpu else FRAGMENTATION_CPU,
+        fragmentation=(training.fragmentation if training.fragmentation is not None
+                       else FRAGMENTATION_GPU if on_gpu else FRAGMENTATION_CPU),
         limit_bytes=training.memory_limit_bytes,
         p2p_s=2 * comm.p2p(lk.pp)(cut_bytes) * comm_factor if cand.pp > 1 else 0.0,
         min_first_atoms=first_atoms,

@@ -163,7 +163,9 @@ def evaluate_point(handle: ModelHandle, profile: ModelProfile, spec: SweepSpec, 
     hours = days * 24 * n if days is not None else None
     price = spec.price(gpu.name)
     return Point(
-        gpu.name, gpu.display_name, n, True, plan.parallel.one_line(), plan.training.global_batch,
+        gpu.name, gpu.display_name, n, True,
+        plan.parallel.one_line() + (" (tight: no room for fragmentation)" if plan.predicted.fragmentation == 0.0 else ""),
+        plan.training.global_batch,
         plan.parallel.micro_batch, pr.step_time_s, pr.samples_per_s, pr.tokens_per_s, pr.mfu,
         pr.peak_memory_bytes, plan.cluster.memory_limit_bytes, steps, days, hours,
         hours * price if hours is not None and price is not None else None, batch_note=note, detail=plan,

@@ -112,6 +112,7 @@ def predicted_of(s: Scored, profile: ModelProfile, cluster: Cluster, global_batc
         model_tflops_per_gpu=model_flops / step / cluster.num_gpus / 1e12,
         mfu=model_flops / (step * cluster.num_gpus * peak),
         peak_memory_bytes=int(ev.peak_bytes),
+        fragmentation=s.costs.fragmentation,
         bubble_s=b["bubble"],
         breakdown_s=b,
         phase_factors=dict(cluster.gpu.phase_factors),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from planner.cost.evaluate import Evaluation, evaluate
@@ -124,6 +124,9 @@ class SearchResult:
     seconds: float = 0.0
     statuses: dict[str, int] = field(default_factory=dict)
     budget_hit: bool = False
+    tight: bool = False
+    """Nothing fit with the allocator's fragmentation counted (constants.FRAGMENTATION_GPU, an
+    average): these plans fit without it, their tensors within the memory (run_search)."""
 
     @property
     def best(self) -> Scored | None:
@@ -191,7 +194,33 @@ def run_search(
 ) -> SearchResult:
     """The best plans for the request. `cpu_factor`: cost the profile's measured CPU seconds times
     this function of the share of the step a process computes (planning._cpu_factor: where more
-    processes than cores take turns, it falls with that share), settled per plan (`_settle`)."""
+    processes than cores take turns, it falls with that share), settled per plan (`_settle`).
+
+    On a GPU, when nothing fits with the allocator's fragmentation counted, the plans whose
+    tensors fit without it (`SearchResult.tight`): the fragmentation is an average of what the
+    caching allocator holds unused when it has room (15%, GMLake), and a run that needs the room
+    gets some of it back, as PyTorch's allocator frees its cached blocks and retries a cudaMalloc
+    that failed (c10/cuda/CUDACachingAllocator.cpp); configurations that ran at the edge of memory
+    (llm-foundry's largest micro-batches) need less than 10%. Only what cannot fit at all is
+    refused."""
+    result = _search(profile, cluster, training, fixed, top_k, cpu_factor)
+    if result.best is None and training.fragmentation is None and cluster.gpu.origin != "measured":
+        tight = _search(profile, cluster, replace(training, fragmentation=0.0), fixed, top_k, cpu_factor)
+        if tight.best is not None:
+            tight.tight = True
+            tight.seconds += result.seconds
+            return tight
+    return result
+
+
+def _search(
+    profile: ModelProfile,
+    cluster: Cluster,
+    training: Training,
+    fixed: Fixed,
+    top_k: int,
+    cpu_factor: Callable[[float], float] | None,
+) -> SearchResult:
     start = time.perf_counter()
     stats = SpaceStats()
     result = SearchResult([], None, None, None, None, stats)

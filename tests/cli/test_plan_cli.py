@@ -398,3 +398,22 @@ def test_a_plan_for_a_compiled_torchtitan_keeps_less_and_runs_faster(capsys):
     assert main([*args[:-2], "--compile"]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--compile" in err, err
+
+
+def test_a_plan_whose_tensors_fit_without_the_allocators_slack_is_tight_not_refused(capsys):
+    """The allocator's fragmentation (15% of what tensors need, an average) is room a run at the
+    edge of memory gets back: a configuration whose tensors fit without it is planned with a
+    warning and recorded as tight; one whose tensors do not fit at all is refused (exit 3)."""
+    args = [str(EXAMPLES / "llama_7b.py"), "--gpus", "8", "--global-batch", "64", "--dp", "8", "--zero", "3",
+            "--micro-batch", "2", "--recompute", "selective"]
+    roomy = _plan_json(capsys, *args)
+    assert roomy["predicted"]["fragmentation"] == pytest.approx(0.15)
+    reserve = 2**30
+    tensors = (roomy["predicted"]["peak_memory_bytes"] - reserve) / 1.15
+    tight = _plan_json(capsys, *args, "--memory-limit", f"{(tensors * 1.05 + reserve) / 2**30:.3f}")
+    assert tight["predicted"]["fragmentation"] == 0.0
+    assert tight["predicted"]["peak_memory_bytes"] == pytest.approx(tensors + reserve, rel=0.01)
+    assert tight["predicted"]["step_time_s"] == pytest.approx(roomy["predicted"]["step_time_s"])
+    assert any(w.startswith("tight:") and "expandable_segments" in w for w in tight["warnings"])
+    assert main([*args, "--memory-limit", f"{(tensors * 0.95 + reserve) / 2**30:.3f}"]) == EXIT_INFEASIBLE
+    assert "nothing fits" in capsys.readouterr().err
