@@ -95,6 +95,13 @@ def _check(request: PlanRequest, cluster: Cluster) -> list[str]:
     return warnings
 
 
+def check_compile(trainer: str, compile: bool) -> None:
+    """--compile is torchtitan's (the runtime runs eager; Megatron-LM its own fused kernels)."""
+    if compile and trainer != "torchtitan":
+        raise BadInput(f"--compile: plan for --trainer torchtitan (its --compile); {trainer!r} "
+                       + ("runs eager PyTorch" if trainer == "this" else "runs its own fused kernels"))
+
+
 def _training(request: PlanRequest, cluster: Cluster, global_batch: int) -> Training:
     limit = cluster.gpu.memory_bytes
     if request.memory_limit_gib is not None:
@@ -103,13 +110,9 @@ def _training(request: PlanRequest, cluster: Cluster, global_batch: int) -> Trai
         limit = int(request.memory_limit_gib * 2**30)
     if request.trainer not in TRAINERS:
         raise BadInput(f"--trainer must be one of {', '.join(TRAINERS)}, got {request.trainer!r}")
-    compiled = {}
-    if request.compile:
-        if request.trainer != "torchtitan":
-            raise BadInput(f"--compile: plan for --trainer torchtitan (its --compile); {request.trainer!r} "
-                           + ("runs eager PyTorch" if request.trainer == "this" else "runs its own fused kernels"))
-        # inductor's fused memory-bound kernels, and the loss compiled with the model
-        compiled = {"fused_kernels": True, "compiled": True, "compiled_loss": True}
+    check_compile(request.trainer, request.compile)
+    # inductor's fused memory-bound kernels, what its partitioner keeps, and the loss compiled with the model
+    compiled = {"fused_kernels": True, "compiled": True, "compiled_loss": True} if request.compile else {}
     return Training.for_trainer(request.trainer, request.precision, request.optimizer, global_batch, limit, **compiled)
 
 

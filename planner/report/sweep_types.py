@@ -49,6 +49,8 @@ class SweepSpec:
     inter_node_gbps: Optional[float] = None
     trainer: str = "this"
     """The trainer that will run the plans (plan --trainer)."""
+    compile: bool = False
+    """It runs them under torch.compile (plan --compile)."""
     scale_batch: bool = False
     """Grow the global batch with the GPU count (the same samples per GPU as the smallest count)
     instead of holding it fixed."""
@@ -58,7 +60,7 @@ class SweepSpec:
         return PlanRequest(
             gpus=num_gpus, gpu=gpu, gpus_per_node=self.gpus_per_node, global_batch=global_batch,
             precision=self.precision, optimizer=self.optimizer, memory_limit_gib=self.memory_limit_gib,
-            inter_node_gbps=self.inter_node_gbps, trainer=self.trainer,
+            inter_node_gbps=self.inter_node_gbps, trainer=self.trainer, compile=self.compile,
         )
 
     def price(self, gpu: str) -> Optional[float]:

@@ -110,6 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default adamw")
     p.add_argument("--trainer", choices=TRAINERS, default="this",
                    help="the trainer that will run the plans: this (plan run's runtime, the default), torchtitan, megatron")
+    p.add_argument("--compile", action="store_true",
+                   help="with --trainer torchtitan: it runs under torch.compile (its --compile), as plan --compile")
     p.add_argument("--gpus-per-node", type=_positive_int, help="GPUs per node (default: each type's usual node)")
     p.add_argument("--memory-limit", type=float, metavar="GiB", help="usable memory per GPU (default: all of it)")
     p.add_argument("--inter-node-gbps", type=float, metavar="Gb/s",
@@ -143,6 +145,9 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         raise BadInput("plan whatif: give --tokens or --steps, not both")
     tokens = _number("--tokens", args.tokens, "tokens to train on, like 300e9") if args.tokens is not None else None
     deadline = _number("--deadline-days", args.deadline_days, "days") if args.deadline_days is not None else None
+    from planner.planning import check_compile
+
+    check_compile(args.trainer, args.compile)
     if deadline is not None and tokens is None and args.steps is None:
         raise BadInput("--deadline-days needs the training length: --tokens or --steps")
     for flag, path in (("--report", args.report), ("--csv", args.csv)):
@@ -153,7 +158,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         prices_per_gpu_hour=parse_prices(args.price, types, names) if args.price is not None else (),
         deadline_days=deadline, precision=args.precision, optimizer=args.optimizer,
         gpus_per_node=args.gpus_per_node, memory_limit_gib=args.memory_limit, scale_batch=args.scale_batch,
-        inter_node_gbps=args.inter_node_gbps, trainer=args.trainer,
+        inter_node_gbps=args.inter_node_gbps, trainer=args.trainer, compile=args.compile,
     )
 
 
@@ -174,7 +179,8 @@ def render_sweep(sweep: Sweep, console: Console | None = None) -> None:
     seq = f", seq {sweep.seq_len:,}" if sweep.seq_len else ""
     console.print(f"[bold]What if: {sweep.model_name}[/bold] ({fmt_count(sweep.num_params)} parameters{seq}), "
                   f"{sweep.spec.precision}, {sweep.spec.optimizer}"
-                  + (f", for --trainer {sweep.spec.trainer}" if sweep.spec.trainer != "this" else ""))
+                  + (f", for --trainer {sweep.spec.trainer}" + (" --compile" if sweep.spec.compile else "")
+                     if sweep.spec.trainer != "this" else ""))
     table = Table(title_justify="left")
     rate = "tokens/s" if sweep.seq_len else "samples/s"  # both are in --csv / --json
     cols = ("GPU", "GPUs", "best plan", "batch", "step", rate, "MFU", "memory/GPU", "time", "cost", "scaling", "")

@@ -170,6 +170,7 @@ BAD = [
     (["--gpus", "8", "--tokens", "lots"], "is not a number"),
     (["--gpus", "8", "--deadline-days", "3"], "needs the training length"),
     (["--gpus", "8", "--report", "/no/such/dir/r.html"], "no such directory"),
+    (["--gpus", "8", "--compile"], "--compile: plan for --trainer torchtitan"),
 ]
 
 
