@@ -318,7 +318,13 @@ def _recompute(p: dict, shape: Shape, notes: list[str], assumed: list[str]) -> s
     return kind
 
 
-def _schedule(p: dict, pp: int, notes: list[str], assumed: list[str]) -> tuple[str | None, int | None]:
+# torchtitan's interleaved schedules without split points run two stages per rank
+# (generate_split_points: "Multi-stage schedules support more than 2 stages per rank, but this is
+# the default if no pipeline split is specified").
+TORCHTITAN_STAGES_PER_RANK = 2
+
+
+def _schedule(p: dict, pp: int, notes: list[str], assumed: list[str], trainer: str = "this") -> tuple[str | None, int | None]:
     if pp == 1:
         return None, None
     inter = p.get("interleaving")
@@ -340,6 +346,9 @@ def _schedule(p: dict, pp: int, notes: list[str], assumed: list[str]) -> tuple[s
         chunks = re.search(r"(\d+)", text.replace("1f1b", ""))
         if chunks and int(chunks.group(1)) > 1:
             return "interleaved", int(chunks.group(1))
+        if trainer == "torchtitan":
+            assumed.append(f"{TORCHTITAN_STAGES_PER_RANK} model chunks per rank (torchtitan's default)")
+            return "interleaved", TORCHTITAN_STAGES_PER_RANK
         assumed.append("model chunks per rank free")
         return "interleaved", None
     if "1f1b" not in text:
@@ -474,7 +483,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
         zero = 2
         notes.append("FSDP2 no reshard under PP")
     recompute = _recompute(p, shape, notes, assumed)
-    schedule, v = _schedule(p, pp, notes, assumed)
+    schedule, v = _schedule(p, pp, notes, assumed, trainer)
     fixed = Fixed(
         tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=micro, zero=zero if dp * cp > 1 else 0,
         schedule=schedule, virtual_stages=v, recompute=recompute,

@@ -101,6 +101,23 @@ def test_a_rows_month_is_read_from_its_source_text(text, month):
     assert publication_month(text) == month
 
 
+def test_torchtitans_interleaved_schedule_runs_two_stages_per_rank_unless_said(tmp_path):
+    """torchtitan's interleaved 1F1B without split points runs two stages per rank (its
+    generate_split_points default): a torchtitan row that does not say how many gets two; another
+    trainer's is left to the search."""
+    import yaml
+
+    rows = yaml.safe_load(REFERENCE.read_text())["entries"]
+    t5 = next(e for e in rows if e["id"] == "torchtitan_T5_405B_512gpu_12")
+    bridge = yaml.safe_load((REFERENCE.parent / "held_out_runs.yaml").read_text())["entries"][1]  # pp 8
+    for entry, want in ((t5, 2), (bridge, None)):
+        entry = {**entry, "parallel": {**entry["parallel"], "interleaving": "Interleaved 1F1B"}}
+        path = tmp_path / f"{entry['id']}.yaml"
+        path.write_text(yaml.safe_dump({"entries": [entry]}))
+        (row,) = load_rows(path)
+        assert (row.fixed.schedule, row.fixed.virtual_stages) == ("interleaved", want), row.id
+
+
 def test_sources_come_from_the_source_fields(rows):
     by_source = {}
     for r in rows:
