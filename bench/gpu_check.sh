@@ -11,7 +11,7 @@
 # /tmp/site. Three plans run: the planner's own choice (the default global batch, 256 sequences;
 # micro-batch 32 x 8, near the memory limit, so its memory prediction is tested there), a global
 # batch of 8, and the planner's choice again on the H200 as `plan calibrate` measured it (before
-# and after calibration, side by side). Before them, what torch.compile keeps for backward on CUDA
+# and after calibration, side by side). Then what torch.compile keeps for backward on CUDA
 # (the loss; a Llama block under save-matmuls recompute) against the profile's counts, which
 # tests/unit/test_compiled_memory.py measures on the CPU's inductor.
 set -uo pipefail
