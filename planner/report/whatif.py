@@ -134,6 +134,11 @@ def _length(spec: SweepSpec, global_batch: int, seq_len: Optional[int]) -> Optio
     return None
 
 
+def plan_line(plan) -> str:
+    """The plan in one line, marked when it fits only without the allocator's fragmentation."""
+    return plan.parallel.one_line() + (" (tight: no room for fragmentation)" if plan.predicted.fragmentation == 0.0 else "")
+
+
 def gpu_key(gpu: GPUSpec) -> str:
     """What `--gpu` names this type by: its catalogue name, or the YAML file it came from."""
     return gpu.name if gpu.origin in ("packaged", "measured") else gpu.origin
@@ -164,7 +169,7 @@ def evaluate_point(handle: ModelHandle, profile: ModelProfile, spec: SweepSpec, 
     price = spec.price(gpu.name)
     return Point(
         gpu.name, gpu.display_name, n, True,
-        plan.parallel.one_line() + (" (tight: no room for fragmentation)" if plan.predicted.fragmentation == 0.0 else ""),
+        plan_line(plan),
         plan.training.global_batch,
         plan.parallel.micro_batch, pr.step_time_s, pr.samples_per_s, pr.tokens_per_s, pr.mfu,
         pr.peak_memory_bytes, plan.cluster.memory_limit_bytes, steps, days, hours,
@@ -210,7 +215,7 @@ def min_gpus(handle: ModelHandle, profile: ModelProfile, spec: SweepSpec, batchi
         if n > MAX_GPUS:
             return MinGpus(gpu.name, None, f"nothing fits up to {MAX_GPUS:,} GPUs", False)
     plan = planning.make_plan(handle, request(n), profile=profile)
-    return MinGpus(gpu.name, n, plan.parallel.one_line(), False)
+    return MinGpus(gpu.name, n, plan_line(plan), False)
 
 
 def _cost_key(points: list[Point]) -> tuple[Callable[[Point], float], str]:
