@@ -35,6 +35,7 @@ was written): the one-shot GPU script (bench/gpu_check.sh) prints each run's pha
 
 from __future__ import annotations
 
+import gc
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
@@ -166,8 +167,21 @@ def profiled(device: torch.device, on: bool) -> Iterator[Callable[[], Optional[A
         yield lambda: None
         return
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+    def events() -> Any:
+        # torch's parsing of the profiler's results once died by SIGSEGV when the cyclic garbage
+        # collector ran inside it (a CI run, torch 2.13, runtime/phases.py under ep 2): parse with
+        # the collector paused
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return prof.events()
+        finally:
+            if enabled:
+                gc.enable()
+
     with profile(activities=activities) as prof:
         with scope(STEP_SCOPE):
-            yield lambda: prof.events()
+            yield events
     if device.type == "cuda":
         torch.cuda.synchronize(device)
