@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from planner import default_batch, planning
 from planner.model_file import load_model_file
-from planner.report.whatif import Batching, SweepSpec, run_sweep
+from planner.report.whatif import Batching, SweepSpec, plan_line, run_sweep
 from tests.conftest import EXAMPLES
 from tests.unit.test_partition import synthetic_profile
 
@@ -113,5 +113,5 @@ def test_whatif_rows_are_plan_at_the_row_batch(gpt_profile, counts, gpu, limit):
             assert not planning.feasible(profile, request)
             continue
         plan = planning.make_plan(handle, request, profile=profile)
-        assert p.plan == plan.parallel.one_line()
+        assert p.plan == plan_line(plan)  # the plan's line, marked when tight
         assert p.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
