@@ -41,49 +41,7 @@ for name in default gb8 calibrated; do
     $PLAN run "$OUT/plan_$name.json" --steps "$STEPS" --force 2>&1 | tee "$OUT/run_$name.txt" || status=1
 done
 echo "== what torch.compile keeps on CUDA (the CPU-inductor measurements of tests/unit/test_compiled_memory.py)"
-python3 - <<'PY' 2>&1 | tee "$OUT/compiled_memory.txt" || status=1
-import sys, torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-sys.path.insert(0, "examples")
-from llama import LlamaConfig, build_llama
-from planner.model_file import default_loss
-from planner.profile.flops import kept_by_selective
-dev = "cuda" if torch.cuda.is_available() else "cpu"
-
-def saved_bytes(fn, x, fixed=()):
-    saved = {}
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in fixed:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = fn(x)
-    y.sum().backward() if y.dim() else y.backward()
-    return sum(saved.values())
-
-B, T, V = 2, 1024, 32768
-logits = torch.randn(B, T, V, dtype=torch.bfloat16, device=dev, requires_grad=True)
-targets = torch.randint(0, V, (B, T), device=dev)
-for name, fn in (("eager", default_loss), ("compiled", torch.compile(default_loss))):
-    saved_bytes(lambda l: fn(l, targets), logits)  # warm up
-    print(f"loss {name:9s} saves {saved_bytes(lambda l: fn(l, targets), logits) / logits.nbytes:.2f} x the bf16 logits (CPU: 2.00 / 1.00)")
-D, S = 2048, 4096
-layer = build_llama(LlamaConfig(dim=D, n_layers=1, n_heads=16, n_kv_heads=4, ffn_dim=5632, vocab=256, seq_len=S)).layers[0]
-layer = layer.to(dev, torch.bfloat16)
-fixed = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
-def context():
-    return create_selective_checkpoint_contexts(
-        lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SAVE if kept_by_selective(op) else CheckpointPolicy.PREFER_RECOMPUTE)
-def run(x):
-    return checkpoint(layer, x, use_reentrant=False, context_fn=context)
-compiled = torch.compile(run)
-x = torch.randn(1, S, D, dtype=torch.bfloat16, device=dev, requires_grad=True)
-saved_bytes(compiled, x, fixed)
-# its input, q, k, v, the attention's output, o, gate and up: every matmul output but the down projection's
-expected = 1 + 1 + 2 * 4 / 16 + 1 + 1 + 2 * 5632 / D
-print(f"compiled block, save-matmuls recompute: {saved_bytes(compiled, x, fixed) / x.nbytes:.2f} hidden-size tensors "
-      f"(the profile's count: {expected:.2f}, and a log-sum-exp per head and token)")
-PY
+python3 bench/compiled_memory.py 2>&1 | tee "$OUT/compiled_memory.txt" || status=1
 python3 - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,9 +18,11 @@ from planner.cost.stage_costs import NONE, SELECTIVE, stage_costs
 from planner.hardware import make_cluster
 from tests.unit.test_cost_formulas import gpt_bf16  # noqa: F401  (fixture)
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def _run(script: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=ROOT)
     if proc.returncode != 0 and ("InductorError" in proc.stderr or "CppCompileError" in proc.stderr):
         pytest.skip("torch.compile cannot build kernels here: " + proc.stderr.strip().splitlines()[-1][:200])
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -28,24 +31,7 @@ def _run(script: str) -> dict:
 
 # torch.compile of the default loss (what torchtitan runs under --compile): the tensors its forward
 # saves for backward, counted by a saved-tensors hook (which sees the compiled graph's saves too).
-COMPILED_SCRIPT = """
-import json, torch
-from planner.model_file import default_loss
-B, T, V = 2, 256, 4096
-logits = torch.randn(B, T, V, dtype=torch.bfloat16, requires_grad=True)
-targets = torch.randint(0, V, (B, T))
-out = {}
-for kind, fn in (("eager", default_loss), ("compiled", torch.compile(default_loss))):
-    saved = {}
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = fn(logits, targets)
-    loss.backward()
-    out[kind] = sum(saved.values()) / (B * T * V * 2)
-print(json.dumps(out))
-"""
+COMPILED_SCRIPT = "import json; from bench.compiled_memory import loss_saved; print(json.dumps(loss_saved()))"
 
 
 def test_a_compiled_loss_saves_the_logits_in_their_dtype():
@@ -80,39 +66,8 @@ def test_a_compiled_loss_keeps_less_for_the_head(gpt_bf16):  # noqa: F811
 # One Llama block (examples/llama.py) under selective checkpointing that keeps every matmul-like
 # output (runtime/recompute.py's policy), compiled as torchtitan compiles its blocks (checkpoint
 # inside the compiled region); the saved-tensors hook sees what the compiled graph keeps.
-BLOCK_SCRIPT = """
-import json, sys, torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-sys.path.insert(0, {examples!r})
-from llama import LlamaConfig, build_llama
-from planner.profile.flops import kept_by_selective
-D, S = 256, 512
-cfg = LlamaConfig(dim=D, n_layers=1, n_heads=8, n_kv_heads=2, ffn_dim=896, vocab=256, seq_len=S)
-layer = build_llama(cfg).layers[0].to(torch.bfloat16)
-fixed = {{t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}}
-
-def policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if kept_by_selective(op) else CheckpointPolicy.PREFER_RECOMPUTE
-
-def context():
-    return create_selective_checkpoint_contexts(policy)
-
-def run(x):
-    return checkpoint(layer, x, use_reentrant=False, context_fn=context)
-
-compiled = torch.compile(run)
-for _ in range(2):
-    x = torch.randn(1, S, D, dtype=torch.bfloat16, requires_grad=True)
-    saved = {{}}
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in fixed:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = compiled(x)
-    y.sum().backward()
-print(json.dumps({{"saved": sum(saved.values())}}))
-"""
+BLOCK_SCRIPT = ("import json; from bench.compiled_memory import block_saved; "
+                "print(json.dumps({'saved': block_saved()[0]}))")
 
 
 def test_a_compiled_block_under_selective_recompute_keeps_what_backward_reads(tmp_path):
@@ -139,7 +94,7 @@ def sample_batch(b):
     hidden = 512 * 256 * 2
     assert block.activation_matmul_tail_bytes == hidden  # the down projection's output
     kept = block.activation_matmul_bytes - block.activation_matmul_tail_bytes + hidden  # and the block's input
-    saved = _run(BLOCK_SCRIPT.format(examples=str(EXAMPLES)))["saved"]
+    saved = _run(BLOCK_SCRIPT)["saved"]
     assert kept <= saved <= kept * 1.02
 
     cluster, limit = make_cluster("h100-sxm-80gb", 1), 80 * 2**30
