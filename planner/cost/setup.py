@@ -82,8 +82,9 @@ class Training:
     """The trainer runs the default loss (cross-entropy on the logits) without copies of the logits
     beyond one: Megatron-LM's cross-entropy keeps the fp32 softmax it computes in place and
     writes the gradient into it (tensor_parallel.vocab_parallel_cross_entropy). False: as
-    F.cross_entropy on logits.float() runs it eagerly (this runtime; torchtitan, whose train.py
-    leaves it uncompiled even with --compile: "compiling loss function causes CUDA errors"),
+    F.cross_entropy on logits.float() runs it eagerly (this runtime; torchtitan before April 2025,
+    whose train.py left it uncompiled even with --compile: "compiling loss function causes CUDA
+    errors"; since, `compiled_loss`),
     holding two more fp32 copies in backward, as the profile measured
     (ModelProfile.loss_working_bytes)."""
     fragmentation: float | None = None
@@ -104,7 +105,7 @@ class Training:
     fuses the upcast, log-softmax and their backward: the loss saves the logits in their own dtype
     and two fp32 figures per row (not the fp32 log-probabilities), and backward writes one
     gradient of the logits in their dtype (as `fused_loss`). Measured on torch 2.13's inductor
-    (tests/unit/test_loss_memory.py)."""
+    (tests/unit/test_compiled_memory.py)."""
     attention_kernel: str = "sdpa"
     """The fused attention kernels the trainer runs. "sdpa": PyTorch's scaled_dot_product_attention
     (FlashAttention-2's kernel on NVIDIA GPUs), as this runtime and torchtitan run it, at the GPU's
