@@ -41,7 +41,7 @@ class LlamaConfig:
     n_layers: int = 4
     """Number of decoder layers."""
     n_heads: int = 8
-    """Query heads; dim must be a multiple of it (head_dim = dim / n_heads, even for RoPE)."""
+    """Query heads; dim must be a multiple of it unless head_dim is given (head_dim even, for RoPE)."""
     n_kv_heads: int = 2
     """Key/value heads (grouped-query attention); n_heads must be a multiple of it."""
     ffn_dim: int = 688
@@ -54,16 +54,19 @@ class LlamaConfig:
     """RMSNorm epsilon."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
+    head_dim: int = 0
+    """Width of one attention head; 0: dim / n_heads. Some models set it apart (Qwen3-30B-A3B: dim
+    2048, 32 heads of 128), so that the attention's width n_heads x head_dim differs from dim."""
 
     def __post_init__(self) -> None:
-        if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
-            raise ValueError(f"dim ({self.dim}) / n_heads ({self.n_heads}) must be a whole, even head_dim")
+        if not self.head_dim:
+            if self.dim % self.n_heads:
+                raise ValueError(f"dim ({self.dim}) / n_heads ({self.n_heads}) must be a whole, even head_dim")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even (RoPE rotates halves)")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
 
 
 class RMSNorm(nn.Module):

@@ -8,6 +8,15 @@
   dropout of 0.1, Megatron's default, stays).
 - Llama rows (torchtitan): examples/llama.py (GQA, SwiGLU, RMSNorm, RoPE, untied head, SDPA
   flash attention as torchtitan runs it).
+- Mixture-of-experts rows: examples/llama.py's decoder with, in each layer's place of the MLP, a
+  router and stacked SwiGLU experts of the row's expert width run as grouped GEMMs
+  (torch._grouped_mm: one kernel per projection for all experts, as Megatron-Core's
+  --moe-grouped-gemm and torchtitan do, not a Python loop over experts), every expert given an
+  equal share of the tokens x top-k rows, as the published MoE benchmarks force-balance their
+  routing (Megatron-Bridge's performance summary), with the permutation into expert order and
+  back.
+  Not built: shared experts and multi-head latent attention (DeepSeek-V2/V3), dense first layers,
+  sliding-window attention; a row that names them says so.
 - MPT rows (llm-foundry): bias-free pre-LayerNorm GPT blocks of examples/gpt.py, tied embedding
   and head, no learned positions, SDPA flash attention, no dropout. Approximated: ALiBi's bias is
   fused into MPT's flash-attention kernel; SDPA cannot add it without leaving the flash path, so
@@ -145,9 +154,61 @@ _LLAMA = """
 from llama import LlamaConfig, build_llama, llama_batch
 
 CFG = LlamaConfig(dim={hidden}, n_layers={layers}, n_heads={heads}, n_kv_heads={kv_heads},
-                  ffn_dim={ffn}, vocab={vocab}, seq_len={seq}, rope_theta=500000.0)
+                  ffn_dim={ffn}, vocab={vocab}, seq_len={seq}, rope_theta=500000.0, head_dim={head_dim})
 def build_model():
     return build_llama(CFG)
+def sample_batch(b):
+    return llama_batch(CFG, b)
+"""
+
+_MOE = """
+from llama import Llama, llama_batch
+from moe import MoEConfig
+
+CFG = MoEConfig(dim={hidden}, n_layers={layers}, n_heads={heads}, n_kv_heads={kv_heads},
+                ffn_dim={ffn}, vocab={vocab}, seq_len={seq}, rope_theta=500000.0, head_dim={head_dim},
+                n_experts={experts}, top_k={top_k})
+
+
+class GroupedExperts(nn.Module):
+    # Stacked SwiGLU experts run as grouped GEMMs: one kernel per projection for every expert's
+    # rows (Megatron-Core's --moe-grouped-gemm, torchtitan's grouped_mm)
+    def __init__(self, cfg):
+        super().__init__()
+        e, d, f = cfg.n_experts, cfg.dim, cfg.ffn_dim
+        self.w_gate = nn.Parameter(torch.empty(e, d, f))
+        self.w_up = nn.Parameter(torch.empty(e, d, f))
+        self.w_down = nn.Parameter(torch.empty(e, f, d))
+
+    def forward(self, rows, offs):
+        h = F.silu(torch._grouped_mm(rows, self.w_gate, offs=offs)) * torch._grouped_mm(rows, self.w_up, offs=offs)
+        return torch._grouped_mm(h, self.w_down, offs=offs)
+
+
+class BalancedMoE(nn.Module):
+    # The router's scores are computed; the tokens x top-k rows go to the experts in equal shares
+    # (the published MoE benchmarks force-balance their routing), permuted into expert order,
+    # through the grouped experts, weighted and added back to their tokens (unpermuted)
+    def __init__(self, cfg):
+        super().__init__()
+        self.top_k, self.n_experts = cfg.top_k, cfg.n_experts
+        self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = GroupedExperts(cfg)
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])
+        probs = F.softmax(self.gate(h), dim=-1, dtype=torch.float32)
+        total = h.shape[0] * self.top_k
+        share = total // self.n_experts
+        slot = torch.arange(total, device=h.device)
+        token, expert = slot % h.shape[0], slot // share
+        offs = (torch.arange(1, self.n_experts + 1, device=h.device) * share).to(torch.int32)
+        y = self.experts(h[token], offs) * probs[token, expert].to(h.dtype)[:, None]
+        return torch.zeros_like(h).index_add(0, token, y).reshape(x.shape)
+
+
+def build_model():
+    return Llama(CFG, mlp=BalancedMoE)
 def sample_batch(b):
     return llama_batch(CFG, b)
 """
@@ -156,10 +217,14 @@ def sample_batch(b):
 def model_source(shape: Shape) -> str:
     """The model file (build_model, sample_batch) of a row's shape."""
     s = shape
-    fields = dict(vocab=s.vocab, seq=s.seq_len, layers=s.layers, heads=s.heads, hidden=s.hidden, kv_heads=s.kv_heads, ffn=s.ffn)
+    fields = dict(vocab=s.vocab, seq=s.seq_len, layers=s.layers, heads=s.heads, hidden=s.hidden, kv_heads=s.kv_heads, ffn=s.ffn,
+                  head_dim=s.head_dim, experts=s.experts, top_k=s.top_k)
     head = _HEADER.format(examples=str(ROOT / "examples"))
+    if s.experts:
+        return head + _MOE.format(**fields)
     if s.arch == "llama":
         return head + _LLAMA.format(**fields)
+    assert not s.head_dim, f"{s}: examples/gpt.py's heads are hidden / heads wide"
     assert s.ffn == 4 * s.hidden, f"{s}: examples/gpt.py's MLP is 4h wide"
     assert s.kv_heads == s.heads, f"{s}: examples/gpt.py has no grouped-query attention"
     if s.arch == "mpt":

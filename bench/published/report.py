@@ -20,7 +20,7 @@ def _gib(x: float | None) -> str:
 
 def plan_label(scored) -> str:
     c = scored.cand
-    out = f"tp{c.tp} pp{c.pp} dp{c.dp}" + (f" cp{c.cp}" if c.cp > 1 else "") + f" mb{c.micro_batch} z{c.zero}"
+    out = f"tp{c.tp} pp{c.pp} dp{c.dp}" + (f" cp{c.cp}" if c.cp > 1 else "") + (f" ep{c.ep}" if c.ep > 1 else "") + f" mb{c.micro_batch} z{c.zero}"
     if c.pp > 1:
         out += f" {c.schedule}" + (f"x{c.virtual_stages}" if c.schedule == "interleaved" else "")
     return out + f" rc={recompute_label(scored.partition.choice)}"

@@ -12,6 +12,9 @@ the catalogue (the nearest entry with the row's memory and HBM bandwidth). What 
 does is read from its source: its FP8 recipe, whether its full recompute reruns the whole forward,
 whether it fuses its memory-bound ops, its data-parallel overlap. Figures a row does not
 publish (micro-batch, recompute, schedule) are left to the search, and said so (`assumed`).
+A mixture-of-experts model is read from its expert fields (Megatron-LM's or Hugging Face's names)
+or its arch text, with its expert parallelism; one that no model file here builds (latent
+attention, shared experts) is left out and named, never predicted as a dense model.
 """
 
 from __future__ import annotations
@@ -51,6 +54,13 @@ class Shape:
     ffn: int
     seq_len: int
     vocab: int
+    head_dim: int = 0
+    """Width of one attention head where the model sets it apart from hidden / heads (0: that)."""
+    experts: int = 0
+    """Mixture of experts: the routed experts of each layer's MLP (0: a dense MLP of `ffn`)."""
+    top_k: int = 0
+    """Experts each token is routed to."""
+    # with experts, `ffn` is one expert's hidden width
 
 
 @dataclass(frozen=True)
@@ -87,7 +97,8 @@ class Row:
 
     def config(self) -> str:
         f = self.fixed
-        out = f"tp{f.tp} pp{f.pp} dp{f.dp}" + (f" cp{f.cp}" if f.cp and f.cp > 1 else "") + f" mb{f.micro_batch or '?'} z{f.zero}"
+        out = (f"tp{f.tp} pp{f.pp} dp{f.dp}" + (f" cp{f.cp}" if f.cp and f.cp > 1 else "") + (f" ep{f.ep}" if f.ep and f.ep > 1 else "")
+               + f" mb{f.micro_batch or '?'} z{f.zero}")
         if f.pp and f.pp > 1:
             out += f" {f.schedule or '?'}" + (f"x{f.virtual_stages}" if f.virtual_stages else "")
         return out + f" rc={f.recompute or '?'}"
@@ -127,12 +138,54 @@ def source_group(entries: list[dict]) -> dict[str, str]:
     }
 
 
+def _first(m: dict, keys: tuple[str, ...]):
+    """The value of the first of `keys` the model entry gives."""
+    return next((value(m[k]) for k in keys if value(m.get(k)) is not None), None)
+
+
+# what a model entry may name its experts, experts per token, expert width and head width by
+# (the names of Megatron-LM's flags and Hugging Face configs)
+EXPERTS = ("experts", "num_experts", "n_experts", "num_moe_experts", "n_routed_experts", "num_local_experts", "moe_experts")
+TOP_K = ("top_k", "moe_top_k", "moe_router_topk", "router_topk", "num_experts_per_tok", "experts_per_token", "active_experts")
+EXPERT_FFN = ("moe_ffn_hidden", "expert_ffn_hidden", "moe_ffn_hidden_size", "moe_intermediate_size", "expert_hidden")
+HEAD_DIM = ("head_dim", "kv_channels", "head_size")
+SHARED = ("shared_experts", "n_shared_experts", "num_shared_experts", "moe_shared_expert_intermediate_size", "shared_expert_ffn_hidden")
+# attention the model files here cannot build: multi-head latent attention (DeepSeek-V2/V3)
+UNBUILT_ATTENTION = re.compile(r"\bMLA\b|latent attention", re.I)
+
+
+def _experts(m: dict, arch_text: str) -> tuple[int, int, int | None]:
+    """(routed experts, experts per token, one expert's width) of a mixture-of-experts model entry:
+    its fields (EXPERTS, TOP_K, EXPERT_FFN) or its arch text ("128 experts, top-8", Mixtral's
+    "8x7B": 8 experts, top-2); (0, 0, None) for a dense model."""
+    experts = _first(m, EXPERTS)
+    if experts is None:
+        said = re.search(r"(\d+)\s*(?:routed\s+)?experts", arch_text, re.I)
+        mixtral = re.search(r"mixtral[^\d]*(\d+)\s*x\s*\d+\s*B", arch_text, re.I)
+        experts = int(said.group(1)) if said else int(mixtral.group(1)) if mixtral else 0
+    if not experts:
+        return 0, 0, None
+    top_k = _first(m, TOP_K)
+    if top_k is None:
+        said = re.search(r"top[- ]?(\d+)", arch_text, re.I)
+        top_k = int(said.group(1)) if said else 2 if "mixtral" in arch_text.lower() else None
+    assert top_k, f"mixture of experts without its experts per token (one of {', '.join(TOP_K)})"
+    return int(experts), int(top_k), _first(m, EXPERT_FFN)
+
+
 def _shape(e: dict) -> Shape:
     m = e["model"]
     arch_text = str(value(m.get("arch", "")))
+    experts, top_k, expert_ffn = _experts(m, arch_text)
+    if UNBUILT_ATTENTION.search(arch_text) or _first(m, ("kv_lora_rank", "q_lora_rank")):
+        raise ValueError("multi-head latent attention: no model file here builds it")
+    if _first(m, SHARED):
+        raise ValueError("shared experts: the mixture-of-experts model file here has routed experts only")
+    if _first(m, ("first_k_dense_replace", "dense_layers", "moe_layer_freq", "interleave_moe_layer_step")):
+        raise ValueError("dense layers among the expert layers: the model file here has experts in every layer")
     if "MPT" in arch_text:
         arch = "mpt"
-    elif m.get("kv_heads") is not None or "llama" in arch_text.lower():
+    elif m.get("kv_heads") is not None or "llama" in arch_text.lower() or experts:
         arch = "llama"
     else:
         arch = "gpt"
@@ -142,6 +195,7 @@ def _shape(e: dict) -> Shape:
     # run it always.
     attention = "materialised" if arch == "gpt" and year is not None and year <= 2022 else "flash"
     heads = value(m["heads"])
+    head_dim = int(_first(m, HEAD_DIM) or 0)
     return Shape(
         arch=arch,
         attention=attention,
@@ -149,9 +203,12 @@ def _shape(e: dict) -> Shape:
         hidden=value(m["hidden"]),
         heads=heads,
         kv_heads=value(m.get("kv_heads")) or heads,
-        ffn=value(m.get("ffn_hidden")) or 4 * value(m["hidden"]),
+        ffn=expert_ffn or value(m.get("ffn_hidden")) or 4 * value(m["hidden"]),
         seq_len=value(m["seq_len"]),
         vocab=value(m["vocab"]),
+        head_dim=0 if head_dim == value(m["hidden"]) // heads else head_dim,
+        experts=experts,
+        top_k=top_k,
     )
 
 
@@ -241,6 +298,15 @@ def palm_model_flops(shape: Shape, params_b: float, batch: int) -> float:
     return 6 * params_b * 1e9 * tokens + 12 * shape.layers * shape.hidden * shape.seq_len * tokens
 
 
+def active_params_b(shape: Shape) -> float:
+    """Billions of parameters a token's matmuls use in a mixture-of-experts decoder (the Llama-style
+    blocks of models.py): attention, the router, top_k SwiGLU experts per layer, and the head."""
+    h, width = shape.hidden, shape.heads * (shape.head_dim or shape.hidden // shape.heads)
+    kv = shape.kv_heads * (shape.head_dim or shape.hidden // shape.heads)
+    per_layer = h * (2 * width + 2 * kv) + h * shape.experts + shape.top_k * 3 * h * shape.ffn
+    return (shape.layers * per_layer + shape.vocab * h) / 1e9
+
+
 def measured_step(e: dict, shape: Shape, global_batch: int, gpus: int) -> float:
     """The measured step time, or derived from what was published (measured first, then derived):
     a step time, tokens/s per GPU, or model TFLOP/s per GPU (MFU x peak) with the model-FLOPs
@@ -261,7 +327,8 @@ def measured_step(e: dict, shape: Shape, global_batch: int, gpus: int) -> float:
     if shape.arch == "gpt":
         flops = korthikanti_model_flops(shape, global_batch)
     else:
-        params_b = value(e["model"].get("params_b"))
+        params_b = value(e["model"].get("active_params_b")) or (
+            active_params_b(shape) if shape.experts else value(e["model"].get("params_b")))
         assert params_b, f"{e['id']}: model FLOP/s without params_b"
         flops = palm_model_flops(shape, params_b, global_batch)
     return flops / (tflops * 1e12 * gpus)
@@ -422,6 +489,8 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     if gpu.gpus_per_host and per_node <= gpu.gpus_per_host:
         per_node = None  # the row gives a host of a rack-scale NVLink domain (a GB200 NVL72 tray): the
         # cluster is in domains (make_cluster: whole racks, or equal parts of them)
+    if re.search(r"sliding[- ]window", str(value(e["model"].get("arch", ""))), re.I) or value(e["model"].get("sliding_window")):
+        notes.append("sliding-window attention as full attention")
     precision_text = str(value(e.get("precision"))).lower()
     if re.search(r"fp4|int4", precision_text):  # NVFP4, MXFP4: not a precision the planner has
         raise ValueError(f"{e['id']}: precision {precision_text!r}: the cost model has no 4-bit training")
@@ -431,6 +500,13 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     p = e["parallel"]
     tp, pp, dp, cp = (int(value(p.get(k)) or 1) for k in ("tp", "pp", "dp", "cp"))
     assert tp * pp * dp * cp == gpus, f"{e['id']}: tp*pp*dp*cp != {gpus}"
+    # expert parallelism: the experts split over `ep` of the data-parallel ranks (Megatron-LM's
+    # --expert-model-parallel-size, which carves EP out of DP x CP)
+    ep = int(_first(p, ("ep", "expert_parallel", "expert_model_parallel", "ep_size")) or 1)
+    assert ep == 1 or shape.experts, f"{e['id']}: ep {ep} for a dense model"
+    etp = _first(p, ("etp", "expert_tensor_parallel", "expert_tp"))
+    if shape.experts and tp > 1 and etp is not None and int(etp) != tp:
+        notes.append(f"expert TP {etp} as TP {tp} (the planner splits experts as the layer's TP)")
     gb = e.get("global_batch")
     if isinstance(gb, dict) and "tokens" in gb:  # the schema's {tokens: N}: sequences of the row's length
         gb = value(gb["tokens"]) / shape.seq_len
@@ -485,7 +561,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     recompute = _recompute(p, shape, notes, assumed)
     schedule, v = _schedule(p, pp, notes, assumed, trainer)
     fixed = Fixed(
-        tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=micro, zero=zero if dp * cp > 1 else 0,
+        tp=tp, pp=pp, dp=dp, cp=cp, ep=ep if shape.experts else None, micro_batch=micro, zero=zero if dp * cp > 1 else 0,
         schedule=schedule, virtual_stages=v, recompute=recompute,
         sequence_parallel=bool(sp) if sp is not None and tp > 1 else None,
         hsdp=hsdp if zero >= 2 and dp * cp > 1 else None,

@@ -297,3 +297,77 @@ def test_a_row_with_only_model_flops_gets_its_step_from_the_formula_of_its_kind(
     assert row.measured_step_s == pytest.approx(palm_model_flops(row.shape, 8.0, 128) / (744e12 * 8))
     assert any("PaLM's formula" in n for n in row.notes)
     assert [u[0] for u in unread] == ["none"]
+
+
+def test_a_mixture_of_experts_row_reads_its_experts_and_runs_them_as_grouped_gemms(tmp_path):
+    """A row of a mixture-of-experts model (its experts, experts per token, expert width, head width
+    and expert parallelism, in Megatron-LM's or Hugging Face's words) is built as one: a router and
+    stacked experts that the profiler finds (planner/profile/moe.py), every expert given an equal
+    share of the tokens x top-k rows (the benchmarks force-balance their routing), computed as a
+    loop over the experts would."""
+    from dataclasses import replace
+
+    import torch
+
+    from planner.profile.moe import find_moe
+
+    rows = {r.id: r for r in load_rows(REFERENCE.parent / "held_out_runs.yaml")}
+    qwen = rows["megatron_bridge_2511_qwen3_30b_a3b_gb300_8gpu"]
+    assert (qwen.shape.experts, qwen.shape.top_k, qwen.shape.ffn, qwen.shape.head_dim, qwen.fixed.ep) == (128, 8, 768, 128, 8)
+    assert rows["megatron_bridge_2511_llama3_8b_h100_8gpu"].shape.experts == 0
+
+    small = replace(qwen.shape, layers=1, hidden=64, heads=4, kv_heads=2, head_dim=32, ffn=48, experts=8, top_k=2,
+                    vocab=128, seq_len=16)
+    namespace: dict = {}
+    exec(compile(model_source(small), "moe", "exec"), namespace)
+    torch.manual_seed(0)
+    model = namespace["build_model"]()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    (block,) = find_moe(model)
+    assert block.stacked and block.num_experts == 8 and block.top_k == 2
+    moe = model.get_submodule(block.name)
+    assert model.layers[0].self_attn.q_proj.weight.shape == (4 * 32, 64)  # head width apart from hidden / heads
+    assert sum(p.numel() for p in moe.experts.parameters()) == 8 * 3 * 64 * 48
+
+    x = torch.randn(2, 16, 64)
+    h = x.reshape(-1, 64)
+    probs = torch.softmax(moe.gate(h), dim=-1)
+    want = torch.zeros_like(h)
+    share = h.shape[0] * 2 // 8
+    for e in range(8):
+        token = torch.arange(e * share, (e + 1) * share) % h.shape[0]
+        w = moe.experts
+        y = (torch.nn.functional.silu(h[token] @ w.w_gate[e]) * (h[token] @ w.w_up[e])) @ w.w_down[e]
+        want.index_add_(0, token, y * probs[token, e : e + 1])
+    out = moe(x)
+    assert torch.allclose(out.reshape(-1, 64), want, atol=1e-5)
+    (out * torch.randn_like(out)).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in moe.parameters())
+
+
+def test_a_model_the_bench_cannot_build_is_named_not_read_as_dense(tmp_path):
+    """An expert model is never predicted as a dense one: Mixtral's name says 8 experts, top-2; a
+    model with multi-head latent attention or shared experts (DeepSeek-V3), which no model file here
+    builds, and expert parallelism on a dense model are left out and named."""
+    import yaml
+
+    entry = yaml.safe_load((REFERENCE.parent / "held_out_runs.yaml").read_text())["entries"][0]  # Llama 3 8B, dp 8
+    model = {k: v for k, v in entry["model"].items() if k != "arch"}
+    entries = [
+        {**entry, "id": "mixtral", "model": {**model, "arch": "Mixtral 8x7B"},
+         "parallel": {**entry["parallel"], "ep": 8}},
+        {**entry, "id": "mla", "model": {**model, "arch": "DeepSeek-V3 (MLA, 256 experts, top-8)"}},
+        {**entry, "id": "shared", "model": {**model, "num_experts": 64, "top_k": 6, "n_shared_experts": 2}},
+        {**entry, "id": "no_top_k", "model": {**model, "num_experts": 64}},
+        {**entry, "id": "dense_ep", "parallel": {**entry["parallel"], "ep": 8}},
+    ]
+    path = tmp_path / "moe.yaml"
+    path.write_text(yaml.safe_dump({"entries": entries}))
+    unread: list = []
+    (mixtral,) = load_rows(path, unread)
+    assert (mixtral.id, mixtral.shape.experts, mixtral.shape.top_k, mixtral.fixed.ep) == ("mixtral", 8, 2, 8)
+    why = dict(unread)
+    assert list(why) == ["mla", "shared", "no_top_k", "dense_ep"]
+    assert "latent attention" in why["mla"] and "shared experts" in why["shared"]
+    assert "experts per token" in why["no_top_k"] and "dense model" in why["dense_ep"]
