@@ -14,9 +14,11 @@
   --moe-grouped-gemm and torchtitan do, not a Python loop over experts), every expert given an
   equal share of the tokens x top-k rows, as the published MoE benchmarks force-balance their
   routing (Megatron-Bridge's performance summary), with the permutation into expert order and
-  back.
-  Not built: shared experts and multi-head latent attention (DeepSeek-V2/V3), dense first layers,
-  sliding-window attention; a row that names them says so.
+  back; shared experts as one SwiGLU of their width beside the routed ones; dense first layers
+  (DeepSeek-V3's 3); multi-head latent attention (DeepSeek-V2/V3: low-rank queries, keys and
+  values from one latent, values padded to the key width for one fused kernel). Not built:
+  DeepSeek-V3's multi-token prediction module, sliding-window attention (as full attention,
+  noted).
 - MPT rows (llm-foundry): bias-free pre-LayerNorm GPT blocks of examples/gpt.py, tied embedding
   and head, no learned positions, SDPA flash attention, no dropout. Approximated: ALiBi's bias is
   fused into MPT's flash-attention kernel; SDPA cannot add it without leaving the flash path, so
@@ -162,7 +164,8 @@ def sample_batch(b):
 """
 
 _MOE = """
-from llama import Llama, llama_batch
+from dataclasses import replace
+from llama import FeedForward, Llama, RMSNorm, llama_batch
 from moe import MoEConfig
 
 CFG = MoEConfig(dim={hidden}, n_layers={layers}, n_heads={heads}, n_kv_heads={kv_heads},
@@ -172,17 +175,17 @@ CFG = MoEConfig(dim={hidden}, n_layers={layers}, n_heads={heads}, n_kv_heads={kv
 
 class GroupedExperts(nn.Module):
     # Stacked SwiGLU experts run as grouped GEMMs: one kernel per projection for every expert's
-    # rows (Megatron-Core's --moe-grouped-gemm, torchtitan's grouped_mm)
+    # rows, the gate and up projections as one (Megatron-Core's GroupedMLP, --moe-grouped-gemm:
+    # its fc1 is both)
     def __init__(self, cfg):
         super().__init__()
         e, d, f = cfg.n_experts, cfg.dim, cfg.ffn_dim
-        self.w_gate = nn.Parameter(torch.empty(e, d, f))
-        self.w_up = nn.Parameter(torch.empty(e, d, f))
-        self.w_down = nn.Parameter(torch.empty(e, f, d))
+        self.w_fc1 = nn.Parameter(torch.empty(e, d, 2 * f))
+        self.w_fc2 = nn.Parameter(torch.empty(e, f, d))
 
     def forward(self, rows, offs):
-        h = F.silu(torch._grouped_mm(rows, self.w_gate, offs=offs)) * torch._grouped_mm(rows, self.w_up, offs=offs)
-        return torch._grouped_mm(h, self.w_down, offs=offs)
+        gate, up = torch._grouped_mm(rows, self.w_fc1, offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.w_fc2, offs=offs)
 
 
 class BalancedMoE(nn.Module):
@@ -207,8 +210,66 @@ class BalancedMoE(nn.Module):
         return torch.zeros_like(h).index_add(0, token, y).reshape(x.shape)
 
 
+SHARED_FFN, DENSE_LAYERS, DENSE_FFN, MLA_DIMS = {shared_ffn}, {dense_layers}, {dense_ffn}, {mla}
+
+
+class SharedAndRouted(BalancedMoE):
+    # shared experts (DeepSeek, Qwen2-MoE): one SwiGLU of their whole width that every token runs,
+    # beside the routed experts
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.shared = FeedForward(replace(cfg, ffn_dim=SHARED_FFN))
+
+    def forward(self, x):
+        return super().forward(x) + self.shared(x)
+
+
+class LatentAttention(nn.Module):
+    # multi-head latent attention (DeepSeek-V2/V3): queries through a low-rank projection (q_lora),
+    # keys and values from one shared latent (kv_lora) and a shared rotary key; the values are
+    # padded to the query/key head width for one fused attention kernel (as FlashAttention needs
+    # equal widths), and the output cut back. RoPE's rotation of its small part is left out.
+    def __init__(self, cfg):
+        super().__init__()
+        self.heads = cfg.n_heads
+        self.q_lora, self.kv_lora, self.nope, self.rope, self.v = MLA_DIMS
+        qk = self.nope + self.rope
+        if self.q_lora:
+            self.q_a_proj = nn.Linear(cfg.dim, self.q_lora, bias=False)
+            self.q_a_layernorm = RMSNorm(self.q_lora)
+            self.q_b_proj = nn.Linear(self.q_lora, self.heads * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(cfg.dim, self.heads * qk, bias=False)
+        self.kv_a_proj = nn.Linear(cfg.dim, self.kv_lora + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora)
+        self.kv_b_proj = nn.Linear(self.kv_lora, self.heads * (self.nope + self.v), bias=False)
+        self.o_proj = nn.Linear(self.heads * self.v, cfg.dim, bias=False)
+
+    def reset_rope(self):
+        pass
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        h, qk = self.heads, self.nope + self.rope
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q = q.view(B, T, h, qk).transpose(1, 2)
+        latent, k_rope = self.kv_a_proj(x).split([self.kv_lora, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, h, self.nope + self.v).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v], dim=-1)
+        k = torch.cat([k_nope, k_rope.view(B, 1, T, self.rope).expand(B, h, T, self.rope)], dim=-1)
+        v = F.pad(v, (0, qk - self.v)) if qk > self.v else v
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)[..., : self.v]
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, h * self.v))
+
+
 def build_model():
-    return Llama(CFG, mlp=BalancedMoE)
+    model = Llama(CFG, mlp=SharedAndRouted if SHARED_FFN else BalancedMoE)
+    for i, layer in enumerate(model.layers):
+        if i < DENSE_LAYERS:  # dense layers before the first expert layer (DeepSeek-V3's first 3)
+            layer.mlp = FeedForward(replace(CFG, ffn_dim=DENSE_FFN))
+        if MLA_DIMS:
+            layer.self_attn = LatentAttention(CFG)
+    return model
 def sample_batch(b):
     return llama_batch(CFG, b)
 """
@@ -218,9 +279,11 @@ def model_source(shape: Shape) -> str:
     """The model file (build_model, sample_batch) of a row's shape."""
     s = shape
     fields = dict(vocab=s.vocab, seq=s.seq_len, layers=s.layers, heads=s.heads, hidden=s.hidden, kv_heads=s.kv_heads, ffn=s.ffn,
-                  head_dim=s.head_dim, experts=s.experts, top_k=s.top_k)
+                  head_dim=s.head_dim, experts=s.experts, top_k=s.top_k, shared_ffn=s.shared_ffn, dense_layers=s.dense_layers,
+                  dense_ffn=s.dense_ffn, mla=s.mla)
     head = _HEADER.format(examples=str(ROOT / "examples"))
-    if s.experts:
+    if s.experts or s.mla:
+        assert s.experts, f"{s}: latent attention is built in the mixture-of-experts model file only"
         return head + _MOE.format(**fields)
     if s.arch == "llama":
         return head + _LLAMA.format(**fields)

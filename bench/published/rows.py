@@ -13,8 +13,9 @@ does is read from its source: its FP8 recipe, whether its full recompute reruns 
 whether it fuses its memory-bound ops, its data-parallel overlap. Figures a row does not
 publish (micro-batch, recompute, schedule) are left to the search, and said so (`assumed`).
 A mixture-of-experts model is read from its expert fields (Megatron-LM's or Hugging Face's names)
-or its arch text, with its expert parallelism; one that no model file here builds (latent
-attention, shared experts) is left out and named, never predicted as a dense model.
+or its arch text, with its expert parallelism, shared experts, dense first layers and multi-head
+latent attention; one that no model file here builds (expert layers interleaved with dense ones)
+is left out and named, never predicted as a dense model.
 """
 
 from __future__ import annotations
@@ -61,6 +62,14 @@ class Shape:
     top_k: int = 0
     """Experts each token is routed to."""
     # with experts, `ffn` is one expert's hidden width
+    shared_ffn: int = 0
+    """Width of the shared experts every token also runs (DeepSeek, Qwen2-MoE), all of them as one."""
+    dense_layers: int = 0
+    """Layers before the first expert layer, with a dense MLP of `dense_ffn` (DeepSeek-V3: 3)."""
+    dense_ffn: int = 0
+    mla: tuple[int, ...] = ()
+    """Multi-head latent attention: (q_lora_rank (0: none), kv_lora_rank, qk_nope_head_dim,
+    qk_rope_head_dim, v_head_dim); () for grouped-query attention."""
 
 
 @dataclass(frozen=True)
@@ -149,9 +158,43 @@ EXPERTS = ("experts", "num_experts", "n_experts", "num_moe_experts", "n_routed_e
 TOP_K = ("top_k", "moe_top_k", "moe_router_topk", "router_topk", "num_experts_per_tok", "experts_per_token", "active_experts")
 EXPERT_FFN = ("moe_ffn_hidden", "expert_ffn_hidden", "moe_ffn_hidden_size", "moe_intermediate_size", "expert_hidden")
 HEAD_DIM = ("head_dim", "kv_channels", "head_size")
-SHARED = ("shared_experts", "n_shared_experts", "num_shared_experts", "moe_shared_expert_intermediate_size", "shared_expert_ffn_hidden")
-# attention the model files here cannot build: multi-head latent attention (DeepSeek-V2/V3)
-UNBUILT_ATTENTION = re.compile(r"\bMLA\b|latent attention", re.I)
+SHARED_COUNT = ("n_shared_experts", "shared_experts", "num_shared_experts")
+SHARED_WIDTH = ("moe_shared_expert_intermediate_size", "shared_expert_intermediate_size", "shared_expert_ffn_hidden")
+DENSE_FIRST = ("first_k_dense_replace", "first_k_dense", "dense_layers", "first_dense_layers")
+# multi-head latent attention (DeepSeek-V2/V3): its ranks and head widths, and DeepSeek-V3's where
+# a row names MLA without them (its config.json: q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim
+# 128, qk_rope_head_dim 64, v_head_dim 128)
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+MLA_DEEPSEEK_V3 = (1536, 512, 128, 64, 128)
+MLA_TEXT = re.compile(r"\bMLA\b|latent attention", re.I)
+
+
+def _mla(m: dict, arch_text: str) -> tuple[int, ...]:
+    """(q_lora_rank (0: none), kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim) of a
+    model with multi-head latent attention, () for any other attention."""
+    given = [_first(m, (k,)) for k in MLA_KEYS]
+    if not MLA_TEXT.search(arch_text) and not any(v is not None for v in given[1:]):
+        return ()
+    return tuple(int(v) if v is not None else d for v, d in zip(given, MLA_DEEPSEEK_V3))
+
+
+def _layout(m: dict, arch_text: str, expert_ffn: int) -> tuple[int, int]:
+    """(shared experts' width, dense layers before the first expert layer) of an expert model."""
+    width = _first(m, SHARED_WIDTH)
+    count = _first(m, SHARED_COUNT)
+    if count is None:
+        said = re.search(r"(\d+)\s*shared\s+experts?", arch_text, re.I)
+        count = int(said.group(1)) if said else 0
+    shared = int(width) if width else int(count) * expert_ffn
+    dense = _first(m, DENSE_FIRST)
+    freq = _first(m, ("moe_layer_freq", "interleave_moe_layer_step"))
+    if dense is None and isinstance(freq, str):  # Megatron-LM's --moe-layer-freq "([0]*3+[1]*58)"
+        lead = re.match(r"\W*\[0\]\s*\*\s*(\d+)\s*\+\s*\[1\]\s*\*\s*\d+\W*$", freq)
+        assert lead, f"expert layers in the pattern {freq!r}: the model file here has them after the dense ones only"
+        dense = int(lead.group(1))
+    elif freq is not None and int(freq) != 1:
+        raise ValueError(f"an expert layer every {freq} layers: the model file here has them after the dense ones only")
+    return shared, int(dense or 0)
 
 
 def _experts(m: dict, arch_text: str) -> tuple[int, int, int | None]:
@@ -173,19 +216,25 @@ def _experts(m: dict, arch_text: str) -> tuple[int, int, int | None]:
     return int(experts), int(top_k), _first(m, EXPERT_FFN)
 
 
+def _model_fields(e: dict) -> dict:
+    """A row's model fields, those of a nested `moe` (or `mla`) mapping among them."""
+    m = dict(e["model"])
+    for key in ("moe", "mla", "attention"):
+        if isinstance(m.get(key), dict):
+            m = {**m.pop(key), **m}
+    return m
+
+
 def _shape(e: dict) -> Shape:
-    m = e["model"]
+    m = _model_fields(e)
     arch_text = str(value(m.get("arch", "")))
     experts, top_k, expert_ffn = _experts(m, arch_text)
-    if UNBUILT_ATTENTION.search(arch_text) or _first(m, ("kv_lora_rank", "q_lora_rank")):
-        raise ValueError("multi-head latent attention: no model file here builds it")
-    if _first(m, SHARED):
-        raise ValueError("shared experts: the mixture-of-experts model file here has routed experts only")
-    if _first(m, ("first_k_dense_replace", "dense_layers", "moe_layer_freq", "interleave_moe_layer_step")):
-        raise ValueError("dense layers among the expert layers: the model file here has experts in every layer")
+    dense_ffn = value(m.get("ffn_hidden")) or 4 * value(m["hidden"])
+    shared, dense_layers = _layout(m, arch_text, expert_ffn or dense_ffn) if experts else (0, 0)
+    mla = _mla(m, arch_text)
     if "MPT" in arch_text:
         arch = "mpt"
-    elif m.get("kv_heads") is not None or "llama" in arch_text.lower() or experts:
+    elif m.get("kv_heads") is not None or "llama" in arch_text.lower() or experts or mla:
         arch = "llama"
     else:
         arch = "gpt"
@@ -203,12 +252,16 @@ def _shape(e: dict) -> Shape:
         hidden=value(m["hidden"]),
         heads=heads,
         kv_heads=value(m.get("kv_heads")) or heads,
-        ffn=expert_ffn or value(m.get("ffn_hidden")) or 4 * value(m["hidden"]),
+        ffn=expert_ffn or dense_ffn,
         seq_len=value(m["seq_len"]),
         vocab=value(m["vocab"]),
         head_dim=0 if head_dim == value(m["hidden"]) // heads else head_dim,
         experts=experts,
         top_k=top_k,
+        shared_ffn=shared,
+        dense_layers=dense_layers,
+        dense_ffn=dense_ffn if dense_layers else 0,
+        mla=mla,
     )
 
 
@@ -301,10 +354,18 @@ def palm_model_flops(shape: Shape, params_b: float, batch: int) -> float:
 def active_params_b(shape: Shape) -> float:
     """Billions of parameters a token's matmuls use in a mixture-of-experts decoder (the Llama-style
     blocks of models.py): attention, the router, top_k SwiGLU experts per layer, and the head."""
-    h, width = shape.hidden, shape.heads * (shape.head_dim or shape.hidden // shape.heads)
-    kv = shape.kv_heads * (shape.head_dim or shape.hidden // shape.heads)
-    per_layer = h * (2 * width + 2 * kv) + h * shape.experts + shape.top_k * 3 * h * shape.ffn
-    return (shape.layers * per_layer + shape.vocab * h) / 1e9
+    h, a = shape.hidden, shape.heads
+    if shape.mla:
+        q_lora, kv_lora, nope, rope, v = shape.mla
+        q = a * (nope + rope) * (q_lora or h) + (h * q_lora if q_lora else 0)
+        attention = q + h * (kv_lora + rope) + kv_lora * a * (nope + v) + a * v * h
+    else:
+        width = a * (shape.head_dim or h // a)
+        attention = h * (2 * width + 2 * shape.kv_heads * (shape.head_dim or h // a))
+    moe = h * shape.experts + 3 * h * (shape.top_k * shape.ffn + shape.shared_ffn)
+    dense = 3 * h * shape.dense_ffn
+    layers = shape.layers * attention + shape.dense_layers * dense + (shape.layers - shape.dense_layers) * moe
+    return (layers + shape.vocab * h) / 1e9
 
 
 def measured_step(e: dict, shape: Shape, global_batch: int, gpus: int) -> float:
@@ -327,8 +388,8 @@ def measured_step(e: dict, shape: Shape, global_batch: int, gpus: int) -> float:
     if shape.arch == "gpt":
         flops = korthikanti_model_flops(shape, global_batch)
     else:
-        params_b = value(e["model"].get("active_params_b")) or (
-            active_params_b(shape) if shape.experts else value(e["model"].get("params_b")))
+        m = _model_fields(e)
+        params_b = value(m.get("active_params_b")) or (active_params_b(shape) if shape.experts else value(m.get("params_b")))
         assert params_b, f"{e['id']}: model FLOP/s without params_b"
         flops = palm_model_flops(shape, params_b, global_batch)
     return flops / (tflops * 1e12 * gpus)
@@ -380,6 +441,10 @@ def _recompute(p: dict, shape: Shape, notes: list[str], assumed: list[str]) -> s
     # selective_ac_option "op": save every other matmul): the cost model's "alternate".
     if kind == "selective" and ("attention core" in str(text) or shape.arch == "gpt"):
         notes.append("attn-core selective as save-matmuls")
+    elif kind == "selective" and "norm" in lower:
+        # a selective recompute of the norms (and what else it names: DeepSeek-V3's MLA
+        # up-projections) keeps the matmul outputs around them: the cost model's save-matmuls
+        notes.append("selective recompute of the norms as save-matmuls")
     elif kind == "selective":
         return "alternate"
     return kind
@@ -489,6 +554,8 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     if gpu.gpus_per_host and per_node <= gpu.gpus_per_host:
         per_node = None  # the row gives a host of a rack-scale NVLink domain (a GB200 NVL72 tray): the
         # cluster is in domains (make_cluster: whole racks, or equal parts of them)
+    if shape.mla and any(_first(_model_fields(e), (k,)) is None for k in MLA_KEYS):
+        notes.append("latent attention's ranks and widths as DeepSeek-V3's")
     if re.search(r"sliding[- ]window", str(value(e["model"].get("arch", ""))), re.I) or value(e["model"].get("sliding_window")):
         notes.append("sliding-window attention as full attention")
     precision_text = str(value(e.get("precision"))).lower()

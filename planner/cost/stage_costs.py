@@ -365,7 +365,9 @@ def fp8_cast_bytes(layer: LayerProfile, scale: float, shard: int, recipe: str = 
     half of what backward reads beyond the forward's inputs."""
     inputs = layer.fwd_linear_operand_bytes - layer.fwd_linear_weight_bytes
     bwd_acts = layer.bwd_linear_operand_bytes - layer.bwd_linear_weight_bytes
-    if recipe == "te":
+    if recipe == "te":  # its grouped GEMMs too (an expert layer's routed rows), cast alike
+        inputs += layer.fwd_grouped_operand_bytes
+        bwd_acts += layer.bwd_grouped_operand_bytes
         grads = max(0.0, bwd_acts - inputs) / 2
         return FP8_CAST_PASSES * inputs * scale / shard, FP8_CAST_TRANSPOSE_PASSES * grads * scale / shard
     return tuple(FP8_CAST_PASSES * (acts * scale + weights) / shard
@@ -445,10 +447,14 @@ def _layer_costs(
     skip = layer.fwd_causal_attention_flops / 2, layer.bwd_causal_attention_flops / 2
     # an unfused attention's batched matmuls (those selective recompute reruns), backward two per one
     batched = layer.fwd_selective_flops, layer.fwd_selective_io_bytes
+    # the matmuls FP8 runs in 8 bits: the Linears', and under Transformer Engine the grouped GEMMs'
+    grouped = training.fp8_recipe == "te"
+    fp8_fwd = layer.fwd_linear_flops + (layer.fwd_grouped_flops if grouped else 0) if fp8 else 0.0
+    fp8_bwd = layer.bwd_linear_flops + (layer.bwd_grouped_flops if grouped else 0) if fp8 else 0.0
     fwd_work = Work(layer.fwd_flops - skip[0], layer.fwd_matmul_io_bytes, layer.fwd_other_io_bytes * (1 - whole),
-                    layer.fwd_ops, layer.fwd_linear_flops if fp8 else 0.0, layer.fwd_attention_flops - skip[0], *batched)
+                    layer.fwd_ops, fp8_fwd, layer.fwd_attention_flops - skip[0], *batched)
     bwd_work = Work(layer.bwd_flops - skip[1], layer.bwd_matmul_io_bytes, layer.bwd_other_io_bytes * (1 - whole),
-                    layer.bwd_ops, layer.bwd_linear_flops if fp8 else 0.0, layer.bwd_attention_flops - skip[1],
+                    layer.bwd_ops, fp8_bwd, layer.bwd_attention_flops - skip[1],
                     *(min(2 * b, total) for b, total in zip(batched, (layer.bwd_flops, layer.bwd_matmul_io_bytes))))
     # Recompute reruns a layer's forward up to the last tensor backward reads (LayerProfile.fwd_tail_*:
     # torch's non-reentrant checkpoint stops there) unless the trainer's checkpoint reruns it whole

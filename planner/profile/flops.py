@@ -117,6 +117,14 @@ def is_linear_matmul(func) -> bool:
     return func.overloadpacket in _LINEAR
 
 
+def is_grouped_matmul(func) -> bool:
+    """A grouped GEMM (torch._grouped_mm: every expert's rows of a mixture of experts in one
+    kernel). Transformer Engine's FP8 runs them in 8 bits (its GroupedLinear), torchao's
+    Float8Linear, which swaps nn.Linear only, does not."""
+    grouped = getattr(torch.ops.aten, "_grouped_mm", None)
+    return grouped is not None and func.overloadpacket is grouped
+
+
 def is_cheap(func) -> bool:
     if torch.Tag.pointwise in getattr(func, "tags", ()) or getattr(func, "is_view", False):
         return True

@@ -35,6 +35,7 @@ from planner.profile.flops import (
     formula_for,
     is_attention,
     is_cheap,
+    is_grouped_matmul,
     is_linear_matmul,
     kept_by_selective,
     op_name,
@@ -146,6 +147,12 @@ class PhaseCosts:
     """Bytes of those matmuls' operands (what FP8 training casts)."""
     linear_weight_bytes: Counter = field(default_factory=Counter)
     """Of linear_operand_bytes, the parameters' (weights and biases)."""
+    grouped_flops: Counter = field(default_factory=Counter)
+    """Of flops, grouped GEMMs' (a mixture of experts' experts: what Transformer Engine's FP8 runs
+    in 8 bits besides the Linears, flops.is_grouped_matmul)."""
+    grouped_operand_bytes: Counter = field(default_factory=Counter)
+    """Bytes of those GEMMs' operands other than parameters (the rows routed to the experts and
+    their gradients: what that FP8 casts every micro-batch)."""
     # What the alternate recompute policy (torchtitan's per-op selective checkpointing: keep every
     # other Linear matmul's output) recomputes beyond selective's memory-bound ops: the forward's
     # second, fourth, ... Linear matmul of each unit (runtime/recompute.py counts the same way).
@@ -396,6 +403,10 @@ class _Recorder(TorchDispatchMode):
                 operands = tensors_in((args, kwargs))
                 costs.linear_operand_bytes[seg] += sum(map(_nbytes, operands))
                 costs.linear_weight_bytes[seg] += sum(_nbytes(t) for t in operands if storage_key(t) in self.param_keys)
+            if is_grouped_matmul(func):
+                costs.grouped_flops[seg] += flops
+                costs.grouped_operand_bytes[seg] += sum(
+                    _nbytes(t) for t in tensors_in((args, kwargs)) if t.is_floating_point() and storage_key(t) not in self.param_keys)
             if is_attention(func):
                 costs.attention_flops[seg] += flops
                 if _arg(func, args, kwargs, "is_causal"):

@@ -92,6 +92,13 @@ class LayerProfile:
     """Of fwd_linear_operand_bytes, the weights': the same whatever the micro-batch (0 in a profile
     from before the split, which then scales them with it)."""
     bwd_linear_weight_bytes: int = 0
+    fwd_grouped_flops: int = 0
+    """Of fwd_flops, grouped GEMMs' (a mixture of experts' experts run as one kernel per
+    projection): 8-bit under Transformer Engine's FP8 (its GroupedLinear), 16-bit under torchao's."""
+    bwd_grouped_flops: int = 0
+    fwd_grouped_operand_bytes: int = 0
+    """Bytes of those GEMMs' operands other than the experts' weights, what that FP8 casts."""
+    bwd_grouped_operand_bytes: int = 0
     # -- what the alternate recompute policy keeps and recomputes ---------------------------------
     activation_alternate_bytes: Optional[int] = None
     """Of activation_matmul_bytes, what the alternate policy (torchtitan's per-op selective

@@ -337,8 +337,8 @@ def test_a_mixture_of_experts_row_reads_its_experts_and_runs_them_as_grouped_gem
     share = h.shape[0] * 2 // 8
     for e in range(8):
         token = torch.arange(e * share, (e + 1) * share) % h.shape[0]
-        w = moe.experts
-        y = (torch.nn.functional.silu(h[token] @ w.w_gate[e]) * (h[token] @ w.w_up[e])) @ w.w_down[e]
+        gate, up = (h[token] @ moe.experts.w_fc1[e]).chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(gate) * up) @ moe.experts.w_fc2[e]
         want.index_add_(0, token, y * probs[token, e : e + 1])
     out = moe(x)
     assert torch.allclose(out.reshape(-1, 64), want, atol=1e-5)
@@ -346,28 +346,62 @@ def test_a_mixture_of_experts_row_reads_its_experts_and_runs_them_as_grouped_gem
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in moe.parameters())
 
 
-def test_a_model_the_bench_cannot_build_is_named_not_read_as_dense(tmp_path):
-    """An expert model is never predicted as a dense one: Mixtral's name says 8 experts, top-2; a
-    model with multi-head latent attention or shared experts (DeepSeek-V3), which no model file here
-    builds, and expert parallelism on a dense model are left out and named."""
+def test_an_expert_model_is_never_read_as_a_dense_one(tmp_path):
+    """Mixtral's name says 8 experts, top-2; DeepSeek-V3's fields (in a nested `moe` mapping or not)
+    give its shared expert, its 3 dense first layers and its latent attention (DeepSeek-V3's ranks
+    where a row names MLA without them, noted); a model whose expert layers alternate with dense
+    ones, experts without their top-k, and expert parallelism on a dense model are left out and
+    named."""
     import yaml
 
     entry = yaml.safe_load((REFERENCE.parent / "held_out_runs.yaml").read_text())["entries"][0]  # Llama 3 8B, dp 8
     model = {k: v for k, v in entry["model"].items() if k != "arch"}
+    deepseek = {**model, "arch": "DeepSeek-V3 (MLA)", "moe": {"n_routed_experts": 64, "num_experts_per_tok": 6,
+                "moe_intermediate_size": 1408, "n_shared_experts": 2, "first_k_dense_replace": 1}}
     entries = [
-        {**entry, "id": "mixtral", "model": {**model, "arch": "Mixtral 8x7B"},
-         "parallel": {**entry["parallel"], "ep": 8}},
-        {**entry, "id": "mla", "model": {**model, "arch": "DeepSeek-V3 (MLA, 256 experts, top-8)"}},
-        {**entry, "id": "shared", "model": {**model, "num_experts": 64, "top_k": 6, "n_shared_experts": 2}},
+        {**entry, "id": "mixtral", "model": {**model, "arch": "Mixtral 8x7B"}, "parallel": {**entry["parallel"], "ep": 8}},
+        {**entry, "id": "deepseek", "model": deepseek},
+        {**entry, "id": "interleaved", "model": {**model, "num_experts": 16, "top_k": 1, "moe_layer_freq": 2}},
         {**entry, "id": "no_top_k", "model": {**model, "num_experts": 64}},
         {**entry, "id": "dense_ep", "parallel": {**entry["parallel"], "ep": 8}},
     ]
     path = tmp_path / "moe.yaml"
     path.write_text(yaml.safe_dump({"entries": entries}))
     unread: list = []
-    (mixtral,) = load_rows(path, unread)
-    assert (mixtral.id, mixtral.shape.experts, mixtral.shape.top_k, mixtral.fixed.ep) == ("mixtral", 8, 2, 8)
+    mixtral, deepseek = load_rows(path, unread)
+    assert (mixtral.shape.experts, mixtral.shape.top_k, mixtral.fixed.ep) == (8, 2, 8)
+    s = deepseek.shape
+    assert (s.experts, s.top_k, s.ffn, s.shared_ffn, s.dense_layers, s.dense_ffn) == (64, 6, 1408, 2 * 1408, 1, 14336)
+    assert s.mla == (1536, 512, 128, 64, 128) and "latent attention's ranks and widths as DeepSeek-V3's" in deepseek.notes
     why = dict(unread)
-    assert list(why) == ["mla", "shared", "no_top_k", "dense_ep"]
-    assert "latent attention" in why["mla"] and "shared experts" in why["shared"]
-    assert "experts per token" in why["no_top_k"] and "dense model" in why["dense_ep"]
+    assert list(why) == ["interleaved", "no_top_k", "dense_ep"]
+    assert "every 2 layers" in why["interleaved"] and "experts per token" in why["no_top_k"] and "dense model" in why["dense_ep"]
+
+
+def test_deepseeks_layers_are_built_as_it_names_them():
+    """The model file of a DeepSeek-style row: dense first layers, then routed experts beside a
+    shared expert, and latent attention whose parameters are DeepSeek's (low-rank queries, one
+    latent for keys and values, a shared rotary key); forward and backward run."""
+    import torch
+
+    from bench.published.rows import Shape
+    from planner.profile.moe import find_moe
+
+    shape = Shape(arch="llama", attention="flash", layers=3, hidden=64, heads=4, kv_heads=4, ffn=32, seq_len=16,
+                  vocab=128, experts=8, top_k=2, shared_ffn=32, dense_layers=1, dense_ffn=96, mla=(48, 32, 16, 8, 16))
+    namespace: dict = {}
+    exec(compile(model_source(shape), "deepseek", "exec"), namespace)
+    model = namespace["build_model"]()
+    assert [b.name for b in find_moe(model)] == ["layers.1.mlp", "layers.2.mlp"]
+    assert model.layers[0].mlp.down_proj.weight.shape == (64, 96)
+    assert model.layers[1].mlp.shared.down_proj.weight.shape == (64, 32)
+    attn = model.layers[0].self_attn
+    h, (q_lora, kv_lora, nope, rope, v) = 4, shape.mla
+    want = 64 * q_lora + q_lora + q_lora * h * (nope + rope) + 64 * (kv_lora + rope) + kv_lora + kv_lora * h * (nope + v) + h * v * 64
+    assert sum(p.numel() for p in attn.parameters()) == want
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    out = model(torch.randint(0, 128, (2, 16)))
+    assert out.shape == (2, 16, 128)
+    (out * torch.randn_like(out)).sum().backward()
+    assert attn.kv_b_proj.weight.grad.abs().sum() > 0 and model.layers[2].mlp.experts.w_fc2.grad.abs().sum() > 0

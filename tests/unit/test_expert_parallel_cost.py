@@ -368,3 +368,65 @@ def test_hugging_face_ep_with_tp_is_refused_without_sequence_parallelism(tmp_pat
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "--ep 2 with --tp 2 needs sequence parallelism" in err and "which cannot run on this model" in err
+
+
+GROUPED_MOE = """
+import torch, torch.nn as nn, torch.nn.functional as F
+D, F_, E, K = 4096, 8192, 4, 2  # large enough that the GEMMs, not kernel launches, set the time
+class MoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.top_k = K
+        self.gate = nn.Linear(D, E, bias=False)
+        self.experts = Experts()
+    def forward(self, x):
+        h = x.reshape(-1, D)
+        probs = F.softmax(self.gate(h), dim=-1)
+        slot = torch.arange(h.shape[0] * K)
+        token, expert = slot % h.shape[0], slot // (h.shape[0] * K // E)
+        offs = (torch.arange(1, E + 1) * (h.shape[0] * K // E)).to(torch.int32)
+        y = self.experts(h[token], offs) * probs[token, expert][:, None]
+        return torch.zeros_like(h).index_add(0, token, y).reshape(x.shape)
+class Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(E, D, F_) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(E, F_, D) * 0.1)
+    def forward(self, rows, offs):
+        return torch._grouped_mm(F.silu(torch._grouped_mm(rows, self.w1, offs=offs)), self.w2, offs=offs)
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, D)
+        self.moe = MoE()
+        self.head = nn.Linear(D, 32)
+    def forward(self, x):
+        return self.head(self.moe(self.emb(x)))
+def build_model():
+    return M()
+def sample_batch(n):
+    ids = torch.randint(0, 32, (n, 1025))
+    return ids[:, :-1], ids[:, 1:]
+"""
+
+
+def test_grouped_gemms_run_in_fp8_under_transformer_engine_only(model_file):
+    """An expert layer's grouped GEMMs are recorded apart (forward: rows x D x F and rows x F x D,
+    backward twice that); Transformer Engine's FP8 runs them at the FP8 rate (its GroupedLinear) and
+    casts their routed rows, torchao's Float8Linear, which swaps nn.Linear only, leaves them in 16 bits."""
+    profile = profile_model(load_model_file(model_file(GROUPED_MOE)), batch_size=4, dtype="bf16", measure=False)
+    layer = next(l for l in profile.layers if l.moe_experts)
+    rows = 4 * 1024 * 2
+    assert layer.fwd_grouped_flops == 2 * (2 * rows * 4096 * 8192)
+    assert layer.bwd_grouped_flops == 2 * layer.fwd_grouped_flops
+    assert layer.fwd_grouped_operand_bytes == 2 * rows * (4096 + 8192)  # the routed rows and the activation, bf16
+    assert layer.fwd_linear_flops == 2 * 4 * 1024 * 4096 * 4  # the router (the head is another layer)
+    cluster = make_cluster("h100-sxm-80gb", 1)
+    seconds = {}
+    for recipe in ("torchao", "te"):
+        training = Training("fp8", "adamw", 4, 80 * GIB, fp8_recipe=recipe)
+        atoms = atom_table(profile, cluster, training, 1, 4)
+        seconds[recipe] = next(a.fwd_s + a.bwd_s for a in atoms if profile.layers[a.first].moe_experts)
+    bf16 = next(a.fwd_s + a.bwd_s for a in atom_table(profile, cluster, Training("bf16", "adamw", 4, 80 * GIB), 1, 4)
+                if profile.layers[a.first].moe_experts)
+    assert seconds["te"] < 0.8 * seconds["torchao"] and seconds["torchao"] >= bf16
