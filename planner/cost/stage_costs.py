@@ -731,7 +731,8 @@ def stage_costs(
     if cand.ep > 1:
         # the experts' own group: the dp / ep ranks that hold the same experts
         replicas = cand.expert_replicas
-        ex = _dp_traffic(cand, replicas, replicas, lk, w, g, (comm_factor, zero_factor), hsdp=False, copy_s_per_byte=copy_s)
+        expert_lk = replace(lk, dp=lk.expert_dp) if lk.expert_dp is not None else lk
+        ex = _dp_traffic(cand, replicas, replicas, expert_lk, w, g, (comm_factor, zero_factor), hsdp=False, copy_s_per_byte=copy_s)
         sync = ex.grad_sync.per_byte_s
         if cand.tp > 1:
             # each tp rank's expert gradients cover its own sequence shard: summed over tp once a

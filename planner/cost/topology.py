@@ -35,6 +35,9 @@ class Links:
     ep: Link | None = None
     """An expert-parallel group's all-to-all (ep dp ranks strided by tp x cp), None without EP."""
     ep_spans_nodes: bool = False
+    expert_dp: Link | None = None
+    """The ranks that hold the same experts (dp / ep of them, strided by tp x cp x ep: one in each
+    EP group), which average and shard the experts' gradients and state; None without EP."""
 
 
 def _link(cluster: Cluster, group_size: int, spans: bool, members_per_node: int = 1) -> Link:
@@ -75,6 +78,11 @@ def links(cluster: Cluster, cand: Candidate) -> Links:
     # group's ranks on its own port; a CP group strides by tp, as a DP group
     tp_members = min(cand.tp, per_node)
     dp_members = min(shard, max(1, per_node // cand.tp))
+    # the experts' replicas stride by a whole EP group: an EP group that fills a node leaves one
+    # of them in each node, each on its own port
+    expert_stride, replicas = cand.tp * cand.cp * cand.ep, cand.expert_replicas
+    expert_dp = (_link(cluster, replicas, expert_stride * replicas > per_node, min(replicas, max(1, per_node // expert_stride)))
+                 if cand.ep > 1 and replicas > 1 else None)
     return Links(
         tp=_link(cluster, cand.tp, tp_spans, tp_members),
         dp=_link(cluster, shard, dp_spans, dp_members),
@@ -88,4 +96,5 @@ def links(cluster: Cluster, cand: Candidate) -> Links:
         ep=_all_to_all_link(cluster, cand.ep, ep_spans, min(cand.ep, max(1, per_node // (cand.tp * cand.cp))))
         if cand.ep > 1 else None,
         ep_spans_nodes=ep_spans,
+        expert_dp=expert_dp,
     )

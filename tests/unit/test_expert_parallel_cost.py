@@ -430,3 +430,21 @@ def test_grouped_gemms_run_in_fp8_under_transformer_engine_only(model_file):
     bf16 = next(a.fwd_s + a.bwd_s for a in atom_table(profile, cluster, Training("bf16", "adamw", 4, 80 * GIB), 1, 4)
                 if profile.layers[a.first].moe_experts)
     assert seconds["te"] < 0.8 * seconds["torchao"] and seconds["torchao"] >= bf16
+
+
+def test_the_experts_replicas_use_the_ports_they_have():
+    """dp 64 over 8 nodes of 8 with ep 8: an EP group fills a node, so the 8 ranks that hold the
+    same experts are one per node, each averaging and sharding the experts' gradients through its
+    own port (not the node's eight); with ep 2, four of them share a node and its four ports."""
+    cluster = make_cluster("b200", 64)
+    gpu = cluster.gpu
+    eight = links(cluster, Candidate(1, 1, 64, 1, 1, 1, "1f1b", ep=8))
+    assert eight.expert_dp.bandwidth_Bps == pytest.approx(gpu.inter_node_bandwidth_Bps)
+    assert eight.dp.bandwidth_Bps == pytest.approx(8 * gpu.inter_node_bandwidth_Bps)
+    two = links(cluster, Candidate(1, 1, 64, 1, 1, 1, "1f1b", ep=2))
+    assert two.expert_dp.bandwidth_Bps == pytest.approx(4 * gpu.inter_node_bandwidth_Bps)
+    assert links(cluster, Candidate(1, 1, 64, 1, 1, 1, "1f1b")).expert_dp is None
+    # ZeRO-1 (DDP's all-reduce, then the updated shards gathered): over their 8 replicas, on that link
+    moe_profile = profile_model(load_model_file(EXAMPLES / "moe.py"), batch_size=4, dtype="bf16", measure=False)
+    costs = stage_costs(moe_profile, cluster, Training("bf16", "adamw", 256, 180 * GIB), Candidate(1, 1, 64, 4, 1, 1, "1f1b", ep=8))
+    assert costs.expert_grad_sync_per_byte_s == pytest.approx(comm.allreduce(8, eight.expert_dp).per_byte_s)
