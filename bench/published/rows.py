@@ -20,6 +20,7 @@ is left out and named, never predicted as a dense model.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -571,6 +572,11 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     # --expert-model-parallel-size, which carves EP out of DP x CP)
     ep = int(_first(p, ("ep", "expert_parallel", "expert_model_parallel", "ep_size")) or 1)
     assert ep == 1 or shape.experts, f"{e['id']}: ep {ep} for a dense model"
+    if dp % ep:
+        # Megatron-Core's MoE parallel folding: the expert layers' EP may span the attention's TP
+        # and CP ranks too (expert TP 1); the planner splits experts over data-parallel ranks only
+        folded, ep = ep, math.gcd(ep, dp)
+        notes.append(f"EP {folded} folded over TP/CP as EP {ep} inside DP")
     etp = _first(p, ("etp", "expert_tensor_parallel", "expert_tp"))
     if shape.experts and tp > 1 and etp is not None and int(etp) != tp:
         notes.append(f"expert TP {etp} as TP {tp} (the planner splits experts as the layer's TP)")
