@@ -86,7 +86,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=_positive_int, help="samples per step (default: a token budget by model size for sequence models, 32 samples "
                    "per GPU otherwise, 8 per process on the CPU; the micro-batch is searched either way)")
     p.add_argument("--micro-batch", type=_positive_int, help="fix the micro-batch size")
-    p.add_argument("--precision", choices=PRECISIONS, help="bf16/fp16 mixed precision, or fp32 (default bf16; fp32 with --gpu cpu)")
+    p.add_argument("--precision", choices=PRECISIONS, help="bf16/fp16 mixed precision, fp32, fp8 (Float8 Linear matmuls) or fp4 (NVFP4 ones, "
+                   "Transformer Engine's: --trainer megatron) (default bf16; fp32 with --gpu cpu)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default adamw")
     p.add_argument("--memory-limit", type=_positive_float, metavar="GiB", help="usable memory per GPU (default: all of it)")
     p.add_argument("--inter-node-gbps", type=_positive_float, metavar="Gb/s",

@@ -12,10 +12,10 @@ from dataclasses import dataclass, replace
 from planner.cost.constants import TRITON_FLASH_SLOWDOWN
 from planner.errors import BadInput
 
-DTYPES = ("bf16", "fp16", "fp8", "tf32", "fp32")
+DTYPES = ("bf16", "fp16", "fp8", "fp4", "tf32", "fp32")
 _DTYPE_ALIASES = {
     "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
-    "float8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
+    "float8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8", "nvfp4": "fp4", "mxfp4": "fp4", "float4": "fp4",
 }
 
 
@@ -141,8 +141,10 @@ class GPUSpec:
     compute share its cores). Empty: 1; "zero_comm" or "tp_comm" unset: "comm"."""
 
     def matmul_share(self, dtype: str) -> float:
-        """The measured ceiling of `dtype`'s matmuls, a share of that dtype's dense peak."""
-        return (self.fp8_matmul_efficiency if dtype == "fp8" else None) or self.matmul_efficiency
+        """The measured ceiling of `dtype`'s matmuls, a share of that dtype's dense peak. FP4's is
+        taken as FP8's: no FP4 matmul ceiling is published (the ml-engineering MAMF table stops at
+        FP8)."""
+        return (self.fp8_matmul_efficiency if dtype in ("fp8", "fp4") else None) or self.matmul_efficiency
 
     def attention_share(self, kernel: str) -> float | None:
         """The share of the 16-bit peak fused attention reaches with `kernel` (Training.attention_kernel):

@@ -13,7 +13,7 @@ from typing import Callable
 
 from planner import default_batch
 from planner.cost import constants
-from planner.cost.setup import TRAINER_NOTES, TRAINERS, Training, tensor_dtype
+from planner.cost.setup import LOW_PRECISIONS, TRAINER_NOTES, TRAINERS, Training, tensor_dtype
 from planner.errors import BadInput, Infeasible
 from planner.hardware import Cluster, load_catalogue, make_cluster
 from planner.model_file import ModelHandle
@@ -79,6 +79,13 @@ def _check(request: PlanRequest, cluster: Cluster) -> list[str]:
         have = ", ".join(sorted(cluster.gpu.peak_flops))
         raise BadInput(f"--precision fp8: {cluster.gpu.name} ({cluster.gpu.display_name}) has no FP8 matmul peak "
                        f"(it has {have}); FP8 training needs FP8 tensor cores (H100, H200, L40S, MI300X, ...)")
+    if request.precision == "fp4" and "fp4" not in cluster.gpu.peak_flops:
+        have = ", ".join(sorted(cluster.gpu.peak_flops))
+        raise BadInput(f"--precision fp4: {cluster.gpu.name} ({cluster.gpu.display_name}) has no FP4 matmul peak "
+                       f"(it has {have}); NVFP4 training needs Blackwell's FP4 tensor cores (B200, B300, GB200, GB300)")
+    if request.precision == "fp4" and request.trainer != "megatron":
+        raise BadInput("--precision fp4: NVFP4 training is Transformer Engine's recipe (Megatron-LM, NeMo, Megatron-Bridge); "
+                       "plan it with --trainer megatron")
     if f.hsdp and f.zero is not None and f.zero < 2:
         raise BadInput(f"--hsdp on shards with FSDP (ZeRO-2/3), not --zero {f.zero}")
     if f.tp_overlap and f.sequence_parallel is False:
@@ -189,7 +196,7 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
     if result.best is None:
         raise Infeasible(_infeasible_message(profile, request, cluster, result, training))
     attention = cluster.gpu.attention_share(training.attention_kernel)
-    fp8_share = cluster.gpu.matmul_share("fp8")
+    low_share = cluster.gpu.matmul_share(request.precision)
     assumptions = [
         f"trainer: {TRAINER_NOTES[training.trainer]}"
         + ("; with --compile: torch.compile's fused memory-bound kernels instead, and the loss compiled (its logits "
@@ -198,16 +205,16 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
         + (" (plan run executes it with its own runtime)" if training.trainer != "this" else " (--trainer says another)"),
         f"{cluster.describe()}; dense peak {cluster.gpu.peak(tensor_dtype(request.precision)) / 1e12:,.1f} TFLOP/s "
         f"({tensor_dtype(request.precision)})"
-        + (f", {cluster.gpu.peak('fp8') / 1e12:,.1f} for the FP8 Linear matmuls (their casts as memory-bound work)"
-           if request.precision == "fp8" else "")
+        + (f", {cluster.gpu.peak(request.precision) / 1e12:,.1f} for the {request.precision.upper()} Linear matmuls "
+           "(their casts as memory-bound work)" if request.precision in LOW_PRECISIONS else "")
         + f", HBM {cluster.gpu.hbm_bandwidth_Bps / 1e9:,.0f} GB/s, "
         f"links {cluster.gpu.intra_node_bandwidth_Bps / 1e9:,.0f} GB/s in a node and "
         f"{cluster.gpu.inter_node_bandwidth_Bps / 1e9:,.1f} GB/s ({cluster.gpu.inter_node_bandwidth_Bps * 8 / 1e9:,.0f} Gb/s) "
         f"across nodes per GPU" + (" (--inter-node-gbps)" if request.inter_node_gbps else "") + " (plan gpus: sources)",
         f"efficiencies: matmuls {constants.MATMUL_EFFICIENCY:.0%} of this GPU's best measured matmul rate "
         f"({cluster.gpu.matmul_efficiency:.1%} of peak: {cluster.gpu.matmul_efficiency * constants.MATMUL_EFFICIENCY:.0%} in all"
-        + (f"; FP8 ones {fp8_share:.1%} of the FP8 peak: {fp8_share * constants.MATMUL_EFFICIENCY:.0%}"
-           if request.precision == "fp8" else "") + "), "
+        + (f"; {request.precision.upper()} ones {low_share:.1%} of the {request.precision.upper()} peak: "
+           f"{low_share * constants.MATMUL_EFFICIENCY:.0%}" if request.precision in LOW_PRECISIONS else "") + "), "
         + (f"fused attention {attention:.0%} of peak (causal: half its FLOPs), " if attention is not None else "") +
         f"memory-bound ops {constants.MEMORY_EFFICIENCY:.0%} of HBM bandwidth, data-parallel traffic beside compute "
         + (f"{training.dp_overlap:.0%} hidden (the trainer's), " if training.dp_overlap is not None else

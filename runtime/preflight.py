@@ -90,6 +90,11 @@ def prepare(plan_path: str | Path, model_path: str | Path | None = None, *, on_l
             f"{plan_path}: FP8 training (torchao Float8 Linears) is planned but not run by this runtime yet; "
             "re-plan with --precision bf16 to run it here"
         )
+    if plan.training.precision == "fp4":
+        raise BadInput(
+            f"{plan_path}: NVFP4 training (Transformer Engine's recipe) is planned, not run by this runtime; "
+            "re-plan with --precision bf16 to run it here"
+        )
     if p.tp_overlap:
         raise BadInput(
             f"{plan_path}: the plan overlaps TP collectives with the GEMMs (--tp-overlap on, as Megatron-LM's "

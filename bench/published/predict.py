@@ -38,8 +38,8 @@ class Profiles:
 
     @staticmethod
     def key(row: Row) -> tuple:
-        # bf16, fp16 and fp8 (bf16 tensors, 8-bit Linear matmuls) profiles are the same: one serves all
-        return row.shape, "bf16" if row.precision in ("bf16", "fp16", "fp8") else row.precision
+        # bf16, fp16, fp8 and fp4 (bf16 tensors, 8- or 4-bit Linear matmuls) profiles are the same: one serves all
+        return row.shape, "bf16" if row.precision in ("bf16", "fp16", "fp8", "fp4") else row.precision
 
     def prefetch(self, rows: list[Row], workers: int) -> None:
         """Profile every shape the rows need, `workers` at a time (one thread each)."""

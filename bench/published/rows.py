@@ -560,11 +560,15 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     if re.search(r"sliding[- ]window", str(value(e["model"].get("arch", ""))), re.I) or value(e["model"].get("sliding_window")):
         notes.append("sliding-window attention as full attention")
     precision_text = str(value(e.get("precision"))).lower()
-    if re.search(r"fp4|int4", precision_text):  # NVFP4, MXFP4: not a precision the planner has
-        raise ValueError(f"{e['id']}: precision {precision_text!r}: the cost model has no 4-bit training")
+    if re.search(r"int4", precision_text):
+        raise ValueError(f"{e['id']}: precision {precision_text!r}: the cost model has no integer training")
     precision = "fp16" if "fp16" in precision_text else "bf16"  # same peak on every GPU here
     if "fp8" in precision_text:
         precision = "fp8"  # Float8 Linears (torchtitan, torchao): the cost model's --precision fp8
+    if "fp4" in precision_text:
+        precision = "fp4"  # NVFP4 Linears (Transformer Engine's recipe): the cost model's --precision fp4
+    if precision in ("fp8", "fp4") and precision not in gpu.peak_flops:
+        raise ValueError(f"{e['id']}: precision {precision_text!r} on {gpu.name}, which has no {precision} peak in the catalogue")
     p = e["parallel"]
     tp, pp, dp, cp = (int(value(p.get(k)) or 1) for k in ("tp", "pp", "dp", "cp"))
     assert tp * pp * dp * cp == gpus, f"{e['id']}: tp*pp*dp*cp != {gpus}"
@@ -623,8 +627,8 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
         settings["recompute_whole_forward"] = True  # a trainer not named: a reentrant checkpoint
     if _names(trainer_text, TRITON_ATTENTION):
         settings["attention_kernel"] = "triton"
-    if precision == "fp8" and _names(precision_text, MEGATRON):
-        settings["fp8_recipe"] = "te"  # Transformer Engine's FP8, whoever drives it
+    if precision == "fp8" and _names(precision_text, MEGATRON) or precision == "fp4":
+        settings["fp8_recipe"] = "te"  # Transformer Engine's FP8, whoever drives it; its NVFP4 (no other has one)
     zero, hsdp = _zero(p)
     if zero == 3 and pp > 1 and source == "torchtitan":
         # torchtitan's FSDP2 does not reshard after forward under a pipeline (to avoid a gather

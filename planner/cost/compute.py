@@ -40,7 +40,7 @@ class Work:
     other_bytes: float
     ops: int
     fp8_flops: float = 0.0
-    """Of flops, those run at the FP8 rate (Linear matmuls under --precision fp8)."""
+    """Of flops, those run at the low-precision rate (Linear matmuls under --precision fp8 or fp4)."""
     attention_flops: float = 0.0
     """Of flops, the fused attention kernels' (16-bit whatever the precision)."""
     batched_flops: float = 0.0
@@ -66,14 +66,15 @@ class Work:
 
 
 def roofline_s(work: Work, gpu: GPUSpec, dtype: str) -> float:
-    """`dtype` "fp8": `work.fp8_flops` at the FP8 peak, the other matmuls at bf16's."""
-    peak = gpu.peak("bf16" if dtype == "fp8" else dtype)
+    """`dtype` "fp8" or "fp4": `work.fp8_flops` at that dtype's peak, the other matmuls at bf16's."""
+    low = dtype in ("fp8", "fp4")
+    peak = gpu.peak("bf16" if low else dtype)
     rate = gpu.matmul_efficiency * MATMUL_EFFICIENCY
     attention = rate if gpu.attention_efficiency is None else gpu.attention_efficiency
     rest = work.flops - work.fp8_flops - work.attention_flops - work.batched_flops
     flops_s = rest / (peak * rate) + work.attention_flops / (peak * attention)
     if work.fp8_flops:
-        flops_s += work.fp8_flops / (gpu.peak("fp8") * gpu.matmul_share("fp8") * MATMUL_EFFICIENCY)
+        flops_s += work.fp8_flops / (gpu.peak(dtype) * gpu.matmul_share(dtype) * MATMUL_EFFICIENCY)
     hbm = gpu.hbm_bandwidth_Bps * MEMORY_EFFICIENCY
     matmul = max(flops_s, (work.matmul_bytes - work.batched_bytes) / hbm)
     matmul += max(work.batched_flops / (peak * rate), work.batched_bytes / hbm)

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
+PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "fp4")
+LOW_PRECISIONS = ("fp8", "fp4")
+"""Training precisions that run the Linear matmuls (and grouped GEMMs, under Transformer Engine)
+below 16 bits, over bf16 tensors: FP8 (torchao's Float8 or Transformer Engine's), NVFP4
+(Transformer Engine's only)."""
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "alternate", "full")
@@ -12,10 +16,10 @@ RECOMPUTE = ("none", "selective", "alternate", "full")
 
 
 def tensor_dtype(precision: str) -> str:
-    """The dtype of weights and activations for a training precision: FP8 training keeps bf16
-    tensors and runs only its Linear matmuls in 8 bits. Also the peak MFU is quoted against
-    (torchtitan reports its Float8 runs' MFU against the bf16 peak)."""
-    return "bf16" if precision == "fp8" else precision
+    """The dtype of weights and activations for a training precision: FP8 and FP4 training keep
+    bf16 tensors and run only their Linear matmuls in 8 or 4 bits. Also the peak MFU is quoted
+    against (torchtitan reports its Float8 runs' MFU against the bf16 peak)."""
+    return "bf16" if precision in LOW_PRECISIONS else precision
 
 
 TRAINERS: dict[str, dict] = {
@@ -118,7 +122,7 @@ class Training:
     FlashAttention written in Triton, as llm-foundry's MPT runs it for ALiBi (attn_impl "triton"):
     FlashAttention-2's share over constants.TRITON_FLASH_SLOWDOWN (1.85)."""
     fp8_recipe: str = "torchao"
-    """How FP8 training casts (precision fp8 only). "torchao": torchao's Float8Linear, which this
+    """How FP8 training casts (precision fp8; fp4, NVFP4, is Transformer Engine's only: "te"). "torchao": torchao's Float8Linear, which this
     runtime and torchtitan run: every matmul operand cast at each use, weights in every forward
     and backward. "te": Transformer Engine, as Megatron-LM and NeMo run it: the weights cast (with
     their transpose) once per step after the optimizer and cached across the micro-batches, each
@@ -149,9 +153,10 @@ class Training:
         AdamW reads the gradient, master weight, momentum and variance and writes all but the
         gradient back, plus the 16-bit weight copy; SGD likewise without the variance. Transformer
         Engine's FP8 then casts the new weights once for the step: the 16-bit copy read twice
-        (amax, cast), one FP8 byte written and one for its transpose."""
+        (amax, cast), one FP8 byte written and one for its transpose (NVFP4: half a byte each)."""
         w, g, opt = self.bytes_per_param()
-        te_cast = 2 * w + 2 if self.precision == "fp8" and self.fp8_recipe == "te" else 0
+        low = {"fp8": 2, "fp4": 1}.get(self.precision, 0)
+        te_cast = 2 * w + low if low and self.fp8_recipe == "te" else 0
         return g + 2 * opt + (w if self.precision != "fp32" else 0) + te_cast
 
 

@@ -42,7 +42,7 @@ from planner.cost.constants import (
     RESERVE_GPU_BYTES,
 )
 from planner.cost.pipeline import inflight_per_device
-from planner.cost.setup import RECOMPUTE, Candidate, Training
+from planner.cost.setup import LOW_PRECISIONS, RECOMPUTE, Candidate, Training
 from planner.cost.topology import Links, links
 from planner.hardware import Cluster
 from planner.profile.types import LayerProfile, ModelProfile
@@ -349,9 +349,14 @@ FP8_CAST_PASSES = 2.5
 scaled cast), written once in 8 bits (torchao's Float8Linear, tensorwise scaling)."""
 FP8_CAST_TRANSPOSE_PASSES = 3.0
 """The same with the transposed copy written too (Transformer Engine's cast_transpose)."""
+NVFP4_HADAMARD_PASSES = 2.0
+"""NVFP4 training's extra pass over each weight-gradient GEMM operand (the forward input's and the
+output gradient's transposed copies): a 16 x 16 random Hadamard transform, read and written in 16
+bits before the 4-bit cast (NVIDIA, "Pretraining Large Language Models with NVFP4", arXiv
+2509.25149: random Hadamard transforms on the Wgrad inputs; Transformer Engine's NVFP4BlockScaling)."""
 
 
-def fp8_cast_bytes(layer: LayerProfile, scale: float, shard: int, recipe: str = "torchao") -> tuple[float, float]:
+def fp8_cast_bytes(layer: LayerProfile, scale: float, shard: int, recipe: str = "torchao", fp4: bool = False) -> tuple[float, float]:
     """(forward, backward) memory-bound bytes of a layer's FP8 casts per micro-batch on one rank,
     `scale` the rank's share of the profiled tokens and `shard` tensor parallelism's split.
 
@@ -362,14 +367,17 @@ def fp8_cast_bytes(layer: LayerProfile, scale: float, shard: int, recipe: str = 
     its transpose for both backward matmuls; its weights are cast once per step
     (Training.optimizer_traffic_per_param). Backward's activation operands are each output
     gradient twice (input and weight gradients) and each input once, so the output gradients are
-    half of what backward reads beyond the forward's inputs."""
+    half of what backward reads beyond the forward's inputs. NVFP4 (`fp4`, Transformer Engine's
+    only) casts as its FP8 does, and transforms both weight-gradient operands first
+    (NVFP4_HADAMARD_PASSES)."""
     inputs = layer.fwd_linear_operand_bytes - layer.fwd_linear_weight_bytes
     bwd_acts = layer.bwd_linear_operand_bytes - layer.bwd_linear_weight_bytes
     if recipe == "te":  # its grouped GEMMs too (an expert layer's routed rows), cast alike
         inputs += layer.fwd_grouped_operand_bytes
         bwd_acts += layer.bwd_grouped_operand_bytes
         grads = max(0.0, bwd_acts - inputs) / 2
-        return FP8_CAST_PASSES * inputs * scale / shard, FP8_CAST_TRANSPOSE_PASSES * grads * scale / shard
+        rht = NVFP4_HADAMARD_PASSES if fp4 else 0.0
+        return (FP8_CAST_PASSES + rht) * inputs * scale / shard, (FP8_CAST_TRANSPOSE_PASSES + rht) * grads * scale / shard
     return tuple(FP8_CAST_PASSES * (acts * scale + weights) / shard
                  for acts, weights in ((inputs, layer.fwd_linear_weight_bytes), (bwd_acts, layer.bwd_linear_weight_bytes)))
 
@@ -441,8 +449,8 @@ def _layer_costs(
     split_all = shard == 1 or cand.sequence_parallel or not layer.tp.required
     other = layer.fwd_other_io_bytes
     whole = 0.0 if split_all or not other else (other - layer.fwd_other_io_tp_bytes) / other
-    fp8 = training.precision == "fp8"
-    cast = fp8_cast_bytes(layer, scale, shard, training.fp8_recipe) if fp8 else (0.0, 0.0)
+    fp8 = training.precision in LOW_PRECISIONS  # FP8 or NVFP4 Linears (LayerProfile.fwd_linear_flops)
+    cast = fp8_cast_bytes(layer, scale, shard, training.fp8_recipe, training.precision == "fp4") if fp8 else (0.0, 0.0)
     # causal attention runs half the FLOPs the profile counts (its kernels skip the masked blocks)
     skip = layer.fwd_causal_attention_flops / 2, layer.bwd_causal_attention_flops / 2
     # an unfused attention's batched matmuls (those selective recompute reruns), backward two per one

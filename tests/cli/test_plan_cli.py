@@ -242,6 +242,28 @@ def test_fp8_is_planned_where_the_gpu_has_fp8_and_refused_elsewhere(capsys, tmp_
     assert "FP8 training" in err and "not run by this runtime yet" in err and "\n" not in err
 
 
+def test_nvfp4_is_planned_for_transformer_engine_on_blackwell_and_refused_elsewhere(capsys, tmp_path):
+    """--precision fp4 plans NVFP4 Linears where the GPU has FP4 tensor cores and the trainer is
+    Transformer Engine's (--trainer megatron): faster than FP8 on a GB200 for a 7B model; on an
+    H100, or for another trainer, one line and exit 2; plan run refuses it in one line."""
+    args = [str(EXAMPLES / "llama_7b.py"), "--gpus", "8", "--gpu", "gb200", "--global-batch", "64", "--dp", "8",
+            "--micro-batch", "1", "--zero", "1", "--trainer", "megatron"]
+    fp8, fp4 = (_plan_json(capsys, *args, "--precision", p) for p in ("fp8", "fp4"))
+    assert fp4["training"]["precision"] == "fp4"
+    assert fp4["predicted"]["step_time_s"] < fp8["predicted"]["step_time_s"]
+    assert any("for the FP4 Linear matmuls" in a for a in fp4["assumptions"])
+    for bad, said in ((["--gpu", "h100-sxm-80gb"], "no FP4 matmul peak"), (["--trainer", "torchtitan"], "--trainer megatron")):
+        assert main([*args, "--precision", "fp4", *bad]) == EXIT_BAD_INPUT
+        err = capsys.readouterr().err.strip()
+        assert "--precision fp4" in err and said in err and "\n" not in err
+    out = tmp_path / "fp4.json"
+    assert main([*args, "--precision", "fp4", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(out)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert "NVFP4 training" in err and "\n" not in err
+
+
 def test_tp_overlap_is_planned_when_asked_and_refused_by_the_runtime(capsys, tmp_path):
     """--tp-overlap on plans for a trainer that hides TP collectives behind the GEMMs: faster than
     the same plan without, stated in the plan, refused by plan run in one line; with SP off, exit 2."""

@@ -190,12 +190,12 @@ def test_held_out_runs_read_whole_and_an_unknown_gpu_is_named_not_fatal(tmp_path
     assert gb200.cluster().gpus_per_node == 64
     entries = yaml.safe_load(held_out.read_text())["entries"][:2]
     entries[1] = {**entries[1], "id": "on_a_tpu", "hardware": {**entries[1]["hardware"], "gpu": "TPU v5p"}}
-    entries.append({**entries[0], "id": "in_nvfp4", "precision": "NVFP4"})  # never read as 16-bit
+    entries.append({**entries[0], "id": "in_nvfp4", "precision": "NVFP4"})  # an H100: no FP4, never read as 16-bit
     mixed = tmp_path / "mixed.yaml"
     mixed.write_text(yaml.safe_dump({"entries": entries}))
     rows = load_rows(mixed, unread)
     assert [r.id for r in rows] == [entries[0]["id"]]
-    assert [u[0] for u in unread] == ["on_a_tpu", "in_nvfp4"] and "TPU v5p" in unread[0][1] and "4-bit" in unread[1][1]
+    assert [u[0] for u in unread] == ["on_a_tpu", "in_nvfp4"] and "TPU v5p" in unread[0][1] and "no fp4 peak" in unread[1][1]
     with pytest.raises(AssertionError, match="TPU v5p"):
         load_rows(mixed)
 

@@ -434,6 +434,34 @@ def test_transformer_engine_fp8_casts_each_input_and_output_gradient_once(gpt_bf
     assert te.optimizer_traffic_per_param() == torchao.optimizer_traffic_per_param() + 6
 
 
+def test_nvfp4_runs_the_linear_matmuls_at_the_fp4_peak_and_transforms_the_weight_gradient_operands(gpt_bf16):
+    """--precision fp4 (NVFP4, Transformer Engine's recipe): the Linear matmuls at the GPU's FP4 peak
+    (at FP8's measured share: no FP4 ceiling is published), the rest at bf16's; its casts are TE's
+    FP8 ones plus a Hadamard transform (read and written) of both weight-gradient operands; its
+    weights cast once a step to half a byte and its transpose."""
+    from planner.cost.compute import Work, roofline_s
+    from planner.cost.constants import MATMUL_EFFICIENCY
+    from planner.cost.stage_costs import NVFP4_HADAMARD_PASSES, fp8_cast_bytes
+    from planner.errors import BadInput
+    from planner.hardware import get_gpu
+
+    gb300 = get_gpu("gb300")
+    rate = gb300.matmul_efficiency * MATMUL_EFFICIENCY
+    work = Work(flops=3e15, matmul_bytes=0.0, other_bytes=0.0, ops=1, fp8_flops=2e15)
+    fp4 = 2e15 / (15000e12 * gb300.fp8_matmul_efficiency * MATMUL_EFFICIENCY)
+    assert roofline_s(work, gb300, "fp4") == pytest.approx(1e15 / (2500e12 * rate) + fp4)
+    assert roofline_s(work, gb300, "fp4") < roofline_s(work, gb300, "fp8")
+    block = next(l for l in gpt_bf16.layers if l.name == "blocks.0")
+    nine_h = 9 * 384 * 256 * 2
+    fwd, bwd = fp8_cast_bytes(block, 1.0, 1, "te", fp4=True)
+    assert NVFP4_HADAMARD_PASSES == 2.0
+    assert fwd == pytest.approx((2.5 + 2.0) * nine_h) and bwd == pytest.approx((3.0 + 2.0) * nine_h)
+    nvfp4, fp8 = (Training(p, "adamw", 8, 80 * 2**30, fp8_recipe="te") for p in ("fp4", "fp8"))
+    assert nvfp4.optimizer_traffic_per_param() == fp8.optimizer_traffic_per_param() - 1
+    with pytest.raises(BadInput, match="no fp4 peak"):
+        roofline_s(work, get_gpu("h100-sxm-80gb"), "fp4")
+
+
 def _pipelined(zero: int, m: int = 4):
     profile = synthetic_profile(n_blocks=4, h=1024, s=512, heads=16, vocab=32768)
     cluster = make_cluster("a100-80gb", 8, 1)  # 8 nodes of 1: every collective crosses the network

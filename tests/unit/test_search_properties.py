@@ -86,9 +86,11 @@ def check_ranking(ranked) -> None:
 def test_every_ranked_plan_is_legal_and_fits(problem):
     name, num_gpus, global_batch, limit, precision, optimizer, fixed, top_k = problem
     profile = get_profile(name)
-    cluster = make_cluster("h100-sxm-80gb" if precision == "fp8" else "a100-80gb", num_gpus)  # FP8 needs FP8 cores
+    # FP8 needs FP8 tensor cores, NVFP4 Blackwell's FP4 ones and Transformer Engine's recipe
+    gpu = {"fp8": "h100-sxm-80gb", "fp4": "b200"}.get(precision, "a100-80gb")
+    cluster = make_cluster(gpu, num_gpus)
     assert cluster.gpus_per_node == min(GPUS_PER_NODE, num_gpus)
-    training = Training(precision, optimizer, global_batch, limit)
+    training = Training(precision, optimizer, global_batch, limit, fp8_recipe="te" if precision == "fp4" else "torchao")
     if fixed.cp and fixed.cp > 1 and (profile.cp_blocker != "" or profile.seq_len % (2 * fixed.cp)):
         with pytest.raises(BadInput, match=f"--cp {fixed.cp}: "):  # a model or sequence CP cannot split
             run_search(profile, cluster, training, fixed, top_k)
