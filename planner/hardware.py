@@ -6,7 +6,7 @@ A GPU file (packaged ones live in ``profiles/``; ``profiles/README.md`` shows a 
     display_name: NVIDIA H100 SXM5 80GB
     vendor: NVIDIA
     peak_tflops:                      # DENSE TFLOP/s per dtype (no 2:4 sparsity); any of
-      bf16: 989.4                     #   bf16, fp16, fp8, tf32, fp32 (fp32 = without tensor
+      bf16: 989.4                     #   bf16, fp16, fp8, fp4, tf32, fp32 (fp32 = without tensor
       fp16: 989.4                     #   cores); leave a dtype out when the GPU lacks it
       fp32: 66.9
     memory_gb: 80                     # decimal GB, as datasheets give it
