@@ -327,7 +327,7 @@ def gpu_of(hw: dict, catalogue: dict[str, GPUSpec]) -> tuple[GPUSpec, str | None
     domain = re.search(r"NVL(\d+)", text, re.I)
     if domain and spec.gpus_per_host:  # a rack-scale part in a smaller NVLink domain than the catalogue's
         spec = replace(spec, gpus_per_node=int(domain.group(1)))
-    bw = inter_node_Bps(value(hw.get("inter_node_link")), hw["gpus_per_node"])
+    bw = inter_node_Bps(value(hw.get("inter_node_link")), value(hw.get("gpus_per_node")) or spec.gpus_per_host or spec.gpus_per_node)
     if bw is not None and bw != spec.inter_node_bandwidth_Bps:
         spec = replace(spec, inter_node_bandwidth_Bps=bw)
     return spec, note
@@ -547,9 +547,17 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     notes: list[str] = []
     assumed: list[str] = []
     shape = _shape(e)
-    hw = e["hardware"]
-    gpus, per_node = hw["gpus"], hw["gpus_per_node"]
+    hw = dict(e["hardware"])
+    p = e["parallel"]
+    tp, pp, cp = (int(value(p.get(k)) or 1) for k in ("tp", "pp", "cp"))
+    if value(hw.get("gpus")) is None and value(p.get("dp")):  # the schema's dp = gpus / (tp pp cp)
+        hw["gpus"] = tp * pp * int(value(p["dp"])) * cp
+    gpus = int(value(hw["gpus"]))
+    dp = int(value(p.get("dp")) or gpus // (tp * pp * cp))
     gpu, gpu_note = gpu_of(hw, catalogue)
+    if value(hw.get("gpus_per_node")) is None:  # not said: the catalogue part's node (or NVLink domain)
+        hw["gpus_per_node"] = gpu.gpus_per_host or gpu.gpus_per_node
+    per_node = int(value(hw["gpus_per_node"]))
     if gpu_note:
         notes.append(gpu_note)
     if gpu.gpus_per_host and per_node <= gpu.gpus_per_host:
@@ -569,8 +577,6 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
         precision = "fp4"  # NVFP4 Linears (Transformer Engine's recipe): the cost model's --precision fp4
     if precision in ("fp8", "fp4") and precision not in gpu.peak_flops:
         raise ValueError(f"{e['id']}: precision {precision_text!r} on {gpu.name}, which has no {precision} peak in the catalogue")
-    p = e["parallel"]
-    tp, pp, dp, cp = (int(value(p.get(k)) or 1) for k in ("tp", "pp", "dp", "cp"))
     assert tp * pp * dp * cp == gpus, f"{e['id']}: tp*pp*dp*cp != {gpus}"
     # expert parallelism: the experts split over `ep` of the data-parallel ranks (Megatron-LM's
     # --expert-model-parallel-size, which carves EP out of DP x CP)

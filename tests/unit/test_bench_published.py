@@ -410,3 +410,21 @@ def test_deepseeks_layers_are_built_as_it_names_them():
     assert out.shape == (2, 16, 128)
     (out * torch.randn_like(out)).sum().backward()
     assert attn.kv_b_proj.weight.grad.abs().sum() > 0 and model.layers[2].mlp.experts.w_fc2.grad.abs().sum() > 0
+
+
+def test_a_row_without_its_node_size_or_data_parallel_degree_is_read(tmp_path):
+    """A file of runs from elsewhere that leaves out gpus_per_node (the catalogue part's node, or its
+    NVLink tray), dp (GPUs / (tp pp cp), the schema's definition) or the GPU count (tp pp dp cp)
+    is read, not refused."""
+    import yaml
+
+    entry = yaml.safe_load((REFERENCE.parent / "held_out_runs.yaml").read_text())["entries"][1]  # tp4 pp8 dp2, 64 H100s
+    hw = {k: v for k, v in entry["hardware"].items() if k != "gpus_per_node"}
+    no_node = {**entry, "id": "no_node", "hardware": hw}
+    no_dp = {**entry, "id": "no_dp", "parallel": {k: v for k, v in entry["parallel"].items() if k != "dp"}}
+    no_count = {**entry, "id": "no_count", "hardware": {k: v for k, v in entry["hardware"].items() if k != "gpus"}}
+    path = tmp_path / "runs.yaml"
+    path.write_text(yaml.safe_dump({"entries": [no_node, no_dp, no_count]}))
+    rows = {r.id: r for r in load_rows(path)}
+    assert rows["no_node"].gpus_per_node == 8 and rows["no_node"].num_gpus == 64
+    assert rows["no_dp"].fixed.dp == 2 and rows["no_count"].num_gpus == 64
