@@ -28,7 +28,7 @@ def plan_label(scored) -> str:
 
 def print_table(results: list[Result]) -> None:
     head = (
-        f"{'id':44s} {'source':17s} {'GPU x count':20s} {'config (as predicted)':42s} {'meas s':>8s} "
+        f"{'id':44s} {'source':20s} {'GPU x count':20s} {'config (as predicted)':42s} {'meas s':>8s} "
         f"{'pred s':>8s} {'err':>6s} {'meas GiB':>8s} {'pred GiB':>8s} {'err':>6s}  note"
     )
     print(head)
@@ -44,7 +44,7 @@ def print_table(results: list[Result]) -> None:
         note = "; ".join(("tight: fits without the allocator's fragmentation",) * r.tight + row.notes
                          + tuple(f"[{a}]" for a in row.assumed))
         print(
-            f"{row.id:44s} {row.source:17s} {gpu:20s} {config:42s} {row.measured_step_s:8.2f} {pred:>8s} "
+            f"{row.id:44s} {row.source:20s} {gpu:20s} {config:42s} {row.measured_step_s:8.2f} {pred:>8s} "
             f"{err:>6s} {_gib(row.measured_peak_bytes):>8s} {mem_pred:>8s} {_pct(r.memory_error):>6s}  {note}"
         )
         if r.free_s is not None:
@@ -79,14 +79,14 @@ def print_summary(results: list[Result]) -> None:
         groups.setdefault(r.row.source, []).append(r)
     groups["overall"] = results
     print(
-        f"\n{'source':17s} {'rows':>4s} {'refused':>7s} {'tight':>5s} {'approx':>6s} {'assumed':>7s} | "
+        f"\n{'source':20s} {'rows':>4s} {'refused':>7s} {'tight':>5s} {'approx':>6s} {'assumed':>7s} | "
         f"{'step: n':>7s} {'median':>7s} {'worst':>7s} | {'exact: n':>8s} {'median':>7s} {'worst':>7s} | "
         f"{'memory: n':>9s} {'median':>7s} {'worst':>7s}"
     )
     for name, rs in groups.items():
         exact = [r.error for r in rs if not r.row.notes]
         print(
-            f"{name:17s} {len(rs):4d} {sum(r.scored is None for r in rs):7d} {sum(r.tight for r in rs):5d} "
+            f"{name:20s} {len(rs):4d} {sum(r.scored is None for r in rs):7d} {sum(r.tight for r in rs):5d} "
             f"{sum(bool(r.row.notes) for r in rs):6d} "
             f"{sum(bool(r.row.assumed) for r in rs):7d} | {error_stats([r.error for r in rs]):>23s} | "
             f"{error_stats(exact):>24s} | {error_stats([r.memory_error for r in rs]):>25s}"

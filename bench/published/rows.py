@@ -77,7 +77,7 @@ class Shape:
 class Row:
     id: str
     source: str
-    """The paper or repository the row comes from (source_group)."""
+    """The paper or repository the row comes from (source_group); its expert models apart ("_moe")."""
     shape: Shape
     gpu: GPUSpec
     """The catalogue GPU with the row's own figures where it gives them (inter-node bandwidth)."""
@@ -655,7 +655,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     measured = e.get("measured") or {}
     peak = (value(measured.get("peak_memory_gib")) or 0) * GIB or (value(measured.get("peak_memory_gb")) or 0) * 1e9
     return Row(
-        id=e["id"], source=source, shape=shape, gpu=gpu, num_gpus=gpus, gpus_per_node=per_node,
+        id=e["id"], source=source + ("_moe" if shape.experts else ""), shape=shape, gpu=gpu, num_gpus=gpus, gpus_per_node=per_node,
         precision=precision, global_batch=gb, fixed=fixed,
         measured_step_s=measured_step(e, shape, gb, gpus),
         measured_peak_bytes=peak or None,
