@@ -588,8 +588,9 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
         folded, ep = ep, math.gcd(ep, dp)
         notes.append(f"EP {folded} folded over TP/CP as EP {ep} inside DP")
     etp = _first(p, ("etp", "expert_tensor_parallel", "expert_tp"))
-    if shape.experts and tp > 1 and etp is not None and int(etp) != tp:
-        notes.append(f"expert TP {etp} as TP {tp} (the planner splits experts as the layer's TP)")
+    planned_etp = 1 if ep > 1 else tp  # with EP the planner keeps experts whole (stage_costs), without it TP splits them
+    if shape.experts and etp is not None and int(etp) != planned_etp:
+        notes.append(f"expert TP {etp} as {planned_etp}")
     gb = e.get("global_batch")
     if isinstance(gb, dict) and "tokens" in gb:  # the schema's {tokens: N}: sequences of the row's length
         gb = value(gb["tokens"]) / shape.seq_len
