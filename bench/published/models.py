@@ -202,10 +202,10 @@ class BalancedMoE(nn.Module):
         h = x.reshape(-1, x.shape[-1])
         probs = F.softmax(self.gate(h), dim=-1, dtype=torch.float32)
         total = h.shape[0] * self.top_k
-        share = total // self.n_experts
+        share = -(-total // self.n_experts)  # the last expert takes fewer when they do not divide
         slot = torch.arange(total, device=h.device)
         token, expert = slot % h.shape[0], slot // share
-        offs = (torch.arange(1, self.n_experts + 1, device=h.device) * share).to(torch.int32)
+        offs = (torch.arange(1, self.n_experts + 1, device=h.device) * share).clamp(max=total).to(torch.int32)
         y = self.experts(h[token], offs) * probs[token, expert].to(h.dtype)[:, None]
         return torch.zeros_like(h).index_add(0, token, y).reshape(x.shape)
 
