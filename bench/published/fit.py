@@ -94,7 +94,7 @@ def leave_one_source_out(predicted: list[Result], grid: dict, best: Point) -> No
     """For each source: fit on the other sources' rows, predict the held-out source's rows."""
     print(
         f"\nleave one source out: fit on the other sources, predict the held-out one\n"
-        f"{'held out':17s} {'matmul':>6s} {'memory':>6s} {'overlap':>7s} | {'held out: n':>11s} {'median':>7s} {'worst':>7s} | "
+        f"{'held out':20s} {'matmul':>6s} {'memory':>6s} {'overlap':>7s} | {'held out: n':>11s} {'median':>7s} {'worst':>7s} | "
         f"{'in the all-rows fit: n':>22s} {'median':>7s} {'worst':>7s}"
     )
     held_all: list[float] = []
@@ -102,10 +102,10 @@ def leave_one_source_out(predicted: list[Result], grid: dict, best: Point) -> No
         keep = [r.row.source != source for r in predicted]
         point = best_point(grid, keep)
         if point is None:
-            print(f"{source:17s} (no other source to fit on)")
+            print(f"{source:20s} (no other source to fit on)")
             continue
         held = [e for e, k in zip(grid[point], keep) if not k]
         held_all += held
         inside = [e for e, k in zip(grid[best], keep) if not k]
-        print(f"{source:17s} {point[0]:6.2f} {point[1]:6.2f} {point[2]:7.2f} | {error_stats(_rel(held)):>27s} | {error_stats(_rel(inside)):>38s}")
-    print(f"{'every row held out':39s} | {error_stats(_rel(held_all)):>27s} | {error_stats(_rel(grid[best])):>38s}")
+        print(f"{source:20s} {point[0]:6.2f} {point[1]:6.2f} {point[2]:7.2f} | {error_stats(_rel(held)):>27s} | {error_stats(_rel(inside)):>38s}")
+    print(f"{'every row held out':42s} | {error_stats(_rel(held_all)):>27s} | {error_stats(_rel(grid[best])):>38s}")
