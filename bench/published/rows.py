@@ -41,6 +41,19 @@ def value(x):
     return x.get("value") if isinstance(x, dict) else x
 
 
+def num(x):
+    """value(x), a number written as text ("1,536", "8") read as one; other text as it is."""
+    v = value(x)
+    if isinstance(v, str):
+        text = v.replace(",", "").replace("_", "").strip()
+        for kind in (int, float):
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+    return v
+
+
 @dataclass(frozen=True)
 class Shape:
     """The model a row describes; equal shapes share one profile."""
@@ -150,7 +163,7 @@ def source_group(entries: list[dict]) -> dict[str, str]:
 
 def _first(m: dict, keys: tuple[str, ...]):
     """The value of the first of `keys` the model entry gives."""
-    return next((value(m[k]) for k in keys if value(m.get(k)) is not None), None)
+    return next((num(m[k]) for k in keys if value(m.get(k)) is not None), None)
 
 
 # what a model entry may name its experts, experts per token, expert width and head width by
@@ -230,7 +243,7 @@ def _shape(e: dict) -> Shape:
     m = _model_fields(e)
     arch_text = str(value(m.get("arch", "")))
     experts, top_k, expert_ffn = _experts(m, arch_text)
-    dense_ffn = value(m.get("ffn_hidden")) or 4 * value(m["hidden"])
+    dense_ffn = num(m.get("ffn_hidden")) or 4 * num(m["hidden"])
     shared, dense_layers = _layout(m, arch_text, expert_ffn or dense_ffn) if experts else (0, 0)
     mla = _mla(m, arch_text)
     if "MPT" in arch_text:
@@ -244,19 +257,19 @@ def _shape(e: dict) -> Shape:
     # Flash attention (Dao et al., 2022) reached Megatron-LM in 2023; llm-foundry and torchtitan
     # run it always.
     attention = "materialised" if arch == "gpt" and year is not None and year <= 2022 else "flash"
-    heads = value(m["heads"])
+    heads = num(m["heads"])
     head_dim = int(_first(m, HEAD_DIM) or 0)
     return Shape(
         arch=arch,
         attention=attention,
-        layers=value(m["layers"]),
-        hidden=value(m["hidden"]),
+        layers=num(m["layers"]),
+        hidden=num(m["hidden"]),
         heads=heads,
-        kv_heads=value(m.get("kv_heads")) or heads,
+        kv_heads=num(m.get("kv_heads")) or heads,
         ffn=expert_ffn or dense_ffn,
-        seq_len=value(m["seq_len"]),
-        vocab=value(m["vocab"]),
-        head_dim=0 if head_dim == value(m["hidden"]) // heads else head_dim,
+        seq_len=num(m["seq_len"]),
+        vocab=num(m["vocab"]),
+        head_dim=0 if head_dim == num(m["hidden"]) // heads else head_dim,
         experts=experts,
         top_k=top_k,
         shared_ffn=shared,
@@ -342,7 +355,7 @@ def korthikanti_model_flops(shape: Shape, batch: int) -> float:
 
 def _published(e: dict, key: str) -> float | None:
     """A figure of the row, measured or else derived."""
-    return next((float(value(x[key])) for x in (e.get("measured") or {}, e.get("derived") or {}) if value(x.get(key))), None)
+    return next((float(num(x[key])) for x in (e.get("measured") or {}, e.get("derived") or {}) if value(x.get(key))), None)
 
 
 def palm_model_flops(shape: Shape, params_b: float, batch: int) -> float:
@@ -382,15 +395,15 @@ def measured_step(e: dict, shape: Shape, global_batch: int, gpus: int) -> float:
     m = e.get("measured") or {}
     tflops = _published(e, "model_tflops_per_gpu")
     if tflops is None and value(m.get("mfu")) and value(m.get("peak_used_tflops")):
-        tflops = value(m["mfu"]) * value(m["peak_used_tflops"])
+        tflops = num(m["mfu"]) * num(m["peak_used_tflops"])
     if tflops is None and value(m.get("tflops_per_gpu")) and "model" in str(value(m.get("tflops_kind"))).lower():
-        tflops = value(m["tflops_per_gpu"])
+        tflops = num(m["tflops_per_gpu"])
     assert tflops, f"{e['id']}: no step time, throughput or model FLOP/s"
     if shape.arch == "gpt":
         flops = korthikanti_model_flops(shape, global_batch)
     else:
         m = _model_fields(e)
-        params_b = value(m.get("active_params_b")) or (active_params_b(shape) if shape.experts else value(m.get("params_b")))
+        params_b = num(m.get("active_params_b")) or (active_params_b(shape) if shape.experts else num(m.get("params_b")))
         assert params_b, f"{e['id']}: model FLOP/s without params_b"
         flops = palm_model_flops(shape, params_b, global_batch)
     return flops / (tflops * 1e12 * gpus)
@@ -549,15 +562,15 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     shape = _shape(e)
     hw = dict(e["hardware"])
     p = e["parallel"]
-    tp, pp, cp = (int(value(p.get(k)) or 1) for k in ("tp", "pp", "cp"))
+    tp, pp, cp = (int(num(p.get(k)) or 1) for k in ("tp", "pp", "cp"))
     if value(hw.get("gpus")) is None and value(p.get("dp")):  # the schema's dp = gpus / (tp pp cp)
-        hw["gpus"] = tp * pp * int(value(p["dp"])) * cp
-    gpus = int(value(hw["gpus"]))
-    dp = int(value(p.get("dp")) or gpus // (tp * pp * cp))
+        hw["gpus"] = tp * pp * int(num(p["dp"])) * cp
+    gpus = int(num(hw["gpus"]))
+    dp = int(num(p.get("dp")) or gpus // (tp * pp * cp))
     gpu, gpu_note = gpu_of(hw, catalogue)
     if value(hw.get("gpus_per_node")) is None:  # not said: the catalogue part's node (or NVLink domain)
         hw["gpus_per_node"] = gpu.gpus_per_host or gpu.gpus_per_node
-    per_node = int(value(hw["gpus_per_node"]))
+    per_node = int(num(hw["gpus_per_node"]))
     if gpu_note:
         notes.append(gpu_note)
     if gpu.gpus_per_host and per_node <= gpu.gpus_per_host:
@@ -593,19 +606,20 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
         notes.append(f"expert TP {etp} as {planned_etp}")
     gb = e.get("global_batch")
     if isinstance(gb, dict) and "tokens" in gb:  # the schema's {tokens: N}: sequences of the row's length
-        gb = value(gb["tokens"]) / shape.seq_len
-    gb = value(gb)
+        gb = num(gb["tokens"]) / shape.seq_len
+    gb = num(gb)
     if gb is None:
         gb = gpus
         assumed.append(f"global batch {gb} (1 per GPU)")
     mb = e.get("micro_batch")
     if isinstance(mb, dict) and "local_batch_per_dp_rank" in mb:
-        local = mb["local_batch_per_dp_rank"]  # no gradient accumulation: one step per local batch
+        local = int(num(mb["local_batch_per_dp_rank"]))  # no gradient accumulation: one step per local batch
         micro = local // pp if pp > 1 else local
         if pp > 1:
             assumed.append(f"{pp} pipeline micro-batches (torchtitan default)")
     else:
-        micro = value(mb)
+        micro = num(mb)
+        micro = int(micro) if micro is not None else None
         if micro is None:
             assumed.append("micro-batch free")
     whole = dp * (micro or 1)  # a step is whole micro-batches on every data-parallel rank

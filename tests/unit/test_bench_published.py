@@ -428,3 +428,20 @@ def test_a_row_without_its_node_size_or_data_parallel_degree_is_read(tmp_path):
     rows = {r.id: r for r in load_rows(path)}
     assert rows["no_node"].gpus_per_node == 8 and rows["no_node"].num_gpus == 64
     assert rows["no_dp"].fixed.dp == 2 and rows["no_count"].num_gpus == 64
+
+
+def test_numbers_written_as_text_are_read_as_numbers(tmp_path):
+    """A file of runs from elsewhere may write its figures as text ("1,536", "8"): they are read as
+    the numbers they say, not refused or multiplied as strings."""
+    import yaml
+
+    entry = yaml.safe_load((REFERENCE.parent / "held_out_runs.yaml").read_text())["entries"][1]  # tp4 pp8 dp2, 64 H100s
+    text = {**entry, "id": "text", "global_batch": "128", "micro_batch": "1",
+            "model": {**entry["model"], "hidden": "8,192", "layers": "80"},
+            "parallel": {**entry["parallel"], "tp": "4", "dp": "2"},
+            "measured": {"tokens_per_s_per_gpu": "1,602"}}
+    path = tmp_path / "runs.yaml"
+    path.write_text(yaml.safe_dump({"entries": [entry, text]}))
+    plain, texted = load_rows(path)
+    assert (texted.shape, texted.fixed, texted.global_batch) == (plain.shape, plain.fixed, plain.global_batch)
+    assert texted.measured_step_s == pytest.approx(plain.measured_step_s)
