@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from planner.cost.comm import exposed_after_s, overlapped_s
 from planner.cost.pipeline import pipeline_s
-from planner.cost.stage_costs import StageCosts
+from planner.cost.stage_costs import NONE, StageCosts
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,12 @@ def evaluate(costs: StageCosts, bounds: list[int], choice: list[int]) -> Evaluat
         sync = exposed + costs.after_step_s(params, experts) + costs.after_step_atom_s * len(atoms)
         weights, grads, optim = costs.state_bytes(params, experts)
         weights += costs.zero3_gather_bytes
-        kept = sum(a.act_bytes[choice[k]] for a, k in zip(atoms, atom_ids))
-        activations = costs.inflight[i] * kept + costs.working_bytes
+        # each stage's activations kept whole as many times as it holds micro-batches, less what
+        # recompute saves at the rank's in-flight count (the solver's figure, partition.py)
+        whole = sum(costs.inflight_stage[s] * costs.atoms[a].act_bytes[NONE]
+                    for s in range(i, cand.num_stages, p) for a in range(bounds[s], bounds[s + 1]))
+        saved = sum(a.act_bytes[NONE] - a.act_bytes[choice[k]] for a, k in zip(atoms, atom_ids))
+        activations = whole - costs.inflight[i] * saved + costs.working_bytes
         reserve = costs.reserve_fixed_bytes + costs.fragmentation * (weights + grads + optim + activations)
         devices.append(
             DeviceFigures(

@@ -8,7 +8,8 @@ With p ranks, m micro-batches and per-micro-batch stage times T_i (forward + bac
   shrink by v: m * max(T) + (sum(T) - max(T)) / v, i.e. a bubble of (p-1)/v stage times, at the
   price of v times the pipeline sends. Rank i holds 2(p-i-1) + (v-1)p + 1 chunk-micro-batches at
   peak (Megatron-LM's warm-up count plus the one in flight), each 1/v of its layers: on rank 0
-  that is (1 + (p-1)/(pv)) x the 1F1B figure, as Korthikanti et al. 2022 Sec. 4.2.3 state.
+  that is (1 + (p-1)/(pv)) x the 1F1B figure, as Korthikanti et al. 2022 Sec. 4.2.3 state; its
+  first chunks hold more of them than its last (inflight_per_stage).
 """
 
 from __future__ import annotations
@@ -22,16 +23,36 @@ def interleaved_rounds(num_microbatches: int, pp: int) -> int:
     return max(1, num_microbatches // pp)
 
 
-def inflight_per_device(cand: Candidate) -> tuple[float, ...]:
-    """Micro-batches' worth of each rank's activations held at the peak of the schedule."""
+def inflight_per_stage(cand: Candidate) -> tuple[float, ...]:
+    """Micro-batches of each stage's activations held at the peak of the schedule (stage s on
+    rank s % pp). Interleaved 1F1B runs its forwards a round of micro-batches per chunk (torch's
+    ScheduleInterleaved1F1B and Megatron-LM alike: m / rounds of them, then the next chunk), so
+    rank i's 2(p-i-1) + (v-1)p + 1 in flight at the end of its warm-up fill its first chunks
+    whole and its last ones least: the last rank holds one micro-batch of its last chunk (the
+    model's head and loss), as its backward follows each forward at once."""
     p, m, v = cand.pp, cand.num_microbatches, cand.virtual_stages
     if p == 1:
-        return (1.0,)
+        return (1.0,) * cand.num_stages
     if cand.schedule == "gpipe":
-        return tuple(float(m) for _ in range(p))
+        return tuple(float(m) for _ in range(cand.num_stages))
     if cand.schedule == "1f1b" or v == 1:
         return tuple(float(min(m, p - i)) for i in range(p))
-    return tuple(min(m * v, 2 * (p - i - 1) + (v - 1) * p + 1) / v for i in range(p))
+    group = m // interleaved_rounds(m, p)
+    out = [0.0] * cand.num_stages
+    for i in range(p):
+        for k in range(min(m * v, 2 * (p - i - 1) + (v - 1) * p + 1)):
+            out[((k // group) % v) * p + i] += 1.0
+    # a chunk the warm-up does not reach still holds a micro-batch between its forward and backward
+    return tuple(max(1.0, x) for x in out)
+
+
+def inflight_per_device(cand: Candidate) -> tuple[float, ...]:
+    """Each rank's in-flight micro-batches over its stages (inflight_per_stage), per stage on
+    average: what its activations are held at taken together (the search's bounds, and what
+    recompute saves on the rank, whose stages' choices the solver takes together)."""
+    stages = inflight_per_stage(cand)
+    p, v = cand.pp, len(stages) // cand.pp
+    return tuple(sum(stages[s] for s in range(i, len(stages), p)) / v for i in range(p))
 
 
 def pipeline_s(stage_s: list[float], cand: Candidate) -> float:

@@ -41,7 +41,7 @@ from planner.cost.constants import (
     OP_OVERHEAD_S,
     RESERVE_GPU_BYTES,
 )
-from planner.cost.pipeline import inflight_per_device
+from planner.cost.pipeline import inflight_per_device, inflight_per_stage
 from planner.cost.setup import LOW_PRECISIONS, RECOMPUTE, Candidate, Training
 from planner.cost.topology import Links, links
 from planner.hardware import Cluster
@@ -111,7 +111,11 @@ class StageCosts:
     cand: Candidate
     atoms: tuple[AtomCost, ...]
     inflight: tuple[float, ...]
-    """Per pipeline rank: how many micro-batches' activations of its layers it holds at peak."""
+    """Per pipeline rank: the micro-batches' activations its stages hold at peak, on average
+    (pipeline.inflight_per_device: the search's bounds, and what recompute saves)."""
+    inflight_stage: tuple[float, ...]
+    """Per stage (s on rank s % pp): the micro-batches' activations it holds at peak (what its
+    activations kept whole cost; held_bytes)."""
     weight_bytes: int
     grad_bytes: int
     optim_bytes: int
@@ -766,6 +770,7 @@ def stage_costs(
         cand=cand,
         atoms=atoms,
         inflight=inflight_per_device(cand),
+        inflight_stage=inflight_per_stage(cand),
         weight_bytes=w,
         grad_bytes=g,
         optim_bytes=o,

@@ -184,6 +184,24 @@ def solve_partition(
                 _add(expr, r[k, g, i], per_atom(atom, k) - base)
         return _expr(expr)
 
+    def held_activations(i: int) -> pulp.LpAffineExpression:
+        """Rank i's activations at the schedule's peak: each stage's activations kept whole times
+        its in-flight micro-batches (StageCosts.inflight_stage), less what recompute saves at the
+        rank's in-flight count (StageCosts.inflight): the rank's stages take their recompute
+        choices together (their atoms of a segment are interchangeable); evaluate.py counts the same."""
+        expr: dict = {}
+        for s in range(i, S, p):
+            for g, seg in enumerate(segs):
+                kept_none = costs.atoms[seg.start].act_bytes[NONE]
+                _add(expr, w[g, s], costs.inflight_stage[s] * kept_none)
+                if s > 0:
+                    _add(expr, w[g, s - 1], -costs.inflight_stage[s] * kept_none)
+        for g, seg in enumerate(segs):
+            atom = costs.atoms[seg.start]
+            for k in RECOMPUTING:
+                _add(expr, r[k, g, i], costs.inflight[i] * (atom.act_bytes[k] - atom.act_bytes[NONE]))
+        return _expr(expr)
+
     # Time rows are in units of `unit` (one micro-batch through the whole model), so that every
     # time coefficient is O(1): HiGHS's absolute tolerances (1e-7) would otherwise swamp a
     # model whose step takes microseconds.
@@ -193,7 +211,6 @@ def solve_partition(
     backward = lambda atom, k: atom.bwd_s * sc  # noqa: E731
     params_of = lambda atom, k: atom.params  # noqa: E731
     experts_of = lambda atom, k: atom.expert_params  # noqa: E731
-    kept = lambda atom, k: atom.act_bytes[k]  # noqa: E731
     one = lambda atom, k: 1  # noqa: E731
 
     M = _var(prob, "M", 0)
@@ -218,7 +235,7 @@ def solve_partition(
         # [Memory]
         memory = (
             sum(costs.state_bytes(params, experts))
-            + costs.inflight[i] * rank_sum(i, kept)
+            + held_activations(i)
             + costs.working_bytes
             + costs.zero3_gather_bytes
         )

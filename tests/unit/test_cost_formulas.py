@@ -13,7 +13,7 @@ import pytest
 from planner.cost import comm
 from planner.cost.constants import DDP_BUCKET_BYTES, LINK_EFFICIENCY, MEMORY_EFFICIENCY, OVERLAP_EFFICIENCY
 from planner.cost.evaluate import evaluate
-from planner.cost.pipeline import inflight_per_device, pipeline_s
+from planner.cost.pipeline import inflight_per_device, inflight_per_stage, pipeline_s
 from planner.cost.setup import Candidate, Training
 from planner.cost.stage_costs import NONE, stage_costs, tp_collectives_s
 from planner.hardware import make_cluster
@@ -42,17 +42,21 @@ def test_collectives_alpha_beta():
     assert comm.p2p(LINK)(8e9) == pytest.approx(10e-6 + 0.1)
 
 
-@pytest.mark.parametrize("schedule,v,expect_s,inflight", [
+@pytest.mark.parametrize("schedule,v,expect_s,per_stage", [
     # 4 ranks, 8 micro-batches, stage times 1 s: (m + p - 1) T for GPipe and 1F1B
     ("gpipe", 1, 11.0, (8, 8, 8, 8)),
     ("1f1b", 1, 11.0, (4, 3, 2, 1)),
-    # interleaved with 2 chunks: m T + (p - 1) T / v; rank i holds 2(p-i-1) + (v-1)p + 1 chunks
-    ("interleaved", 2, 9.5, (11 / 2, 9 / 2, 7 / 2, 5 / 2)),
+    # interleaved with 2 chunks: m T + (p - 1) T / v; rank i holds 2(p-i-1) + (v-1)p + 1 = 11, 9,
+    # 7, 5 chunk-micro-batches, run 4 (a round) per chunk in turn: rank 0 forwards chunk 0 four
+    # times, chunk 1 four times, chunk 0 three more (7 and 4); the last rank 4 and 1
+    ("interleaved", 2, 9.5, (7, 5, 4, 4, 4, 4, 3, 1)),
 ])
-def test_pipeline_schedules(schedule, v, expect_s, inflight):
+def test_pipeline_schedules(schedule, v, expect_s, per_stage):
     cand = Candidate(tp=1, pp=4, dp=1, micro_batch=1, num_microbatches=8, zero=0, schedule=schedule, virtual_stages=v)
     assert pipeline_s([1.0] * 4, cand) == pytest.approx(expect_s)
-    assert inflight_per_device(cand) == pytest.approx(inflight)
+    assert inflight_per_stage(cand) == pytest.approx(per_stage)
+    # per rank, its stages' on average (what the search's bounds and recompute's savings use)
+    assert inflight_per_device(cand) == pytest.approx([sum(per_stage[i::4]) / v for i in range(4)])
     # the slowest stage sets the pace: (m - 1) max + sum for one chunk per rank
     if v == 1:
         assert pipeline_s([1.0, 2.0, 1.0, 1.0], cand) == pytest.approx(7 * 2 + 5)
