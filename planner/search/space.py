@@ -350,6 +350,12 @@ def _schedules(tp, pp, dp, b, m, num_atoms, fixed: Fixed, stats: SpaceStats, cp:
                     yield Candidate(tp, pp, dp, b, m, zero, schedule, v, cp=cp)
 
 
+def least_inflight(costs: StageCosts) -> tuple[float, ...]:
+    """Per rank, the least in-flight micro-batches of its stages (StageCosts.inflight_stage)."""
+    p = costs.cand.pp
+    return tuple(min(costs.inflight_stage[s::p]) for s in range(p))
+
+
 def memory_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
     """Bytes on the fullest rank of the best imaginable partition (a valid lower bound).
 
@@ -357,13 +363,15 @@ def memory_lower_bound(costs: StageCosts, recompute: str | None = None) -> float
     atoms (with the leanest recompute allowed), rank i holding state_i and infl_i x act_i:
     max_i mem_i >= the mean (STATE + min(infl) ACT) / p, and, weighting rank i by 1/infl_i,
     >= ACT / H + STATE / (max(infl) H) with H = sum_i 1/infl_i (stage 0 of a pipeline holds many
-    micro-batches in flight: ACT cannot all go to the rank holding one).
+    micro-batches in flight: ACT cannot all go to the rank holding one). infl_i is the least of
+    rank i's stages' in-flight counts (interleaved 1F1B's chunks hold different counts), which
+    keeps the bound below what any of its splits holds.
     """
     cand = costs.cand
     k = FULL if recompute is None else KIND_OF[recompute]
     state = sum(costs.state_bytes(*costs.param_totals))
     act = costs.atoms.memo(("least kept", k), lambda: sum(min(a.act_bytes[k], a.act_bytes[NONE]) for a in costs.atoms))
-    infl = costs.inflight
+    infl = least_inflight(costs)
     h = sum(1 / x for x in infl)
     held = max((state + min(infl) * act) / cand.pp, act / h + state / (max(infl) * h))
     return (1 + costs.fragmentation) * (held + costs.working_bytes + costs.zero3_gather_bytes) + costs.reserve_fixed_bytes
@@ -439,7 +447,7 @@ def _least_recompute_s(costs: StageCosts) -> float:
     over = memory_lower_bound(costs, "none") - costs.limit_bytes
     if over <= 0:
         return 0.0
-    infl = costs.inflight
+    infl = least_inflight(costs)
     # bytes of the bound per byte of kept activations (the larger of its two slopes)
     slope = (1 + costs.fragmentation) * max(min(infl) / costs.cand.pp, 1 / sum(1 / x for x in infl))
     def best_ratio() -> float | None:
