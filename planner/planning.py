@@ -75,14 +75,12 @@ def _check(request: PlanRequest, cluster: Cluster) -> list[str]:
         raise BadInput(f"--zero {f.zero} shards over data-parallel (and context-parallel) ranks, but --dp is 1")
     if request.global_batch is not None and request.global_batch < 1:
         raise BadInput(f"--global-batch must be at least 1, got {request.global_batch}")
-    if request.precision == "fp8" and "fp8" not in cluster.gpu.peak_flops:
+    if request.precision in LOW_PRECISIONS and request.precision not in cluster.gpu.peak_flops:
         have = ", ".join(sorted(cluster.gpu.peak_flops))
-        raise BadInput(f"--precision fp8: {cluster.gpu.name} ({cluster.gpu.display_name}) has no FP8 matmul peak "
-                       f"(it has {have}); FP8 training needs FP8 tensor cores (H100, H200, L40S, MI300X, ...)")
-    if request.precision == "fp4" and "fp4" not in cluster.gpu.peak_flops:
-        have = ", ".join(sorted(cluster.gpu.peak_flops))
-        raise BadInput(f"--precision fp4: {cluster.gpu.name} ({cluster.gpu.display_name}) has no FP4 matmul peak "
-                       f"(it has {have}); NVFP4 training needs Blackwell's FP4 tensor cores (B200, B300, GB200, GB300)")
+        needs = {"fp8": "FP8 training needs FP8 tensor cores (H100, H200, L40S, MI300X, ...)",
+                 "fp4": "NVFP4 training needs Blackwell's FP4 tensor cores (B200, B300, GB200, GB300)"}[request.precision]
+        raise BadInput(f"--precision {request.precision}: {cluster.gpu.name} ({cluster.gpu.display_name}) has no "
+                       f"{request.precision.upper()} matmul peak (it has {have}); {needs}")
     if request.precision == "fp4" and request.trainer != "megatron":
         raise BadInput("--precision fp4: NVFP4 training is Transformer Engine's recipe (Megatron-LM, NeMo, Megatron-Bridge); "
                        "plan it with --trainer megatron")

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from planner.cost.setup import tensor_dtype
 from planner.model_file import load_model_file
 from planner.profile import profile_model
 from planner.search.search import run_search
@@ -39,7 +40,7 @@ class Profiles:
     @staticmethod
     def key(row: Row) -> tuple:
         # bf16, fp16, fp8 and fp4 (bf16 tensors, 8- or 4-bit Linear matmuls) profiles are the same: one serves all
-        return row.shape, "bf16" if row.precision in ("bf16", "fp16", "fp8", "fp4") else row.precision
+        return row.shape, "bf16" if row.precision == "fp16" else tensor_dtype(row.precision)
 
     def prefetch(self, rows: list[Row], workers: int) -> None:
         """Profile every shape the rows need, `workers` at a time (one thread each)."""

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from planner.cost.setup import Training
+from planner.cost.setup import LOW_PRECISIONS, Training
 from planner.hardware import Cluster, GPUSpec, load_catalogue, make_cluster
 from planner.search.space import Fixed
 
@@ -340,7 +340,7 @@ def gpu_of(hw: dict, catalogue: dict[str, GPUSpec]) -> tuple[GPUSpec, str | None
     domain = re.search(r"NVL(\d+)", text, re.I)
     if domain and spec.gpus_per_host:  # a rack-scale part in a smaller NVLink domain than the catalogue's
         spec = replace(spec, gpus_per_node=int(domain.group(1)))
-    bw = inter_node_Bps(value(hw.get("inter_node_link")), value(hw.get("gpus_per_node")) or spec.gpus_per_host or spec.gpus_per_node)
+    bw = inter_node_Bps(value(hw.get("inter_node_link")), num(hw.get("gpus_per_node")) or spec.gpus_per_host or spec.gpus_per_node)
     if bw is not None and bw != spec.inter_node_bandwidth_Bps:
         spec = replace(spec, inter_node_bandwidth_Bps=bw)
     return spec, note
@@ -576,9 +576,10 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     if gpu.gpus_per_host and per_node <= gpu.gpus_per_host:
         per_node = None  # the row gives a host of a rack-scale NVLink domain (a GB200 NVL72 tray): the
         # cluster is in domains (make_cluster: whole racks, or equal parts of them)
-    if shape.mla and any(_first(_model_fields(e), (k,)) is None for k in MLA_KEYS):
+    model = _model_fields(e)
+    if shape.mla and any(_first(model, (k,)) is None for k in MLA_KEYS):  # _mla filled them in
         notes.append("latent attention's ranks and widths as DeepSeek-V3's")
-    if re.search(r"sliding[- ]window", str(value(e["model"].get("arch", ""))), re.I) or value(e["model"].get("sliding_window")):
+    if re.search(r"sliding[- ]window", str(value(model.get("arch", ""))), re.I) or value(model.get("sliding_window")):
         notes.append("sliding-window attention as full attention")
     precision_text = str(value(e.get("precision"))).lower()
     if re.search(r"int4", precision_text):
@@ -588,7 +589,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
         precision = "fp8"  # Float8 Linears (torchtitan, torchao): the cost model's --precision fp8
     if "fp4" in precision_text:
         precision = "fp4"  # NVFP4 Linears (Transformer Engine's recipe): the cost model's --precision fp4
-    if precision in ("fp8", "fp4") and precision not in gpu.peak_flops:
+    if precision in LOW_PRECISIONS and precision not in gpu.peak_flops:
         raise ValueError(f"{e['id']}: precision {precision_text!r} on {gpu.name}, which has no {precision} peak in the catalogue")
     assert tp * pp * dp * cp == gpus, f"{e['id']}: tp*pp*dp*cp != {gpus}"
     # expert parallelism: the experts split over `ep` of the data-parallel ranks (Megatron-LM's

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.cost.constants import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, OP_OVERHEAD_S
+from planner.cost.setup import tensor_dtype
 from planner.hardware import GPUSpec
 
 
@@ -67,8 +68,7 @@ class Work:
 
 def roofline_s(work: Work, gpu: GPUSpec, dtype: str) -> float:
     """`dtype` "fp8" or "fp4": `work.fp8_flops` at that dtype's peak, the other matmuls at bf16's."""
-    low = dtype in ("fp8", "fp4")
-    peak = gpu.peak("bf16" if low else dtype)
+    peak = gpu.peak(tensor_dtype(dtype))
     rate = gpu.matmul_efficiency * MATMUL_EFFICIENCY
     attention = rate if gpu.attention_efficiency is None else gpu.attention_efficiency
     rest = work.flops - work.fp8_flops - work.attention_flops - work.batched_flops
