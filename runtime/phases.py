@@ -29,8 +29,9 @@ On CUDA the operators' self time is host time: there each phase adds the device 
 kernels its operators launched (``self_device_time_total``), communication kernels counted whole
 (they may overlap compute on their own stream: the phases can then add up to more than the step,
 and a pipeline's bubble is in the receives' kernels), and ``host`` is the step's time beyond all
-kernels (the device idle, waiting for the host). Not yet run on a GPU (none was lent while this
-was written): the one-shot GPU script (bench/gpu_check.sh) prints each run's phases.
+kernels (the device idle, waiting for the host). First run on a GPU (an H200, bench/gpu_check.sh) on
+2026-12-04: the step's scope is also recorded as a device-side annotation there (the step was read
+from it, and every phase measured 0); the host-side event is the step.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 STEP_SCOPE = "phase::step"
@@ -131,7 +133,9 @@ def phase_times(events: Any, parallel: Any = None, cuda: bool = False) -> dict[s
     time, or with a pipeline (`parallel`, the plan's degrees: pp > 1) the schedule's waits for its
     neighbours (torch's 1F1B waits for its receives outside any scope of its own)."""
     functional, pp = functional_phase(parallel), getattr(parallel, "pp", 1)
-    roots = [e for e in events if e.name == STEP_SCOPE]
+    # on CUDA the step's scope is recorded twice: on the host (its operators beneath it) and as a
+    # kernel-stream annotation of the same name (no children, no host time); the host one is the step
+    roots = [e for e in events if e.name == STEP_SCOPE and getattr(e, "device_type", DeviceType.CPU) == DeviceType.CPU]
     if not roots:
         return {}
     root = roots[-1]

@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from planner import schema
+from planner.cost.constants import FRAGMENTATION_GPU
 from planner.plan import Plan
 from planner.report.units import fmt_bytes, fmt_seconds, make_console
 
@@ -39,6 +40,14 @@ class PredictedRun:
     pp: int = 1
     """The plan's ZeRO stage and pipeline degree: with ZeRO-2/3 and no pipeline, its data-parallel
     traffic runs every micro-batch and carries the "zero_comm" factor."""
+
+    tensor_bytes: int = 0
+    """The plan's fullest rank without its reserve: weights, gradients, optimizer state and
+    activations (what a CUDA run's max_memory_allocated measures); 0 in a report from before the field."""
+    allocator_bytes: int = 0
+    """Those tensors with the allocator's fragmentation (plan.predicted.fragmentation): what the
+    caching allocator holds (a CUDA run's max_memory_reserved); the rest of the plan's peak
+    (CUDA context, communication buffers) is outside it."""
 
     @property
     def every_microbatch_dp(self) -> bool:
@@ -90,16 +99,21 @@ class MeasuredRun:
     step_times_s: tuple[float, ...]
     """Every step on rank 0, warm-up included."""
     peak_memory_bytes: tuple[int, ...]
-    """Per rank: CUDA max_memory_allocated, or the process's peak RSS on CPU."""
+    """Per rank: CUDA max_memory_reserved (what the caching allocator held, what trainers report),
+    or the process's peak RSS on CPU."""
     losses: tuple[float, ...]
     """Per step, the global batch's mean loss."""
+    peak_allocated_bytes: tuple[int, ...] = ()
+    """Per rank on CUDA: max_memory_allocated (the tensors' peak); () on CPU."""
 
 
 @dataclass(frozen=True)
 class Ratios:
     step_time: float
     memory: float
-    """The largest rank's peak against the plan's peak per device."""
+    """The largest rank's peak against the plan's: on CUDA what the allocator held against the
+    plan's tensors with fragmentation (PredictedRun.allocator_bytes), on CPU the peak RSS against
+    the plan's whole peak per device."""
 
 
 @dataclass(frozen=True)
@@ -175,8 +189,8 @@ def _notes(device: str, world_size: int, ratios: Ratios, steps: int) -> list[str
             )
         else:
             notes.append(
-                f"peak memory is {ratios.memory:.2f}x the prediction: allocator fragmentation, communication "
-                "buffers or activations the profile did not see."
+                f"peak memory is {ratios.memory:.2f}x the prediction: allocator fragmentation or activations the "
+                "profile did not see."
             )
     return notes
 
@@ -190,6 +204,7 @@ def build_report(
     step_times_s: Sequence[float],
     peak_memory_bytes: Sequence[int],
     losses: Sequence[float],
+    peak_allocated_bytes: Sequence[int] = (),
     warnings: Sequence[str] = (),
     optimizer_s: float | None = None,
     mesh: Sequence[MeshRank] = (),
@@ -198,13 +213,17 @@ def build_report(
     profiled_rank: int = 0,
 ) -> RunReport:
     world_size = plan.parallel.world_size
+    tensors, allocator = _allocator_bytes(plan)
     predicted = PredictedRun(plan.predicted.step_time_s, plan.predicted.peak_memory_bytes, dict(plan.predicted.breakdown_s),
-                             dict(plan.predicted.phase_factors), plan.parallel.tp, plan.parallel.zero, plan.parallel.pp)
+                             dict(plan.predicted.phase_factors), plan.parallel.tp, plan.parallel.zero, plan.parallel.pp,
+                             tensors, allocator)
+    allocated = tuple(b for b in peak_allocated_bytes if b)
+    against = allocator if allocated and allocator else predicted.peak_memory_bytes
     profiled = ProfiledStep(profiled_rank, profiled_step_s, dict(phases_s)) if phases_s else None
     phases = _phases(predicted, step_time_s, optimizer_s, profiled)
     ratios = Ratios(
         step_time=step_time_s / predicted.step_time_s if predicted.step_time_s else float("inf"),
-        memory=max(peak_memory_bytes) / predicted.peak_memory_bytes if predicted.peak_memory_bytes else float("inf"),
+        memory=max(peak_memory_bytes) / against if against else float("inf"),
     )
     return RunReport(
         plan=plan.parallel.one_line(),
@@ -214,7 +233,7 @@ def build_report(
         world_size=world_size,
         steps=steps,
         predicted=predicted,
-        measured=MeasuredRun(step_time_s, tuple(step_times_s), tuple(peak_memory_bytes), tuple(losses)),
+        measured=MeasuredRun(step_time_s, tuple(step_times_s), tuple(peak_memory_bytes), tuple(losses), allocated),
         ratios=ratios,
         notes=tuple(_notes(device, world_size, ratios, steps) + _phase_notes(phases)),
         warnings=tuple(warnings),
@@ -222,6 +241,18 @@ def build_report(
         profiled=profiled,
         mesh=tuple(mesh),
     )
+
+
+def _allocator_bytes(plan: Plan) -> tuple[int, int]:
+    """(tensors, tensors with the allocator's fragmentation) of the plan's fullest rank."""
+    if not plan.stages:
+        return 0, 0
+    m = max((s.memory_bytes for s in plan.stages), key=lambda m: m.total)
+    tensors = m.weights + m.grads + m.optimizer + m.activations
+    fragmentation = plan.predicted.fragmentation
+    if fragmentation is None:  # a plan from before the field: the reserve is fixed + fragmentation x tensors
+        fragmentation = FRAGMENTATION_GPU
+    return tensors, int(tensors * (1 + fragmentation))
 
 
 def _phases(predicted: PredictedRun, step_time_s: float, optimizer_s: float | None,
@@ -318,11 +349,20 @@ def render_report(report: RunReport, console: Console | None = None) -> None:
         indent = "    " if phase.name == HOST_ROW else "  "
         predicted = "-" if phase.name == HOST_ROW else fmt_seconds(phase.predicted_s)
         table.add_row(f"{indent}{phase.name}", predicted, fmt_seconds(phase.measured_s), ratio)
-    table.add_row(
-        "peak memory per rank", fmt_bytes(report.predicted.peak_memory_bytes),
-        fmt_bytes(max(report.measured.peak_memory_bytes)), f"{report.ratios.memory:.2f}x",
-    )
+    held, allocated = report.measured.peak_memory_bytes, report.measured.peak_allocated_bytes
+    if allocated and report.predicted.allocator_bytes:  # CUDA: the allocator's peaks, reserved and allocated
+        table.add_row("peak memory per rank (allocator reserved)", fmt_bytes(report.predicted.allocator_bytes),
+                      fmt_bytes(max(held)), f"{report.ratios.memory:.2f}x")
+        table.add_row("  of which tensors (allocated)", fmt_bytes(report.predicted.tensor_bytes), fmt_bytes(max(allocated)),
+                      f"{max(allocated) / report.predicted.tensor_bytes:.2f}x")
+    else:
+        table.add_row("peak memory per rank", fmt_bytes(report.predicted.peak_memory_bytes), fmt_bytes(max(held)),
+                      f"{report.ratios.memory:.2f}x")
     console.print(table)
+    if allocated and report.predicted.allocator_bytes:
+        console.print(f"memory: the plan's peak per device, {fmt_bytes(report.predicted.peak_memory_bytes)}, adds "
+                      f"{fmt_bytes(report.predicted.peak_memory_bytes - report.predicted.allocator_bytes)} outside the "
+                      "allocator (CUDA context, communication buffers)")
     if report.profiled is not None:
         console.print(f"phases: the last step, under torch.profiler, on rank {report.profiled.rank} (the slowest there: "
                       f"{fmt_seconds(report.profiled.step_time_s)}; left out of the step time)")

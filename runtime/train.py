@@ -52,6 +52,8 @@ class RankResult:
     """Per step, the global batch's mean loss (averaged over dp)."""
     step_times_s: tuple[float, ...]
     peak_memory_bytes: int
+    """CUDA: what the caching allocator held at most (max_memory_reserved, what trainers report);
+    CPU: the process's peak RSS."""
     optimizer_times_s: tuple[float, ...] = ()
     """Per step, the optimizer step's seconds (the rest of the step is forward, backward and their
     communication)."""
@@ -60,6 +62,8 @@ class RankResult:
     few steps to spare one (PROFILE_MIN_STEPS)."""
     profiled_step_s: float = 0.0
     """That step's time under the profiler, the phases' sum (the step is left out of the median)."""
+    peak_allocated_bytes: int = 0
+    """CUDA: the tensors' peak (max_memory_allocated); 0 on CPU."""
 
 
 def make_optimizer(
@@ -174,10 +178,12 @@ def microbatches(handle: ModelHandle, plan: Plan, step: int, dp_index: int) -> l
     return out
 
 
-def peak_memory_bytes(device: torch.device) -> int:
+def peak_memory_bytes(device: torch.device) -> tuple[int, int]:
+    """(what the process held at most, its tensors' peak): on CUDA the caching allocator's reserved
+    and allocated peaks, on CPU the peak RSS (and 0: no allocator statistics)."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
+        return int(torch.cuda.max_memory_reserved(device)), int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, 0  # Linux: KiB
 
 
 def run_steps(
@@ -238,7 +244,8 @@ def run_steps(
         losses.append(float(total))
         if after_step is not None:
             after_step(step + 1)
-    return RankResult(rank, tuple(losses), tuple(times), peak_memory_bytes(device), tuple(opt_times), phases, profiled_s)
+    held, allocated = peak_memory_bytes(device)
+    return RankResult(rank, tuple(losses), tuple(times), held, tuple(opt_times), phases, profiled_s, allocated)
 
 
 def train(

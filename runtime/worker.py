@@ -217,6 +217,7 @@ def _finish(
             phases_s=slowest.phases_s, profiled_step_s=slowest.profiled_step_s, profiled_rank=slowest.rank,
             step_times_s=done[0].step_times_s,
             peak_memory_bytes=[r.peak_memory_bytes for r in done],
+            peak_allocated_bytes=[r.peak_allocated_bytes for r in done],
             losses=done[0].losses,
             warnings=[*runtime_warnings(plan, prepared.layers), *ctx.notes, *([META_WARNING] if build.path == "meta" else [])],
             mesh=_mesh(plan, places),

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.autograd import DeviceType
 
 from runtime.phases import (
     BACKWARD_SCOPE, CP_SCOPE, EP_SCOPE, FORWARD_SCOPE, OPTIMIZER_SCOPE, RECOMPUTE_SCOPE, STEP_SCOPE, classify,
@@ -17,8 +18,8 @@ from runtime.phases import (
 class Ev:
     """A FunctionEvent's shape: a name, children, the time of its own and in all (microseconds)."""
 
-    def __init__(self, name: str, own_us: float, *children: "Ev"):
-        self.name, self.cpu_children = name, list(children)
+    def __init__(self, name: str, own_us: float, *children: "Ev", device_type=DeviceType.CPU):
+        self.name, self.cpu_children, self.device_type = name, list(children), device_type
         self.self_cpu_time_total = own_us
         self.cpu_time_total = own_us + sum(c.cpu_time_total for c in children)
         self.self_device_time_total = 0.0
@@ -73,6 +74,10 @@ def test_phase_times_add_up_to_the_profiled_step():
                    "optimizer": 63.0, "host": 35.0}
     assert sum(got.values()) == pytest.approx(step.cpu_time_total)
     assert phase_times([Ev("aten::mm", 1.0)]) == {}  # no profiled step: nothing
+    # on CUDA the step's scope comes twice, the second a device-side annotation without children
+    # (an H200's run measured every phase 0 when it was read as the step)
+    annotation = Ev(STEP_SCOPE, 0.0, device_type=DeviceType.CUDA)
+    assert phase_times(events + [annotation], SimpleNamespace(tp=2, pp=1)) == phase_times(events, SimpleNamespace(tp=2, pp=1))
 
 
 def test_a_real_profiled_step_splits_forward_backward_and_optimizer():
@@ -136,3 +141,33 @@ def test_a_ring_attentions_own_python_time_is_host_time_and_its_kernel_the_phase
     assert classify("aten::_scaled_dot_product_flash_attention_for_cpu", [CP_SCOPE, FORWARD_SCOPE]) == "forward"
     assert classify("aten::_scaled_dot_product_flash_attention_for_cpu_backward",
                     [CP_SCOPE, "autograd::engine::evaluate_function: X", BACKWARD_SCOPE]) == "backward"
+
+
+def test_a_cuda_runs_memory_is_compared_as_the_allocator_holds_it():
+    """On CUDA the plan's tensors with fragmentation go against max_memory_reserved, its tensors
+    against max_memory_allocated (an H200 run compared the plan's whole peak, reserve included,
+    against the allocated peak: 0.86x where the tensors matched); on CPU the whole peak against RSS."""
+    from planner.model_file import load_model_file
+    from planner.planning import PlanRequest, make_plan
+    from runtime.report import build_report, render_report
+    from tests.conftest import EXAMPLES
+
+    plan = make_plan(load_model_file(EXAMPLES / "mlp.py"), PlanRequest(gpus=1, gpu="h200", global_batch=8))
+    m = plan.stages[0].memory_bytes
+    tensors = m.weights + m.grads + m.optimizer + m.activations
+    frag = plan.predicted.fragmentation
+    assert frag > 0 and plan.predicted.peak_memory_bytes > tensors * (1 + frag)  # the rest: context, buffers
+
+    def report(held, allocated=()):
+        return build_report(plan, "p.json", "cuda" if allocated else "cpu", 4, step_time_s=1.0, step_times_s=(1.0,) * 4,
+                            peak_memory_bytes=held, losses=(1.0,) * 4, peak_allocated_bytes=allocated)
+
+    cuda = report([int(tensors * (1 + frag) * 1.05)], [tensors])
+    assert cuda.predicted.tensor_bytes == tensors and cuda.ratios.memory == pytest.approx(1.05, rel=1e-6)
+    cpu = report([plan.predicted.peak_memory_bytes * 2])
+    assert cpu.ratios.memory == pytest.approx(2.0)
+    from rich.console import Console
+    console = Console(record=True, width=200)
+    render_report(cuda, console)
+    text = console.export_text()
+    assert "allocator reserved" in text and "of which tensors (allocated)" in text and "1.00x" in text
