@@ -73,6 +73,21 @@ RESERVE_CPU_BYTES = int(0.35 * 2**30)
 FRAGMENTATION_GPU = 0.15
 FRAGMENTATION_CPU = 0.05
 
+# A fused attention kernel's (FlashAttention-2's, cuDNN's) work per query row beyond its keys:
+# loading the row's queries, the softmax's final rescale, writing its output and log-sum-exp (and
+# in backward its query gradient): the work of this many keys, per call. A causal call also runs
+# the masked half of its diagonal tiles (ATTENTION_TILE keys wide). So a call over k keys runs, at
+# the kernel's plateau rate (GPUSpec.attention_efficiency, reached at long sequences), the FLOPs
+# of k + ATTENTION_ROW_KEYS keys per query row, or k / 2 + ATTENTION_TILE / 2 + ATTENTION_ROW_KEYS
+# when causal (planner.cost.stage_costs.attention_run_flops). Measured on an H200 with torch 2.11's
+# SDPA, 32 heads of 128, 2K to 32K tokens, forward and backward (bench/gpu_kernels.py:
+# bench/measured/h200_kernels_2026-12-04.json): fitted with the plateau, every point within 2.5%
+# (FlashAttention-2: 330 keys, plateau 33.8% of the peak) and 4% (cuDNN: 350 keys, 58.1%); causal at
+# 2K tokens reaches 75% of the plateau (FlashAttention-2) and 73% (cuDNN), at 8K 91% and 90%. The
+# tile: FlashAttention-2's and cuDNN's 128-row blocks for a head width of 128.
+ATTENTION_ROW_KEYS = 340
+ATTENTION_TILE = 128
+
 # FlashAttention written in Triton (Tri Dao's flash_attn_triton, the first FlashAttention's
 # algorithm; llm-foundry's MPT runs it for ALiBi: attn_impl "triton") against FlashAttention-2 on
 # the same GPU: FlashAttention-2 "is around 1.3-1.5x faster than FlashAttention in Triton in the

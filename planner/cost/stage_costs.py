@@ -33,6 +33,8 @@ from planner.cost.compute import Work, memory_bound_s, roofline_s
 from planner.cost.gemm_shapes import TABLES as SHAPE_TABLES, linear_factor
 from planner.cost.constants import (
     ACCUMULATE_BYTES,
+    ATTENTION_ROW_KEYS,
+    ATTENTION_TILE,
     DDP_BUCKET_BYTES,
     LOSS_PARALLEL_EXTRA,
     FRAGMENTATION_CPU,
@@ -397,6 +399,16 @@ def fused(layer: LayerProfile) -> LayerProfile:
                    fwd_tail_other_io_bytes=round(layer.fwd_tail_other_io_bytes * share))
 
 
+def attention_run_flops(attention: float, causal: float, keys: float | None) -> float:
+    """The FLOPs a fused attention kernel runs at its plateau rate for `attention` FLOPs as the
+    profile counts them (every query against every key), `causal` of them in causal calls, with
+    `keys` keys per call (None: unknown, no per-row work): a call's rows each run their keys and
+    ATTENTION_ROW_KEYS more; a causal call's rows half their keys, plus half a diagonal tile."""
+    per_key = 1.0 / keys if keys else 0.0
+    return ((attention - causal) * (1 + ATTENTION_ROW_KEYS * per_key)
+            + causal / 2 * (1 + (ATTENTION_TILE + 2 * ATTENTION_ROW_KEYS) * per_key))
+
+
 def _attention_share(work: Work, gpu, dtype: str) -> float:
     """The share of a phase's roofline time its fused attention takes."""
     if not work.attention_flops:
@@ -455,8 +467,11 @@ def _layer_costs(
     whole = 0.0 if split_all or not other else (other - layer.fwd_other_io_tp_bytes) / other
     fp8 = training.precision in LOW_PRECISIONS  # FP8 or NVFP4 Linears (LayerProfile.fwd_linear_flops)
     cast = fp8_cast_bytes(layer, scale, shard, training.fp8_recipe, training.precision == "fp4") if fp8 else (0.0, 0.0)
-    # causal attention runs half the FLOPs the profile counts (its kernels skip the masked blocks)
-    skip = layer.fwd_causal_attention_flops / 2, layer.bwd_causal_attention_flops / 2
+    # fused attention at its plateau rate runs the FLOPs of its keys plus each query row's fixed
+    # work: causal calls about half what the profile counts (their kernels skip the masked blocks)
+    keys = profile.seq_len / cand.cp if profile.seq_len else None
+    skip = (layer.fwd_attention_flops - attention_run_flops(layer.fwd_attention_flops, layer.fwd_causal_attention_flops, keys),
+            layer.bwd_attention_flops - attention_run_flops(layer.bwd_attention_flops, layer.bwd_causal_attention_flops, keys))
     # an unfused attention's batched matmuls (those selective recompute reruns), backward two per one
     batched = layer.fwd_selective_flops, layer.fwd_selective_io_bytes
     # the matmuls FP8 runs in 8 bits: the Linears', and under Transformer Engine the grouped GEMMs'
@@ -484,7 +499,8 @@ def _layer_costs(
     rerun = rerun_tp = 1.0
     tail_other = layer.fwd_tail_other_io_bytes * scale / shard if stops else 0.0  # selective's, likewise
     if stops and (layer.fwd_tail_ops or layer.fwd_tail_flops):
-        tail_skip = layer.fwd_tail_causal_attention_flops / 2
+        tail_skip = layer.fwd_tail_attention_flops - attention_run_flops(
+            layer.fwd_tail_attention_flops, layer.fwd_tail_causal_attention_flops, keys)
         tail = Work(layer.fwd_tail_flops - tail_skip, layer.fwd_tail_matmul_io_bytes, layer.fwd_tail_other_io_bytes,
                     layer.fwd_tail_ops, layer.fwd_tail_linear_flops if fp8 else 0.0,
                     layer.fwd_tail_attention_flops - tail_skip).scaled(scale / shard)

@@ -11,7 +11,7 @@ import pytest
 from planner.cost import comm
 from planner.cost.compute import memory_bound_s
 from planner.cost.setup import Candidate, Training
-from planner.cost.stage_costs import NONE, atom_table, stage_costs
+from planner.cost.stage_costs import NONE, atom_table, attention_run_flops, stage_costs
 from planner.cost.topology import links
 from planner.errors import BadInput
 from planner.hardware import make_cluster
@@ -83,7 +83,8 @@ def test_cp_splits_the_tokens_and_adds_the_ring(llama7b):
     rank's queries meet all keys), the parameters do not, and each attention layer pays the
     ring: forward all-gathers K and V, backward gathers them again and reduce-scatters their fp32
     gradients (twice the bytes), none of it hidden (OVERLAP_EFFICIENCY 0); and merges its partial
-    outputs (4 fp32 passes over the whole sequence's queries) and sums the query gradients (2).
+    outputs (4 fp32 passes over the whole sequence's queries) and sums the query gradients (2);
+    its attention calls, over half the keys each, pay their rows' fixed work twice as often.
     (At every GEMM's best-shape share: with the H100's shape table, half the rows run a little
     slower, tests/unit/test_gemm_shapes.py.)"""
     cluster = make_cluster("h100-sxm-80gb", 2)
@@ -99,10 +100,16 @@ def test_cp_splits_the_tokens_and_adds_the_ring(llama7b):
         work = b.fwd_s + b.bwd_s - b.cp_comm_s
         queries = layer.fwd_attention_flops / (4 * 4096)  # SDPA: 4 x seq FLOPs per query element
         merge = memory_bound_s((4 + 2) * 4 * queries, cluster.gpu)
+        # each ring step's call covers 2048 keys, not 4096: its rows' fixed work weighs twice
+        rows = sum(attention_run_flops(f, c, 2048) - attention_run_flops(f, c, 4096)
+                   for f, c in ((layer.fwd_attention_flops, layer.fwd_causal_attention_flops),
+                                (layer.bwd_attention_flops, layer.bwd_causal_attention_flops))) / 2
+        ring = rows / (cluster.gpu.peak("bf16") * cluster.gpu.attention_efficiency)
         if layer.kind == "Embedding":  # its small backward ops stay near the launch floor: a bit over half
             assert (a.fwd_s + a.bwd_s) / 2 <= work < 0.51 * (a.fwd_s + a.bwd_s)
         else:
-            assert work == pytest.approx((a.fwd_s + a.bwd_s) / 2 + merge)
+            assert (ring > 0) == (layer.fwd_attention_flops > 0)
+            assert work == pytest.approx((a.fwd_s + a.bwd_s) / 2 + merge + ring)
             assert (merge > 0) == (layer.attention_kv_bytes > 0)
         assert b.act_bytes[NONE] == pytest.approx(a.act_bytes[NONE] / 2)
         kv = layer.attention_kv_bytes  # micro-batch 1 as profiled: the whole sequence's K and V
