@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from planner.cost.constants import TRITON_FLASH_SLOWDOWN
+from planner.cost.constants import SDPA_CUDNN_ARCHS, TRITON_FLASH_SLOWDOWN
 from planner.errors import BadInput
 
 DTYPES = ("bf16", "fp16", "fp8", "fp4", "tf32", "fp32")
@@ -101,6 +101,10 @@ class GPUSpec:
     """The architecture whose measured matmul-by-shape table (planner.cost.gemm_shapes.TABLES)
     says how much of `matmul_efficiency` smaller GEMMs reach ("sm_90": Hopper); None: every GEMM
     at the full share."""
+    compute_capability: str | None = None
+    """NVIDIA's compute capability ("9.0": Hopper, "10.0": the B200 and GB200, "10.3": Blackwell
+    Ultra), which decides the kernels torch's SDPA picks (attention_share); None: not an NVIDIA
+    part, or not known."""
     cudnn_attention_efficiency: float | None = None
     """The same for cuDNN's fused attention, which Transformer Engine runs (Megatron-LM, NeMo:
     Training.attention_kernel "te"), where published: it uses Hopper's asynchronous tensor
@@ -146,11 +150,14 @@ class GPUSpec:
         FP8)."""
         return (self.fp8_matmul_efficiency if dtype in ("fp8", "fp4") else None) or self.matmul_efficiency
 
-    def attention_share(self, kernel: str) -> float | None:
+    def attention_share(self, kernel: str, sdpa_cudnn: bool = False) -> float | None:
         """The share of the 16-bit peak fused attention reaches with `kernel` (Training.attention_kernel):
-        "sdpa" FlashAttention-2's, "te" cuDNN's where published, "triton" FlashAttention in Triton's
-        (FlashAttention-2's over constants.TRITON_FLASH_SLOWDOWN)."""
-        if kernel == "te" and self.cudnn_attention_efficiency is not None:
+        "sdpa" FlashAttention-2's, or cuDNN's where the trainer's torch puts cuDNN first on this GPU
+        (`sdpa_cudnn`, Training.sdpa_cudnn, on the compute capabilities of SDPA_CUDNN_ARCHS); "te"
+        cuDNN's where published; "triton" FlashAttention in Triton's (FlashAttention-2's over
+        constants.TRITON_FLASH_SLOWDOWN)."""
+        cudnn = kernel == "te" or kernel == "sdpa" and sdpa_cudnn and self.compute_capability in SDPA_CUDNN_ARCHS
+        if cudnn and self.cudnn_attention_efficiency is not None:
             return self.cudnn_attention_efficiency
         if kernel == "triton" and self.attention_efficiency is not None:
             return self.attention_efficiency / TRITON_FLASH_SLOWDOWN

@@ -27,6 +27,8 @@ A GPU file (packaged ones live in ``profiles/``; ``profiles/README.md`` shows a 
                                       #   default: the matmul rate
     cudnn_attention_efficiency: 0.54  # optional: the same for cuDNN's fused attention (Transformer
                                       #   Engine's); default: attention_efficiency
+    compute_capability: "9.0"         # optional: NVIDIA's compute capability (which kernels torch's
+                                      #   SDPA picks: constants.SDPA_CUDNN_ARCHS)
     matmul_shapes: sm_90              # optional: the measured matmul-by-shape table of its architecture
                                       #   (planner.cost.gemm_shapes); default: none, every GEMM at
                                       #   matmul_efficiency
@@ -93,7 +95,7 @@ def _to_si(key: str, value: float) -> float:
     return float(value)
 
 
-_TEXTS = ("name", "display_name", "vendor", "matmul_shapes")
+_TEXTS = ("name", "display_name", "vendor", "matmul_shapes", "compute_capability")
 PHASES = ("compute", "comm", "optimizer", "tp_compute", "zero_comm", "tp_comm")
 OPTIMIZERS = ("adamw", "sgd")
 KNOWN_KEYS = (*_TEXTS, "peak_tflops", *_SCALARS, "optimizer_ns_per_param", "loss_parallel_ns_per_element", "phase_factors",
@@ -237,11 +239,15 @@ def parse_gpu(data: Any, *, where: str, default_name: str, origin: str) -> GPUSp
     shapes = data.get("matmul_shapes")
     if shapes is not None and shapes not in SHAPE_TABLES:
         raise _fail(where, f"field 'matmul_shapes': no table for {shapes!r}; tables: {', '.join(SHAPE_TABLES)}")
+    capability = data.get("compute_capability")
+    if capability is not None and not re.fullmatch(r"\d+\.\d+", capability):
+        raise _fail(where, f"field 'compute_capability': {capability!r} is not major.minor (\"9.0\")")
     return GPUSpec(
         name=name,
         display_name=data.get("display_name", name),
         vendor=data.get("vendor", "unknown"),
         matmul_shapes=shapes,
+        compute_capability=capability,
         peak_flops=peak_flops,
         tdp_w=values.pop("tdp_w", None),
         sources=sources,
@@ -258,8 +264,8 @@ def _spec_key(where: str, key: str, context: str = "sources") -> str:
         return "peak_flops" + (f".{dtype}" if dtype else "")
     if head in _SCALARS and not dtype:
         return _SCALARS[head][0]
-    if head == "phase_factors" and not dtype:
-        return "phase_factors"
+    if head in ("phase_factors", "compute_capability", "matmul_shapes") and not dtype:
+        return head
     if head == "optimizer_ns_per_param" and not dtype:
         return "optimizer_steps"
     if head == "loss_parallel_ns_per_element" and not dtype:

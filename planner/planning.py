@@ -118,7 +118,17 @@ def _training(request: PlanRequest, cluster: Cluster, global_batch: int) -> Trai
     check_compile(request.trainer, request.compile)
     # inductor's fused memory-bound kernels, what its partitioner keeps, and the loss compiled with the model
     compiled = {"fused_kernels": True, "compiled": True, "compiled_loss": True} if request.compile else {}
-    return Training.for_trainer(request.trainer, request.precision, request.optimizer, global_batch, limit, **compiled)
+    return Training.for_trainer(request.trainer, request.precision, request.optimizer, global_batch, limit,
+                                sdpa_cudnn=torch_release() >= constants.SDPA_CUDNN_FROM_TORCH, **compiled)
+
+
+def torch_release() -> tuple[int, int]:
+    """(major, minor) of the torch installed: the one `plan run` runs with, whose SDPA picks the
+    attention kernels (Training.sdpa_cudnn)."""
+    import torch
+
+    major, minor = (torch.__version__.split("+")[0].split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def _cpu_factor(profile: ModelProfile, cluster: Cluster, busy: float = 1.0) -> float | None:
@@ -193,7 +203,8 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
     result, training = search(profile, request, cluster)
     if result.best is None:
         raise Infeasible(_infeasible_message(profile, request, cluster, result, training))
-    attention = cluster.gpu.attention_share(training.attention_kernel)
+    attention = cluster.gpu.attention_share(training.attention_kernel, training.sdpa_cudnn)
+    sdpa_cudnn = training.attention_kernel == "sdpa" and attention != cluster.gpu.attention_share("sdpa")
     low_share = cluster.gpu.matmul_share(request.precision)
     assumptions = [
         f"trainer: {TRAINER_NOTES[training.trainer]}"
@@ -213,7 +224,10 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
         f"({cluster.gpu.matmul_efficiency:.1%} of peak: {cluster.gpu.matmul_efficiency * constants.MATMUL_EFFICIENCY:.0%} in all"
         + (f"; {request.precision.upper()} ones {low_share:.1%} of the {request.precision.upper()} peak: "
            f"{low_share * constants.MATMUL_EFFICIENCY:.0%}" if request.precision in LOW_PRECISIONS else "") + "), "
-        + (f"fused attention {attention:.0%} of peak (causal: half its FLOPs), " if attention is not None else "") +
+        + (f"fused attention {attention:.0%} of peak at long sequences ("
+           + (f"torch {'.'.join(map(str, torch_release()))}'s SDPA runs cuDNN's kernels on this GPU; " if sdpa_cudnn else "")
+           + f"causal: half its FLOPs; each query row's fixed work: {constants.ATTENTION_ROW_KEYS} keys' worth), "
+           if attention is not None else "") +
         f"memory-bound ops {constants.MEMORY_EFFICIENCY:.0%} of HBM bandwidth, data-parallel traffic beside compute "
         + (f"{training.dp_overlap:.0%} hidden (the trainer's), " if training.dp_overlap is not None else
            f"{constants.OVERLAP_EFFICIENCY:.0%} hidden, ")

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from planner.cost.stage_costs import attention_run_flops
 from planner.errors import BadInput, PlanError
 
 SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB
@@ -122,9 +123,11 @@ def matmul_flops(device: torch.device, sync: Callable[[], None]) -> float:
 
 def attention_flops(device: torch.device, sync: Callable[[], None], seqs: tuple[int, ...] = (4096, 8192),
                     heads: int = 16, head_dim: int = 128) -> float:
-    """Best median FLOP/s of causal bf16 scaled_dot_product_attention, forward and backward, in
-    the FLOPs its kernels run (half of 4 s^2 h d forward, 2.5 x that backward: the
-    FlashAttention papers' accounting, which the catalogue's attention_efficiency uses)."""
+    """Best median FLOP/s of causal bf16 scaled_dot_product_attention (the kernels torch's SDPA
+    picks here), forward and backward, in the FLOPs its kernels run at their plateau rate, as the
+    cost model counts them (planner.cost.stage_costs.attention_run_flops: half of 4 s^2 h d
+    forward, 2.5 x that backward, plus each query row's fixed work and half a diagonal tile), so
+    that it reads as the catalogue's attention_efficiency (a long sequence's share)."""
     best = 0.0
     for s in seqs:
         q, k, v = (torch.randn(1, heads, s, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -134,7 +137,8 @@ def attention_flops(device: torch.device, sync: Callable[[], None], seqs: tuple[
         def step():
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
-        best = max(best, 3.5 * 2 * heads * s**2 * head_dim / _median_s(step, sync=sync))
+        counted = 3.5 * 4 * heads * s**2 * head_dim
+        best = max(best, attention_run_flops(counted, counted, s) / _median_s(step, sync=sync))
     return best
 
 

@@ -528,6 +528,10 @@ TRITON_ATTENTION = ("llm-foundry",)
 #   function causes CUDA errors"). The row's month is read from its own source text ("Dec 2024",
 #   "2025-06", "_202506_"); a row without one is taken as today's torchtitan.
 TORCHTITAN_COMPILED_LOSS = (2025, 4)
+# - torch's SDPA (torchtitan's attention) runs cuDNN's kernels first on Hopper and the B200 from
+#   torch 2.11, released 2026-03-23 (planner/cost/constants.py SDPA_CUDNN_FROM_TORCH): a row
+#   published from the month after on (or without a month: today's torchtitan) is taken to run it.
+TORCHTITAN_SDPA_CUDNN = (2026, 4)
 _MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
 
 
@@ -645,6 +649,8 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
         settings["compiled"] = True  # and what its partitioner keeps (Training.compiled)
         if trainer == "torchtitan" and (publication_month(_source_text(e)) or (9999, 1)) >= TORCHTITAN_COMPILED_LOSS:
             settings["compiled_loss"] = True
+    if trainer == "torchtitan" and (publication_month(_source_text(e)) or (9999, 1)) >= TORCHTITAN_SDPA_CUDNN:
+        settings["sdpa_cudnn"] = True
     if trainer == "this":
         settings["recompute_whole_forward"] = True  # a trainer not named: a reentrant checkpoint
     if _names(trainer_text, TRITON_ATTENTION):

@@ -88,6 +88,18 @@ FRAGMENTATION_CPU = 0.05
 ATTENTION_ROW_KEYS = 340
 ATTENTION_TILE = 128
 
+# The kernels torch's scaled_dot_product_attention picks. Before torch 2.11 FlashAttention-2
+# first (cuDNN's attention was made opt-in after torch 2.5's bugs: pytorch/pytorch#138522, Oct 2024;
+# a Dec 2024 nightly on an H100 ran FlashAttention-2 at 329 TFLOP/s where cuDNN ran 631:
+# pytorch/pytorch#142132). torch's sdp_utils.cpp (check_prefer_cudnn_attention) puts cuDNN first
+# on compute capability 9.0 and 10.0 (major 9 or 10, minor 0: H100, H200, H800, B200, GB200; not
+# Blackwell Ultra's 10.3) with cuDNN above 9.15.1, which the wheels bundle from torch 2.11
+# (released 2026-03-23; huggingface/transformers#48163, 2026-08-31, reading torch's source). Seen
+# here: torch 2.11 on an H200 ran causal SDPA at 48% of the peak by default (plan calibrate,
+# bench/measured/h200_gpu_check_2026-12-04.txt) where FlashAttention-2 reaches 31% and cuDNN 52%.
+SDPA_CUDNN_FROM_TORCH = (2, 11)
+SDPA_CUDNN_ARCHS = ("9.0", "10.0")
+
 # FlashAttention written in Triton (Tri Dao's flash_attn_triton, the first FlashAttention's
 # algorithm; llm-foundry's MPT runs it for ALiBi: attn_impl "triton") against FlashAttention-2 on
 # the same GPU: FlashAttention-2 "is around 1.3-1.5x faster than FlashAttention in Triton in the

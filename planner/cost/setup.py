@@ -112,15 +112,20 @@ class Training:
     (tests/unit/test_compiled_memory.py)."""
     attention_kernel: str = "sdpa"
     """The fused attention kernels the trainer runs. "sdpa": PyTorch's scaled_dot_product_attention
-    (FlashAttention-2's kernel on NVIDIA GPUs), as this runtime and torchtitan run it, at the GPU's
-    `attention_efficiency`. "te": Transformer Engine's DotProductAttention, as Megatron-LM, NeMo
+    (FlashAttention-2's kernel on NVIDIA GPUs, or cuDNN's: `sdpa_cudnn`), as this runtime and
+    torchtitan run it, at the GPU's `attention_efficiency`. "te": Transformer Engine's DotProductAttention, as Megatron-LM, NeMo
     and Megatron-Bridge run it: cuDNN's fused kernels (its get_attention_backend disables
     FlashAttention "to give FusedAttention preference on Hopper+"), at the GPU's `cudnn_attention_efficiency`
-    where the catalogue has one (H100: 54% of the peak, against FlashAttention-2's 35%), with
+    where the catalogue has one (H100: 58% of the peak, against FlashAttention-2's 34%), with
     grouped-query attention of their own: a context-parallel ring moves the key/value heads, not
     copies repeated to the query heads (LayerProfile.attention_kv_unique_bytes). "triton":
     FlashAttention written in Triton, as llm-foundry's MPT runs it for ALiBi (attn_impl "triton"):
     FlashAttention-2's share over constants.TRITON_FLASH_SLOWDOWN (1.85)."""
+    sdpa_cudnn: bool = False
+    """The trainer's torch puts cuDNN's attention kernels first in scaled_dot_product_attention on
+    the GPUs that prefer them (torch 2.11 on: constants.SDPA_CUDNN_FROM_TORCH, GPUSpec.attention_share):
+    "sdpa" attention there runs at `cudnn_attention_efficiency`. Planning sets it from the torch
+    installed (`plan run` runs the same); the bench from a row's publication month."""
     fp8_recipe: str = "torchao"
     """How FP8 training casts (precision fp8; fp4, NVFP4, is Transformer Engine's only: "te"). "torchao": torchao's Float8Linear, which this
     runtime and torchtitan run: every matmul operand cast at each use, weights in every forward

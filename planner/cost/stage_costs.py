@@ -449,7 +449,7 @@ def _layer_costs(
     scale = _scale(profile, cand.micro_batch, cand.cp)
     shard = _shard(layer, cand.tp)
     gpu = cluster.gpu
-    attention = gpu.attention_share(training.attention_kernel)
+    attention = gpu.attention_share(training.attention_kernel, training.sdpa_cudnn)
     if attention != gpu.attention_efficiency:  # the trainer's attention kernels (Transformer Engine's)
         gpu = replace(gpu, attention_efficiency=attention)
     gpu_bwd = gpu

@@ -89,6 +89,20 @@ def test_torchtitan_compiles_its_loss_with_the_model_since_april_2025(rows):
     assert {r.source for r in rows if r.id in compiled} == {"torchtitan"}
 
 
+def test_torchtitan_runs_cudnns_attention_from_torch_2_11(rows, tmp_path):
+    """torch's SDPA puts cuDNN first on Hopper from torch 2.11 (March 2026): torchtitan's rows of
+    2024-2025 ran FlashAttention-2, a row of a later month (or of none: today's torchtitan) cuDNN's."""
+    import yaml
+
+    assert not any(r.training().sdpa_cudnn for r in rows)
+    entry = next(e for e in yaml.safe_load(REFERENCE.read_text())["entries"] if e["id"] == "torchtitan_T1_8B_8gpu_0")
+    later = {**entry, "id": "later", "source": {**entry["source"], "path": "benchmarks/llama3_h100_202605_torchtitan.md"}}
+    undated = {**entry, "id": "undated", "source": {"repo": "pytorch/torchtitan", "path": "docs/performance.md"}}
+    path = tmp_path / "runs.yaml"
+    path.write_text(yaml.safe_dump({"entries": [entry, later, undated]}))
+    assert [r.training().sdpa_cudnn for r in load_rows(path)] == [False, True, True]
+
+
 @pytest.mark.parametrize("text, month", [
     ("benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370, dec 2024)", (2024, 12)),
     ("llama3-8b_h200_202506_trainy-whitefiber.md (trainy on whitefiber, june 2025)", (2025, 6)),

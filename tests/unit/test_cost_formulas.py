@@ -705,3 +705,30 @@ def test_attentions_rows_fixed_work_reproduces_the_h200_measurement():
         counted = 1.0  # the share is measured against the FLOPs counted whole (causal: half)
         run = attention_run_flops(counted, counted if r["causal"] else 0.0, r["seq"]) / (0.5 if r["causal"] else 1.0)
         assert plateau[r["backend"]] / run == pytest.approx(r["of_peak"], rel=0.05), r
+
+
+def test_torchs_sdpa_runs_cudnns_kernels_from_torch_2_11_on_hopper_and_the_b200(monkeypatch):
+    """torch's SDPA puts cuDNN's attention first on compute capability 9.0 and 10.0 from torch 2.11
+    (constants.SDPA_CUDNN_FROM_TORCH): "sdpa" attention there at cuDNN's share (H100: 58%, not
+    FlashAttention-2's 34%); not on Blackwell Ultra (10.3), an A100 or a GPU without the figure. A
+    plan takes the installed torch's (plan run runs it) and says so."""
+    from planner import planning
+    from planner.hardware import get_gpu
+    from planner.model_file import load_model_file
+    from planner.planning import PlanRequest, make_plan
+    from tests.conftest import EXAMPLES
+
+    shares = {name: (get_gpu(name).attention_share("sdpa"), get_gpu(name).attention_share("sdpa", True))
+              for name in ("h100-sxm-80gb", "h200", "b200", "b300", "a100-80gb")}
+    assert shares == {"h100-sxm-80gb": (0.34, 0.58), "h200": (0.34, 0.58), "b200": (0.35, 0.50), "b300": (0.35, 0.35),
+                      "a100-80gb": (0.60, 0.60)}
+    handle = load_model_file(EXAMPLES / "gpt_1b.py")  # compute-bound at its width (2048)
+    request = PlanRequest(gpus=8, gpu="h100-sxm-80gb", global_batch=64)
+    plans = {}
+    for release in ((2, 10), (2, 11)):
+        monkeypatch.setattr(planning, "torch_release", lambda release=release: release)
+        plans[release] = make_plan(handle, request)
+    old, new = plans[(2, 10)], plans[(2, 11)]
+    assert any("fused attention 34% of peak" in a for a in old.assumptions)
+    assert any("fused attention 58% of peak" in a and "torch 2.11's SDPA runs cuDNN's kernels" in a for a in new.assumptions)
+    assert new.predicted.step_time_s < old.predicted.step_time_s
