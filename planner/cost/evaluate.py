@@ -13,7 +13,9 @@ Step = pipeline(T) + max_i (exposed gradient sync_i + parameter all-gather_i + o
     micro-batch's backward of rank i
     (stage_costs.StageCosts documents which collectives each ZeRO stage runs, and when)
 Memory_i = (1 + fragmentation) x (weights + grads + optimizer state (each / dp per ZeRO stage)
-           + in-flight_i x kept activations + working set [+ ZeRO-3 gathered layers]) + reserve.
+           + in-flight_i x kept activations + working set [+ ZeRO-3 gathered layers]) + reserve,
+    with max(grads, activations and working set) for their sum where the gradients are freed
+    between steps and made as backward frees the activations (StageCosts.grads_freed).
 """
 
 from __future__ import annotations
@@ -103,6 +105,8 @@ def evaluate(costs: StageCosts, bounds: list[int], choice: list[int]) -> Evaluat
                     for s in range(i, cand.num_stages, p) for a in range(bounds[s], bounds[s + 1]))
         saved = sum(a.act_bytes[NONE] - a.act_bytes[choice[k]] for a, k in zip(atoms, atom_ids))
         activations = whole - costs.inflight[i] * saved + costs.working_bytes
+        if costs.grads_freed:  # made as backward frees the activations: what they add to its peak
+            grads = max(0.0, grads - activations)
         reserve = costs.reserve_fixed_bytes + costs.fragmentation * (weights + grads + optim + activations)
         devices.append(
             DeviceFigures(

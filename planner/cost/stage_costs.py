@@ -127,6 +127,16 @@ class StageCosts:
     last, which is never recomputed); and the loss's (`loss_working_bytes`). Held on every device."""
     zero3_gather_bytes: float
     """ZeRO-3: gathered parameters of the two largest atoms (current + prefetched)."""
+    grads_freed: bool
+    """The gradients are not held at the activations' peak: torch's trainers free them after each
+    step (zero_grad(set_to_none=True)) and, with one micro-batch and no pipeline, backward makes
+    each layer's as it frees that layer's activations, so the peak holds the larger of the two,
+    not both (a device's memory: max(activations, gradients) beside the weights and optimizer
+    state). Where FSDP2 holds them (ZeRO-2/3, or the runtime's single rank) and the trainer is
+    not Megatron-LM, whose contiguous gradient buffers persist, as DDP's buckets do (ZeRO-0/1
+    over dp > 1). Measured on an H200 (bench/measured/h200_gpu_check_2026-12-04.txt): GPT 1B at
+    micro-batch 8 x 1, 39.49 GB allocated at peak, where its tensors with gradients come to
+    43.5 GB and without them to 39.4."""
     reserve_fixed_bytes: int
     fragmentation: float
     """The allocator's unused share on top of what tensors need (constants.FRAGMENTATION_*)."""
@@ -795,6 +805,8 @@ def stage_costs(
                           loss_working_bytes(profile, cand.tp, cand.micro_batch, cand.cp,
                                              fused_loss(profile, training, cand.tp))),
         zero3_gather_bytes=sum(max_params) * w if cand.zero == 3 and not in_pipeline else 0.0,
+        grads_freed=(cand.num_microbatches == 1 and cand.pp == 1 and training.trainer != "megatron"
+                     and (zero >= 2 or ranks == 1)),
         reserve_fixed_bytes=RESERVE_GPU_BYTES if on_gpu else RESERVE_CPU_BYTES,
         fragmentation=(training.fragmentation if training.fragmentation is not None
                        else FRAGMENTATION_GPU if on_gpu else FRAGMENTATION_CPU),

@@ -233,14 +233,14 @@ def solve_partition(
             prob += T[i] >= busy + latency, f"time_{i}"
         prob += M >= T[i]
         # [Memory]
-        memory = (
-            sum(costs.state_bytes(params, experts))
-            + held_activations(i)
-            + costs.working_bytes
-            + costs.zero3_gather_bytes
-        )
+        weights, grads, optim = costs.state_bytes(params, experts)
+        state = weights + optim + costs.zero3_gather_bytes
+        memory = state + (0 if costs.grads_freed else grads) + held_activations(i) + costs.working_bytes
         # in GiB: byte-sized coefficients next to time-sized ones hurt the solver's tolerances
         prob += ((1 + costs.fragmentation) * memory + costs.reserve_fixed_bytes) * (1 / GIB) <= costs.limit_bytes / GIB, f"memory_{i}"
+        if costs.grads_freed:  # the peak holds the larger of the activations and the gradients
+            prob += ((1 + costs.fragmentation) * (state + grads) + costs.reserve_fixed_bytes) * (1 / GIB) \
+                <= costs.limit_bytes / GIB, f"memory_grads_{i}"
         # [Sync]
         sync = costs.after_step_s(params, experts) * sc
         if costs.after_step_atom_s:

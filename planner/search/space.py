@@ -369,12 +369,15 @@ def memory_lower_bound(costs: StageCosts, recompute: str | None = None) -> float
     """
     cand = costs.cand
     k = FULL if recompute is None else KIND_OF[recompute]
-    state = sum(costs.state_bytes(*costs.param_totals))
+    weights, grads, optim = costs.state_bytes(*costs.param_totals)
+    state = weights + optim + (0.0 if costs.grads_freed else grads)
     act = costs.atoms.memo(("least kept", k), lambda: sum(min(a.act_bytes[k], a.act_bytes[NONE]) for a in costs.atoms))
     infl = least_inflight(costs)
     h = sum(1 / x for x in infl)
     held = max((state + min(infl) * act) / cand.pp, act / h + state / (max(infl) * h))
-    return (1 + costs.fragmentation) * (held + costs.working_bytes + costs.zero3_gather_bytes) + costs.reserve_fixed_bytes
+    # freed gradients (one micro-batch, no pipeline): the peak holds the larger of them and the activations
+    late = max(0.0, grads - act - costs.working_bytes) if costs.grads_freed else 0.0
+    return (1 + costs.fragmentation) * (held + late + costs.working_bytes + costs.zero3_gather_bytes) + costs.reserve_fixed_bytes
 
 
 def time_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
