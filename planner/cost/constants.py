@@ -84,7 +84,11 @@ FRAGMENTATION_CPU = 0.05
 # bench/measured/h200_kernels_2026-12-04.json): fitted with the plateau, every point within 2.5%
 # (FlashAttention-2: 330 keys, plateau 33.8% of the peak) and 4% (cuDNN: 350 keys, 58.1%); causal at
 # 2K tokens reaches 75% of the plateau (FlashAttention-2) and 73% (cuDNN), at 8K 91% and 90%. The
-# tile: FlashAttention-2's and cuDNN's 128-row blocks for a head width of 128.
+# tile: FlashAttention-2's and cuDNN's 128-row blocks for a head width of 128. Checked on other
+# kernels, forward alone, full attention: an H100's FlashAttention-3 and Triton's tutorial kernel
+# (pytorch/benchmark#2391: 512 to 16K tokens, 430-621 and 329-477 TFLOP/s) fit a row's fixed work
+# of 230 and 245 keys, every point within 1% (backward's is larger: it also makes the query
+# gradient and the rows' output-gradient dot products).
 ATTENTION_ROW_KEYS = 340
 ATTENTION_TILE = 128
 
