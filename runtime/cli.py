@@ -326,6 +326,21 @@ def gpu_catalogue(base: Any, result: dict[str, Any], name: str, at: str) -> dict
                                     f"tokens, slowest of {world} GPUs at once, over the bf16 peak",
         },
     }
+    # what the launch did not measure stays the base part's, with its source: the FP8 and cuDNN
+    # shares, the matmul-by-shape table, the power and the NVLink domain's hosts (a calibrated
+    # H200 lost its GEMM shape table; the compute capability is left out: the measured SDPA figure
+    # is what this node's torch runs, whichever kernels it picks)
+    for key, attr, scale in (("intra_node_peer_bandwidth_GBps", "intra_node_peer_bandwidth_Bps", 1e-9),
+                             ("gpus_per_host", "gpus_per_host", 1), ("tdp_w", "tdp_w", 1),
+                             ("fp8_matmul_efficiency", "fp8_matmul_efficiency", 1),
+                             ("cudnn_attention_efficiency", "cudnn_attention_efficiency", 1),
+                             ("matmul_shapes", "matmul_shapes", None)):
+        value = getattr(base, attr, None)
+        if value is None:
+            continue
+        data[key] = value if scale is None else value * scale
+        if attr in base.sources:
+            data["sources"][key] = f"{base.name}'s: {base.sources[attr]}"
     if "optimizer_s_per_param" in result:
         data["optimizer_ns_per_param"] = {k: v * 1e9 for k, v in result["optimizer_s_per_param"].items()}
         data["sources"]["optimizer_ns_per_param"] = (f"{at}: median torch.optim AdamW / SGD step over 4.2 M fp32 "

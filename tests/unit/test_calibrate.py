@@ -353,3 +353,24 @@ def test_measured_optimizer_step_and_tp_host_time_from_a_catalogue_file(tmp_path
     path.write_text(base + "loss_parallel_ns_per_element:\n  forward: fast\n")
     with pytest.raises(BadInput, match="mine.yaml: field 'loss_parallel_ns_per_element' must map forward and backward"):
         load_gpu_file(path)
+
+
+def test_a_calibrated_gpu_file_keeps_what_the_launch_did_not_measure():
+    """`plan calibrate --gpu h200` writes the measured ceilings over the catalogue part's, and keeps
+    its GEMM shape table, FP8 and cuDNN shares, TDP and sources (the first H200 run's file lost
+    them: its plans priced every GEMM at the square ceiling); not its compute capability, so that
+    torch's SDPA there runs at the measured figure, whichever kernels this torch picks."""
+    import yaml
+
+    from planner.hardware import get_gpu, parse_gpu
+    from runtime.cli import gpu_catalogue
+
+    base = get_gpu("h200")
+    data = gpu_catalogue(base, {"processes": 1, "matmul_bf16_flops": 7.6e14, "attention_bf16_flops": 5.6e14}, "mine", "test")
+    spec = parse_gpu(yaml.safe_load(yaml.safe_dump(data)), where="mine.yaml", default_name="mine", origin="user")
+    assert spec.matmul_efficiency == pytest.approx(7.6e14 / base.peak("bf16"))
+    assert spec.attention_efficiency == pytest.approx(5.6e14 / base.peak("bf16"))
+    assert (spec.matmul_shapes, spec.fp8_matmul_efficiency, spec.cudnn_attention_efficiency, spec.tdp_w) == (
+        "sm_90", base.fp8_matmul_efficiency, base.cudnn_attention_efficiency, base.tdp_w)
+    assert spec.sources["fp8_matmul_efficiency"].startswith("h200's: ")
+    assert spec.compute_capability is None and spec.attention_share("sdpa", True) == spec.attention_efficiency
