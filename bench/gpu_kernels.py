@@ -12,8 +12,9 @@ Prints, and writes to DIR/gpu_kernels.json:
   of a whole model's step, is left out: one GEMM alone has no step around it);
 - FP8 matmuls (torch._scaled_mm, one scale per tensor, as torchao's Float8Linear runs them) at the
   same large shapes: the catalogue's `fp8_matmul_efficiency`;
-- fused causal and full attention (SDPA; FlashAttention-2, cuDNN and memory-efficient back ends),
-  head width 128, 32 heads, 2K to 128K tokens per sequence, forward and backward: the catalogue's
+- fused causal and full attention (SDPA; FlashAttention-2, cuDNN and memory-efficient back ends,
+  and at 8K tokens the one this torch picks unasked), head width 128, 32 heads, 2K to 128K tokens
+  per sequence, forward and backward: the catalogue's
   `attention_efficiency` (FlashAttention-2, which the runtime and torchtitan run) and
   `cudnn_attention_efficiency` (Transformer Engine's);
 - grouped GEMMs (torch._grouped_mm, the runtime's experts) against one GEMM per expert, for 1 to
@@ -24,6 +25,7 @@ Prints, and writes to DIR/gpu_kernels.json:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -118,7 +120,8 @@ def attention(gpu, results: list, seqs: tuple[int, ...]) -> None:
     heads, dim, tokens = 32, 128, 131072
     backends = (("flash", SDPBackend.FLASH_ATTENTION, gpu.attention_efficiency),
                 ("cudnn", SDPBackend.CUDNN_ATTENTION, gpu.cudnn_attention_efficiency),
-                ("efficient", SDPBackend.EFFICIENT_ATTENTION, None))
+                ("efficient", SDPBackend.EFFICIENT_ATTENTION, None),
+                ("default", None, None))  # what this torch picks unasked (constants.SDPA_CUDNN_FROM_TORCH)
     print(f"attention (SDPA, {heads} heads of {dim}, {tokens} tokens a call; TF/s forward, backward, both; share of the bf16 peak):")
     for seq in seqs:
         batch = max(1, tokens // seq)
@@ -127,10 +130,10 @@ def attention(gpu, results: list, seqs: tuple[int, ...]) -> None:
         for causal in (True, False):
             fwd_flops = 4 * batch * heads * seq * seq * dim * (0.5 if causal else 1.0)
             for name, backend, planned in backends:
-                if name == "efficient" and seq > 16384:
+                if name == "efficient" and seq > 16384 or name == "default" and seq != 8192:
                     continue
                 try:
-                    with sdpa_kernel(backend):
+                    with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
                         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                         reps = repeats_for(3.5 * fwd_flops, 3e14)
                         fwd = timed_s(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), reps, warmup=1)
