@@ -88,7 +88,12 @@ FRAGMENTATION_CPU = 0.05
 # kernels, forward alone, full attention: an H100's FlashAttention-3 and Triton's tutorial kernel
 # (pytorch/benchmark#2391: 512 to 16K tokens, 430-621 and 329-477 TFLOP/s) fit a row's fixed work
 # of 230 and 245 keys, every point within 1% (backward's is larger: it also makes the query
-# gradient and the rows' output-gradient dot products).
+# gradient and the rows' output-gradient dot products). Not applied to FlashAttention in Triton
+# (llm-foundry's MPT, TRITON_FLASH_SLOWDOWN below): its share is FlashAttention-2's over a slowdown
+# its paper read across 512 to 16K tokens, rows' work in it; llm-foundry's sweep of 98 MPT runs
+# (bench/reference/llm_foundry_sweep.yaml, 512 to 64K tokens) fits it so (median 4.2%; signed
+# medians by sequence +5% at 512 tokens, +3% at 2K, -3% at 8K, +2% at 64K) and does not with the
+# row term added on top (6.5%; +12%, +8%, 0%, +3%: too slow where sequences are short).
 ATTENTION_ROW_KEYS = 340
 ATTENTION_TILE = 128
 

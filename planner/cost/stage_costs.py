@@ -478,8 +478,10 @@ def _layer_costs(
     fp8 = training.precision in LOW_PRECISIONS  # FP8 or NVFP4 Linears (LayerProfile.fwd_linear_flops)
     cast = fp8_cast_bytes(layer, scale, shard, training.fp8_recipe, training.precision == "fp4") if fp8 else (0.0, 0.0)
     # fused attention at its plateau rate runs the FLOPs of its keys plus each query row's fixed
-    # work: causal calls about half what the profile counts (their kernels skip the masked blocks)
-    keys = profile.seq_len / cand.cp if profile.seq_len else None
+    # work: causal calls about half what the profile counts (their kernels skip the masked blocks).
+    # FlashAttention in Triton's share is FlashAttention-2's over a slowdown read at the lengths of
+    # its paper's benchmark, its rows' work in it (constants.ATTENTION_ROW_KEYS): half, no more
+    keys = profile.seq_len / cand.cp if profile.seq_len and training.attention_kernel != "triton" else None
     skip = (layer.fwd_attention_flops - attention_run_flops(layer.fwd_attention_flops, layer.fwd_causal_attention_flops, keys),
             layer.bwd_attention_flops - attention_run_flops(layer.bwd_attention_flops, layer.bwd_causal_attention_flops, keys))
     # an unfused attention's batched matmuls (those selective recompute reruns), backward two per one

@@ -297,7 +297,8 @@ def test_attention_runs_at_its_kernels_share_and_causal_attention_does_half(gpt_
     causal, whole = (atom_table(p, cluster, triton, tp=1, micro_batch=256)[i] for p in (bound, full))
     slowdown = (1.4 / 0.73 + 2 * 2.5 / 0.63) / (1 / 0.73 + 2.5 / 0.63)
     assert slowdown == pytest.approx(1.846, abs=1e-3)
-    assert whole.bwd_s - causal.bwd_s == pytest.approx(2.5 * attention_s * slowdown * saved, rel=1e-6)
+    # its share read at its paper's benchmark lengths, the rows' fixed work in it: causal saves half
+    assert whole.bwd_s - causal.bwd_s == pytest.approx(2.5 * attention_s * slowdown / 2, rel=1e-6)
 
 @pytest.fixture(scope="module")
 def gpt_bf16():
