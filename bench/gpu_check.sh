@@ -11,14 +11,15 @@
 #
 # The device machine of this workplace has torch (CUDA) but not pulp/highspy: put their wheels for
 # its Python in .whl/ first (bench/gpu_wheels.sh, run here) and carry .whl; they are installed into
-# /tmp/site. Three plans run: the planner's own choice (the default global batch, 256 sequences;
+# /tmp/site. Four plans run: the planner's own choice (the default global batch, 256 sequences;
 # micro-batch 32 x 8, near the memory limit, so its memory prediction is tested there), a global
-# batch of 8, and the planner's choice again on the H200 as `plan calibrate` measured it (before
-# and after calibration, side by side). Then what torch.compile keeps for backward on CUDA
+# batch of 8, the planner's choice again on the H200 as `plan calibrate` measured it (before and
+# after calibration, side by side), and in FP8 (torchao's Float8 Linears, where torchao imports).
+# Then what torch.compile keeps for backward on CUDA
 # (the loss; a Llama block under save-matmuls recompute) against the profile's counts, which
 # tests/unit/test_compiled_memory.py measures on the CPU's inductor. $OUT receives at most 8 files
 # (what the device machine sends back): gpu_kernels.json, gpu_check.log (everything printed), the
-# three run reports and the calibrated GPU file; the rest stays in a scratch folder.
+# four run reports and the calibrated GPU file; the rest stays in a scratch folder.
 # Last run: 2026-12-04 on an H200 (bench/measured/): 377 s in all.
 set -uo pipefail
 STEPS=${1:-8}
@@ -39,10 +40,14 @@ echo "== kernels (bench/gpu_kernels.py)"
 timeout 300 python3 bench/gpu_kernels.py --gpu h200 --out "$OUT" || status=1
 echo "== plan calibrate (the H200 as this node runs it: matmul ceiling, causal SDPA, NCCL collectives, DTensor host time per TP Linear, optimizer step per parameter)"
 $PLAN calibrate --gpu h200 -o "$OUT/h200_calibrated.yaml" --force || status=1
-for name in default gb8 calibrated; do
+for name in default gb8 calibrated fp8; do
     extra=()
     gpu=h200
     [ "$name" = gb8 ] && extra=(--global-batch 8)
+    [ "$name" = fp8 ] && extra=(--precision fp8)
+    if [ "$name" = fp8 ] && ! python3 -c "import torchao.float8" 2>/dev/null; then
+        echo "== fp8: skipped (torchao does not import here: bench/gpu_wheels.sh fetches it)"; continue
+    fi
     [ "$name" = calibrated ] && gpu="$OUT/h200_calibrated.yaml"
     [ "$name" = calibrated ] && [ ! -f "$gpu" ] && continue
     echo "== plan ($name)"
@@ -58,7 +63,7 @@ import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 print(f"{'plan':10} {'pred step':>10} {'meas step':>10} {'ratio':>6}  memory GB: {'predicted':>10} {'measured':>10} {'ratio':>6}")
-for name in ("default", "gb8", "calibrated"):
+for name in ("default", "gb8", "calibrated", "fp8"):
     path = out / f"plan_{name}.run.json"
     if not path.exists():
         print(f"{name:10} no run report ({path.name} missing: see its run above)")

@@ -1,5 +1,6 @@
-"""One way to parallelise a module, whether it is the whole model or one pipeline stage: expert
-parallelism, tensor parallelism, then recompute, then data parallelism (torchtitan's
+"""One way to parallelise a module, whether it is the whole model or one pipeline stage: FP8
+Linears where the plan trains in FP8, expert parallelism, tensor parallelism, then recompute, then
+data parallelism (torchtitan's
 ``parallelize_llama`` order: EP splits the experts, TP shards the Linears, checkpointing wraps the
 sharded layers, FSDP2 or DDP wraps the result).
 
@@ -18,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from planner.plan import Plan
 from runtime.data_parallel import apply_dp, data_mesh, uses_fsdp
 from runtime.expert_parallel import apply_expert_parallel
+from runtime.float8 import apply_float8
 from runtime.recompute import apply_recompute_layers
 from runtime.tensor_parallel import apply_tp
 from runtime.types import LayerSplit
@@ -45,6 +47,8 @@ def parallelize(
     uses). `materialize`: a module built on the meta device allocates its real tensors here: before
     DDP (which wraps real tensors), after FSDP2 (so only this rank's shards are allocated)."""
     p = plan.parallel
+    if plan.training.precision == "fp8":  # torchao's Float8 Linears, before any sharding (runtime.float8)
+        apply_float8(module)
     # Expert parallelism first: DP must see this rank's experts only (and the placeholders of the others).
     experts = apply_expert_parallel(module, plan, device.type)
     if p.tp > 1:

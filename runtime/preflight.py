@@ -18,6 +18,7 @@ import torch
 from planner.errors import BadInput
 from planner.model_file import ModelHandle, load_model_file
 from planner.plan import Plan
+from runtime.float8 import float8_blocker
 from runtime.types import LayerSplit, Prepared  # noqa: F401 (re-exported)
 
 
@@ -86,10 +87,10 @@ def prepare(plan_path: str | Path, model_path: str | Path | None = None, *, on_l
             f"not cluster.num_gpus {plan.cluster.num_gpus}"
         )
     if plan.training.precision == "fp8":
-        raise BadInput(
-            f"{plan_path}: FP8 training (torchao Float8 Linears) is planned but not run by this runtime yet; "
-            "re-plan with --precision bf16 to run it here"
-        )
+        capability = torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None
+        blocker = float8_blocker(p.tp, capability)
+        if blocker:
+            raise BadInput(f"{plan_path}: FP8 training {blocker}; re-plan with --precision bf16 to run it here")
     if plan.training.precision == "fp4":
         raise BadInput(
             f"{plan_path}: NVFP4 training (Transformer Engine's recipe) is planned, not run by this runtime; "

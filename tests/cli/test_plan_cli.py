@@ -233,13 +233,13 @@ def test_fp8_is_planned_where_the_gpu_has_fp8_and_refused_elsewhere(capsys, tmp_
     assert main([*args, "--precision", "fp8", "--gpu", "a100-80gb"]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip()
     assert "--precision fp8: a100-80gb" in err and "no FP8 matmul peak" in err and "\n" not in err
-    # the runtime does not run FP8 yet: one line before anything is launched
+    # the runtime runs FP8 on CUDA GPUs with FP8 tensor cores: here, none: one line before anything is launched
     out = tmp_path / "fp8.json"
     assert main([*args, "--precision", "fp8", "-o", str(out)]) == 0
     capsys.readouterr()
     assert main(["run", str(out)]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip()
-    assert "FP8 training" in err and "not run by this runtime yet" in err and "\n" not in err
+    assert "FP8 training runs on CUDA GPUs with FP8 tensor cores" in err and "--precision bf16" in err and "\n" not in err
 
 
 def test_nvfp4_is_planned_for_transformer_engine_on_blackwell_and_refused_elsewhere(capsys, tmp_path):

@@ -1,0 +1,61 @@
+"""FP8 training (a plan with ``training.precision`` "fp8"), as the cost model prices it and
+torchtitan runs it: torchao's Float8Linear in place of each nn.Linear, dynamic tensorwise scaling
+(every operand cast to FP8 at each use: inputs and weights to e4m3, output gradients to e5m2), the
+matmuls through torch._scaled_mm, everything else (weights, gradients, optimizer state, saved
+activations) as the bf16 plan keeps it.
+
+Applied before expert, tensor and data parallelism (torchtitan's model converters run before its
+``parallelize_llama``). A Linear whose features are not multiples of 16 (torch._scaled_mm's
+requirement; a GPT-2 head's 50,257-word vocabulary) stays in 16 bits. Grouped GEMMs (the experts'
+torch._grouped_mm) are not Linears and stay in 16 bits too, as the cost model's torchao recipe
+says. Tensor parallelism under FP8 needs torchao's Float8 TP styles: not run yet (preflight says so).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+MIN_CAPABILITY = (8, 9)
+"""FP8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x)."""
+
+
+def float8_blocker(tp: int, capability: tuple[int, int] | None) -> str | None:
+    """Why this machine cannot run an FP8 plan (None: it can): `capability`, the first CUDA
+    device's compute capability (None: no CUDA GPU)."""
+    if capability is None:
+        return ("runs on CUDA GPUs with FP8 tensor cores (compute capability 8.9 or newer: L40S, H100, H200, "
+                "B200) and this machine has none")
+    if capability < MIN_CAPABILITY:
+        return f"needs FP8 tensor cores (compute capability 8.9 or newer) and this GPU is {capability[0]}.{capability[1]}"
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return "runs torchao's Float8 Linears and torchao is not installed (pip install torchao)"
+    if tp > 1:
+        return "with tensor parallelism needs torchao's Float8 TP styles, not run by this runtime yet (re-plan with --tp 1)"
+    return None
+
+
+def apply_float8(module: nn.Module) -> list[str]:
+    """Swap `module`'s nn.Linear layers for torchao's Float8Linear (dynamic tensorwise scaling);
+    the names of those left in 16 bits (features not multiples of 16)."""
+    from torchao.float8 import convert_to_float8_training
+
+    kept: list[str] = []
+
+    def fp8(mod: nn.Module, name: str) -> bool:
+        if not isinstance(mod, nn.Linear):
+            return False
+        if mod.in_features % 16 or mod.out_features % 16:
+            kept.append(name)
+            return False
+        return True
+
+    convert_to_float8_training(module, module_filter_fn=fp8)
+    if kept:
+        log.warning("FP8: %d Linear(s) stay in 16 bits (features not multiples of 16): %s", len(kept), ", ".join(kept))
+    return kept
