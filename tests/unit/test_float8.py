@@ -5,14 +5,11 @@ torchtitan runs them; which machines can run them. The training step itself runs
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 from runtime.float8 import float8_blocker
 from tests.conftest import EXAMPLES
+from tests.unit.test_mixed_precision import run_on_small_gpt
 
 pytest.importorskip("torchao.float8")
 
@@ -57,16 +54,7 @@ def test_an_fp8_plan_trains_with_float8_linears_under_fsdp2(tmp_path):
     run as the FP8 plan: its block Linears become Float8Linear, the head stays a 16-bit Linear;
     FSDP2 wraps the result; the loss matches the bf16 run's to a few percent and every gradient
     is finite."""
-    model = tmp_path / "small_gpt.py"
-    model.write_text(
-        f"import sys\nsys.path.insert(0, {str(EXAMPLES)!r})\nfrom gpt import GPT, GPTConfig, gpt_batch\n"
-        "CFG = GPTConfig(vocab=500, seq_len=64, n_layer=2, n_head=4, n_embd=64)\n"
-        "def build_model():\n    return GPT(CFG)\n"
-        "def sample_batch(n):\n    return gpt_batch(CFG, n)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(model)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = run_on_small_gpt(SCRIPT, tmp_path, vocab=500)
     bf16, fp8 = got["bf16"]["kinds"], got["fp8"]["kinds"]
     assert bf16["float8"] == 0 and fp8["float8"] == fp8["linear"] - 1 == bf16["linear"] - 1 > 0, got  # all but the head
     assert not fp8["head"]

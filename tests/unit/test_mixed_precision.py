@@ -51,17 +51,22 @@ print(json.dumps({{
 """
 
 
-def test_bf16_plan_saves_the_profiles_16bit_activations(tmp_path):
+def run_on_small_gpt(script: str, tmp_path, vocab: int = 512) -> dict:
+    """`script` run in a subprocess on a 2-block GPT's model file (its argv[1]): its last line's JSON."""
     model = tmp_path / "small_gpt.py"
     model.write_text(
         f"import sys\nsys.path.insert(0, {str(EXAMPLES)!r})\nfrom gpt import GPT, GPTConfig, gpt_batch\n"
-        "CFG = GPTConfig(vocab=512, seq_len=64, n_layer=2, n_head=4, n_embd=64)\n"
+        f"CFG = GPTConfig(vocab={vocab}, seq_len=64, n_layer=2, n_head=4, n_embd=64)\n"
         "def build_model():\n    return GPT(CFG)\n"
         "def sample_batch(n):\n    return gpt_batch(CFG, n)\n"
     )
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(model)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    done = subprocess.run([sys.executable, "-c", script, str(model)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_bf16_plan_saves_the_profiles_16bit_activations(tmp_path):
+    got = run_on_small_gpt(SCRIPT, tmp_path)
     assert got["fsdp"].startswith("FSDP") and got["autocast"] == "None" and got["out"] == "torch.bfloat16" and got["param_dtype"] == "torch.float32"
     # what the forward saves is the 16-bit figure the plan counts (the fp32 part: softmax statistics)
     assert got["saved"] <= 1.1 * got["predicted"], got
