@@ -8,7 +8,10 @@ Applied before expert, tensor and data parallelism (torchtitan's model converter
 ``parallelize_llama``). A Linear whose features are not multiples of 16 (torch._scaled_mm's
 requirement; a GPT-2 head's 50,257-word vocabulary) stays in 16 bits. Grouped GEMMs (the experts'
 torch._grouped_mm) are not Linears and stay in 16 bits too, as the cost model's torchao recipe
-says. Tensor parallelism under FP8 needs torchao's Float8 TP styles: not run yet (preflight says so).
+says. Under tensor parallelism the Float8 Linears take torch's plain Colwise/Rowwise styles: their
+weights are DTensor shards, each cast with the whole tensor's scale, and the TP collectives move
+16-bit activations, as the cost model prices them (torchao's Float8 TP styles, which gather in FP8,
+are not used).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ MIN_CAPABILITY = (8, 9)
 """FP8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x)."""
 
 
-def float8_blocker(tp: int, capability: tuple[int, int] | None) -> str | None:
+def float8_blocker(capability: tuple[int, int] | None) -> str | None:
     """Why this machine cannot run an FP8 plan (None: it can): `capability`, the first CUDA
     device's compute capability (None: no CUDA GPU)."""
     if capability is None:
@@ -35,8 +38,6 @@ def float8_blocker(tp: int, capability: tuple[int, int] | None) -> str | None:
         import torchao.float8  # noqa: F401
     except ImportError:
         return "runs torchao's Float8 Linears and torchao is not installed (pip install torchao)"
-    if tp > 1:
-        return "with tensor parallelism needs torchao's Float8 TP styles, not run by this runtime yet (re-plan with --tp 1)"
     return None
 
 

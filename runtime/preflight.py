@@ -88,7 +88,7 @@ def prepare(plan_path: str | Path, model_path: str | Path | None = None, *, on_l
         )
     if plan.training.precision == "fp8":
         capability = torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None
-        blocker = float8_blocker(p.tp, capability)
+        blocker = float8_blocker(capability)
         if blocker:
             raise BadInput(f"{plan_path}: FP8 training {blocker}; re-plan with --precision bf16 to run it here")
     if plan.training.precision == "fp4":

@@ -9,7 +9,7 @@ import pytest
 
 from runtime.float8 import float8_blocker
 from tests.conftest import EXAMPLES
-from tests.unit.test_mixed_precision import run_on_small_gpt
+from tests.unit.test_mixed_precision import run_on_small_gpt, small_gpt
 
 pytest.importorskip("torchao.float8")
 
@@ -62,13 +62,64 @@ def test_an_fp8_plan_trains_with_float8_linears_under_fsdp2(tmp_path):
     assert got["fp8"]["loss"] == pytest.approx(got["bf16"]["loss"], rel=0.05), got
 
 
-@pytest.mark.parametrize("tp, capability, says", [
-    (1, None, "runs on CUDA GPUs with FP8 tensor cores"),
-    (1, (8, 0), "this GPU is 8.0"),
-    (2, (9, 0), "tensor parallelism"),
-    (1, (9, 0), None),
-    (1, (10, 0), None),
+@pytest.mark.parametrize("capability, says", [
+    (None, "runs on CUDA GPUs with FP8 tensor cores"),
+    ((8, 0), "this GPU is 8.0"),
+    ((8, 9), None),
+    ((9, 0), None),
+    ((10, 0), None),
 ])
-def test_which_machines_run_an_fp8_plan(tp, capability, says):
-    blocker = float8_blocker(tp, capability)
+def test_which_machines_run_an_fp8_plan(capability, says):
+    blocker = float8_blocker(capability)
     assert (blocker is None) if says is None else (says in blocker), blocker
+
+
+TP_SCRIPT = f"""
+import json, sys
+from dataclasses import replace
+import torch, torch.distributed as dist
+sys.path.insert(0, {str(EXAMPLES)!r})
+dist.init_process_group("gloo")
+from torch.distributed.device_mesh import init_device_mesh
+from planner.model_file import load_model_file
+from planner.planning import PlanRequest, make_plan
+from planner.search.space import Fixed
+from runtime.parallelize import parallelize
+
+handle = load_model_file(sys.argv[1])
+x, y = handle.sample_batch(4)
+mesh = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("dp", "cp", "tp"))
+out = {{}}
+for sp in (False, True):
+    bf16 = make_plan(handle, PlanRequest(gpus=2, gpu="h100-sxm-80gb", global_batch=4,
+                                         fixed=Fixed(tp=2, dp=1, sequence_parallel=sp)))
+    for name, plan in (("bf16", bf16), ("fp8", replace(bf16, training=replace(bf16.training, precision="fp8")))):
+        torch.manual_seed(0)
+        model = handle.build_model().float()
+        logits = parallelize(model, plan, plan.model.layers, mesh, torch.device("cpu"), {{}})(x)
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        out[f"{{name}} sp={{sp}}"] = loss.item()
+if dist.get_rank() == 0:
+    print(json.dumps(out))
+"""
+
+
+def test_an_fp8_plan_runs_under_tensor_parallelism(tmp_path):
+    """tp 2, with and without sequence parallelism, two gloo processes: the Float8 Linears take
+    torch's plain TP styles (their weights DTensor shards, each cast with the whole tensor's scale)
+    and the loss matches the 16-bit run's."""
+    import json
+    import subprocess
+    import sys
+
+    model = small_gpt(tmp_path)
+    script = tmp_path / "tp.py"
+    script.write_text(TP_SCRIPT)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), str(model)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    for sp in (False, True):
+        assert got[f"fp8 sp={sp}"] == pytest.approx(got[f"bf16 sp={sp}"], rel=0.01), got

@@ -51,8 +51,8 @@ print(json.dumps({{
 """
 
 
-def run_on_small_gpt(script: str, tmp_path, vocab: int = 512) -> dict:
-    """`script` run in a subprocess on a 2-block GPT's model file (its argv[1]): its last line's JSON."""
+def small_gpt(tmp_path, vocab: int = 512):
+    """A 2-block GPT's model file in `tmp_path`."""
     model = tmp_path / "small_gpt.py"
     model.write_text(
         f"import sys\nsys.path.insert(0, {str(EXAMPLES)!r})\nfrom gpt import GPT, GPTConfig, gpt_batch\n"
@@ -60,6 +60,12 @@ def run_on_small_gpt(script: str, tmp_path, vocab: int = 512) -> dict:
         "def build_model():\n    return GPT(CFG)\n"
         "def sample_batch(n):\n    return gpt_batch(CFG, n)\n"
     )
+    return model
+
+
+def run_on_small_gpt(script: str, tmp_path, vocab: int = 512) -> dict:
+    """`script` run in a subprocess on a 2-block GPT's model file (its argv[1]): its last line's JSON."""
+    model = small_gpt(tmp_path, vocab)
     done = subprocess.run([sys.executable, "-c", script, str(model)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
