@@ -111,7 +111,9 @@ def localize_tp_for_ddp(model: nn.Module) -> int:
     return len(localized)
 
 
-SIXTEEN_BIT = {"bf16": torch.bfloat16, "fp16": torch.float16}
+SIXTEEN_BIT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+"""A plan's 16-bit compute dtype: an FP8 plan is bf16 mixed precision whose Linear matmuls run in
+FP8 (runtime.float8), as the cost model counts it."""
 
 
 def mixed_precision(plan: Plan) -> MixedPrecisionPolicy | None:

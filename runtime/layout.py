@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from planner.plan import Plan
 from planner.profile.types import moe_sp_blocker
+from runtime.data_parallel import SIXTEEN_BIT
 from runtime.types import LayerSplit
 from runtime.types import NO_BLOCK
 
@@ -234,11 +235,12 @@ def describe(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
     if p.dp_replicate > 1:
         style += f", as HSDP on a 2-D mesh: {p.dp_replicate} replicas x {p.dp // p.dp_replicate} shards"
     out = [f"plan: {p.one_line()}", f"data parallel: {style}"]
-    if plan.training.precision in ("bf16", "fp16"):
+    if plan.training.precision in SIXTEEN_BIT:
         how = ("torch.autocast around the forward (DDP)" if p.dp * p.cp > 1 and p.zero <= 1 else
                "FSDP2 MixedPrecisionPolicy: fp32 parameters cast when gathered, gradients reduced in fp32"
                + (" (FSDP2 over this one rank, nothing sharded)" if p.dp * p.cp == 1 else ""))
-        out.append(f"precision: {plan.training.precision} compute, fp32 master weights and optimizer state; {how}")
+        compute = "FP8 Linear matmuls (torchao), bf16" if plan.training.precision == "fp8" else plan.training.precision
+        out.append(f"precision: {compute} compute, fp32 master weights and optimizer state; {how}")
     full = list(dict.fromkeys(_pattern(n) for s in plan.stages for n in s.recompute_layers))
     sel = list(dict.fromkeys(_pattern(n) for s in plan.stages for n in s.selective_layers))
     alt = list(dict.fromkeys(_pattern(n) for s in plan.stages for n in s.alternate_layers))
@@ -287,7 +289,7 @@ def runtime_warnings(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
     out = []
     if p.tp > 1:
         out += tp_layout(layers, p.tp, p.sequence_parallel, p.ep).warnings
-    if plan.training.precision in ("bf16", "fp16") and p.dp * p.cp > 1 and p.zero <= 1:
+    if plan.training.precision in SIXTEEN_BIT and p.dp * p.cp > 1 and p.zero <= 1:
         out.append(
             f"{plan.training.precision} under DDP runs as torch.autocast: the residual stream and norms stay fp32, "
             "so activations exceed the plan's 16-bit figure (about 1.4x on examples/gpt.py); ZeRO-2/3 casts "

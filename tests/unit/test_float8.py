@@ -36,14 +36,15 @@ for name, plan in (("bf16", bf16), ("fp8", fp8)):
     torch.manual_seed(0)
     model = handle.build_model().float()
     wrapped = parallelize(model, plan, plan.model.layers, mesh, torch.device("cpu"), {{}})
-    loss = torch.nn.functional.cross_entropy(wrapped(x).float().flatten(0, 1), y.flatten())
+    logits = wrapped(x)
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
     loss.backward()
     from torchao.float8.float8_linear import Float8Linear
     kinds = {{"float8": sum(isinstance(m, Float8Linear) for m in model.modules()),
              "linear": sum(isinstance(m, torch.nn.Linear) for m in model.modules()),
              "head": isinstance(model.lm_head, Float8Linear)}}
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    out[name] = {{"loss": loss.item(), "kinds": kinds, "grads": len(grads),
+    out[name] = {{"loss": loss.item(), "kinds": kinds, "grads": len(grads), "dtype": str(logits.dtype),
                  "finite": all(bool(torch.isfinite(g.full_tensor() if hasattr(g, "full_tensor") else g).all()) for g in grads)}}
 print(json.dumps(out))
 """
@@ -52,12 +53,14 @@ print(json.dumps(out))
 def test_an_fp8_plan_trains_with_float8_linears_under_fsdp2(tmp_path):
     """A small GPT (vocabulary 500: its head's features not a multiple of 16) planned in bf16 and
     run as the FP8 plan: its block Linears become Float8Linear, the head stays a 16-bit Linear;
-    FSDP2 wraps the result; the loss matches the bf16 run's to a few percent and every gradient
-    is finite."""
+    FSDP2 wraps the result with bf16 mixed precision; the loss matches the bf16 run's to a few
+    percent and every gradient is finite."""
     got = run_on_small_gpt(SCRIPT, tmp_path, vocab=500)
     bf16, fp8 = got["bf16"]["kinds"], got["fp8"]["kinds"]
     assert bf16["float8"] == 0 and fp8["float8"] == fp8["linear"] - 1 == bf16["linear"] - 1 > 0, got  # all but the head
     assert not fp8["head"]
+    # bf16 mixed precision around the FP8 matmuls, as the plan counts it (FSDP2's policy on one rank)
+    assert got["fp8"]["dtype"] == got["bf16"]["dtype"] == "torch.bfloat16", got
     assert got["fp8"]["finite"] and got["fp8"]["grads"] == got["bf16"]["grads"] > 0
     assert got["fp8"]["loss"] == pytest.approx(got["bf16"]["loss"], rel=0.05), got
 
@@ -123,3 +126,24 @@ def test_an_fp8_plan_runs_under_tensor_parallelism(tmp_path):
     got = json.loads(done.stdout.strip().splitlines()[-1])
     for sp in (False, True):
         assert got[f"fp8 sp={sp}"] == pytest.approx(got[f"bf16 sp={sp}"], rel=0.01), got
+
+
+def test_an_fp8_plan_computes_in_bf16_around_its_fp8_matmuls(tmp_path):
+    """An FP8 plan is bf16 mixed precision whose Linear matmuls run in FP8: DDP (ZeRO-0/1 over
+    dp > 1) runs its forward under bf16 autocast, FSDP2 casts its parameters to bf16, as a bf16
+    plan's would."""
+    from dataclasses import replace
+
+    import torch
+
+    from planner.model_file import load_model_file
+    from planner.planning import PlanRequest, make_plan
+    from planner.search.space import Fixed
+    from runtime.data_parallel import autocast_dtype, mixed_precision
+
+    handle = load_model_file(small_gpt(tmp_path))
+    for zero, autocast in ((0, torch.bfloat16), (3, None)):
+        bf16 = make_plan(handle, PlanRequest(gpus=2, gpu="h100-sxm-80gb", global_batch=4, fixed=Fixed(dp=2, zero=zero)))
+        fp8 = replace(bf16, training=replace(bf16.training, precision="fp8"))
+        assert autocast_dtype(fp8) == autocast_dtype(bf16) == autocast
+        assert mixed_precision(fp8).param_dtype == torch.bfloat16
