@@ -150,14 +150,18 @@ class GPUSpec:
         FP8)."""
         return (self.fp8_matmul_efficiency if dtype in ("fp8", "fp4") else None) or self.matmul_efficiency
 
+    def sdpa_runs_cudnn(self, sdpa_cudnn: bool) -> bool:
+        """Whether torch's SDPA runs cuDNN's attention here, for a torch that prefers it
+        (`sdpa_cudnn`: Training.sdpa_cudnn) on this GPU's compute capability (SDPA_CUDNN_ARCHS)."""
+        return sdpa_cudnn and self.compute_capability in SDPA_CUDNN_ARCHS
+
     def attention_share(self, kernel: str, sdpa_cudnn: bool = False) -> float | None:
         """The share of the 16-bit peak fused attention reaches with `kernel` (Training.attention_kernel):
         "sdpa" FlashAttention-2's, or cuDNN's where the trainer's torch puts cuDNN first on this GPU
         (`sdpa_cudnn`, Training.sdpa_cudnn, on the compute capabilities of SDPA_CUDNN_ARCHS); "te"
         cuDNN's where published; "triton" FlashAttention in Triton's (FlashAttention-2's over
         constants.TRITON_FLASH_SLOWDOWN)."""
-        cudnn = kernel == "te" or kernel == "sdpa" and sdpa_cudnn and self.compute_capability in SDPA_CUDNN_ARCHS
-        if cudnn and self.cudnn_attention_efficiency is not None:
+        if (kernel == "te" or kernel == "sdpa" and self.sdpa_runs_cudnn(sdpa_cudnn)) and self.cudnn_attention_efficiency is not None:
             return self.cudnn_attention_efficiency
         if kernel == "triton" and self.attention_efficiency is not None:
             return self.attention_efficiency / TRITON_FLASH_SLOWDOWN

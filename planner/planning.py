@@ -204,7 +204,8 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
     if result.best is None:
         raise Infeasible(_infeasible_message(profile, request, cluster, result, training))
     attention = cluster.gpu.attention_share(training.attention_kernel, training.sdpa_cudnn)
-    sdpa_cudnn = training.attention_kernel == "sdpa" and attention != cluster.gpu.attention_share("sdpa")
+    sdpa_cudnn = training.attention_kernel == "sdpa" and cluster.gpu.sdpa_runs_cudnn(training.sdpa_cudnn) \
+        and cluster.gpu.cudnn_attention_efficiency is not None
     low_share = cluster.gpu.matmul_share(request.precision)
     assumptions = [
         f"trainer: {TRAINER_NOTES[training.trainer]}"
