@@ -239,14 +239,17 @@ OPTIMIZER_SHAPES = ((1024, 1024),) * 4 + ((1024,),) * 8  # 4.2 M fp32 parameters
 
 def optimizer_s_per_param(device: torch.device, sync: Callable[[], None]) -> dict[str, float]:
     """Seconds of one optimizer step per parameter, for each optimizer the runtime builds (plain
-    torch.optim.AdamW and SGD over fp32 parameters, as runtime.train makes them), every rank at
-    once (they share the memory system as training's do): median of REPEATS steps."""
+    torch.optim.AdamW and SGD over fp32 parameters, as runtime.train.optimizer_class makes them),
+    every rank at once (they share the memory system as training's do): median of REPEATS steps."""
+    from runtime.train import optimizer_class
+
     out = {}
-    for name, cls in (("adamw", torch.optim.AdamW), ("sgd", torch.optim.SGD)):
+    for name in ("adamw", "sgd"):
         params = [torch.nn.Parameter(torch.randn(shape, device=device)) for shape in OPTIMIZER_SHAPES]
         for p in params:
             p.grad = torch.randn_like(p)
-        optimizer = cls(params, lr=1e-4)
+        cls, options = optimizer_class(name, device.type)
+        optimizer = cls(params, **options)
         out[name] = _median_s(optimizer.step, sync=sync) / sum(p.numel() for p in params)
     return out
 

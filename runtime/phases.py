@@ -129,7 +129,8 @@ def classify(name: str, chain: list[str], functional: str = "tp_comm") -> str:
 
 def phase_times(events: Any, parallel: Any = None, cuda: bool = False) -> dict[str, float]:
     """Seconds per phase (PHASES) of the step the profiler's `events` recorded: the self time of
-    every event under ``STEP_SCOPE`` on its thread, and the step's time outside any event: host
+    every event under ``STEP_SCOPE`` on its thread (on CUDA, with backward's on the autograd
+    engine's thread during the step), and the step's time outside any event: host
     time, or with a pipeline (`parallel`, the plan's degrees: pp > 1) the schedule's waits for its
     neighbours (torch's 1F1B waits for its receives outside any scope of its own)."""
     functional, pp = functional_phase(parallel), getattr(parallel, "pp", 1)
@@ -156,11 +157,28 @@ def phase_times(events: Any, parallel: Any = None, cuda: bool = False) -> dict[s
             out[phase] += event.self_cpu_time_total / 1e6
 
     walk(root, [])
+    if cuda:  # backward's operators run on the autograd engine's thread for the device, not under the step
+        for event in _other_threads_within(events, root):
+            walk(event, [BACKWARD_SCOPE])
     if cuda:  # the step's time the device ran none of its kernels (its wall: the step synchronises)
         out["host"] = max(0.0, root.cpu_time_total / 1e6 - sum(out.values()))
     else:
         out["pp_comm" if pp > 1 else "host"] += max(0.0, root.cpu_time_total / 1e6 - counted)
     return out
+
+
+def _other_threads_within(events: Any, root: Any) -> list[Any]:
+    """The outermost operators recorded on other threads than `root`'s during its time: on CUDA,
+    the autograd engine runs backward on a thread of its own per device (on the CPU, on the thread
+    that calls backward: under the step). An H200's runs (bench/measured/h200_fp8_eager_2026-12-04.txt)
+    counted backward's kernels as host time before they were looked for there."""
+    span = getattr(root, "time_range", None)
+    if span is None:
+        return []
+    return [e for e in events
+            if getattr(e, "thread", root.thread) != root.thread and getattr(e, "cpu_parent", None) is None
+            and getattr(e, "device_type", DeviceType.CPU) == DeviceType.CPU
+            and span.start <= e.time_range.start and e.time_range.end <= span.end]
 
 
 @contextmanager

@@ -42,7 +42,8 @@ for name, plan in (("bf16", bf16), ("fp8", fp8)):
     from torchao.float8.float8_linear import Float8Linear
     kinds = {{"float8": sum(isinstance(m, Float8Linear) for m in model.modules()),
              "linear": sum(isinstance(m, torch.nn.Linear) for m in model.modules()),
-             "head": isinstance(model.lm_head, Float8Linear)}}
+             "head": isinstance(model.lm_head, Float8Linear),
+             "compiled": sum(isinstance(m, Float8Linear) and "forward" in vars(m) for m in model.modules())}}
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     out[name] = {{"loss": loss.item(), "kinds": kinds, "grads": len(grads), "dtype": str(logits.dtype),
                  "finite": all(bool(torch.isfinite(g.full_tensor() if hasattr(g, "full_tensor") else g).all()) for g in grads)}}
@@ -52,13 +53,15 @@ print(json.dumps(out))
 
 def test_an_fp8_plan_trains_with_float8_linears_under_fsdp2(tmp_path):
     """A small GPT (vocabulary 500: its head's features not a multiple of 16) planned in bf16 and
-    run as the FP8 plan: its block Linears become Float8Linear, the head stays a 16-bit Linear;
+    run as the FP8 plan: its block Linears become Float8Linear, each one's forward compiled, the
+    head stays a 16-bit Linear;
     FSDP2 wraps the result with bf16 mixed precision; the loss matches the bf16 run's to a few
     percent and every gradient is finite."""
     got = run_on_small_gpt(SCRIPT, tmp_path, vocab=500)
     bf16, fp8 = got["bf16"]["kinds"], got["fp8"]["kinds"]
     assert bf16["float8"] == 0 and fp8["float8"] == fp8["linear"] - 1 == bf16["linear"] - 1 > 0, got  # all but the head
     assert not fp8["head"]
+    assert fp8["compiled"] == fp8["float8"]  # each Float8 Linear's forward compiled (its casts fused)
     # bf16 mixed precision around the FP8 matmuls, as the plan counts it (FSDP2's policy on one rank)
     assert got["fp8"]["dtype"] == got["bf16"]["dtype"] == "torch.bfloat16", got
     assert got["fp8"]["finite"] and got["fp8"]["grads"] == got["bf16"]["grads"] > 0
@@ -147,3 +150,4 @@ def test_an_fp8_plan_computes_in_bf16_around_its_fp8_matmuls(tmp_path):
         fp8 = replace(bf16, training=replace(bf16.training, precision="fp8"))
         assert autocast_dtype(fp8) == autocast_dtype(bf16) == autocast
         assert mixed_precision(fp8).param_dtype == torch.bfloat16
+

@@ -18,11 +18,16 @@ from runtime.phases import (
 class Ev:
     """A FunctionEvent's shape: a name, children, the time of its own and in all (microseconds)."""
 
-    def __init__(self, name: str, own_us: float, *children: "Ev", device_type=DeviceType.CPU):
-        self.name, self.cpu_children, self.device_type = name, list(children), device_type
+    def __init__(self, name: str, own_us: float, *children: "Ev", device_type=DeviceType.CPU, device_us: float = 0.0,
+                 thread: int = 1, start_us: float = 0.0):
+        self.name, self.cpu_children, self.device_type, self.thread = name, list(children), device_type, thread
         self.self_cpu_time_total = own_us
         self.cpu_time_total = own_us + sum(c.cpu_time_total for c in children)
-        self.self_device_time_total = 0.0
+        self.self_device_time_total = device_us
+        self.time_range = SimpleNamespace(start=start_us, end=start_us + self.cpu_time_total)
+        self.cpu_parent = None
+        for c in children:
+            c.cpu_parent = self
 
 
 def flat(root: Ev) -> list[Ev]:
@@ -78,6 +83,22 @@ def test_phase_times_add_up_to_the_profiled_step():
     # (an H200's run measured every phase 0 when it was read as the step)
     annotation = Ev(STEP_SCOPE, 0.0, device_type=DeviceType.CUDA)
     assert phase_times(events + [annotation], SimpleNamespace(tp=2, pp=1)) == phase_times(events, SimpleNamespace(tp=2, pp=1))
+
+
+def test_on_cuda_backward_on_the_autograd_engines_thread_counts_as_backward():
+    """On CUDA each phase is its kernels' device time, and backward's operators run on the autograd
+    engine's own thread, outside the step's tree: they are found there by time (an H200's run read
+    them as host time); what another thread ran outside the step is not counted."""
+    step = Ev(STEP_SCOPE, 900.0, Ev(FORWARD_SCOPE, 5.0, Ev("aten::mm", 10.0, device_us=300.0)),
+              Ev(BACKWARD_SCOPE, 5.0), Ev(OPTIMIZER_SCOPE, 5.0, Ev("aten::_fused_adamw_", 5.0, device_us=50.0)))
+    engine = Ev("autograd::engine::evaluate_function: MmBackward0", 5.0,
+                Ev("MmBackward0", 5.0, Ev("aten::mm", 10.0, device_us=500.0)), thread=2, start_us=100.0)
+    later = Ev("aten::mm", 1.0, device_us=7000.0, thread=2, start_us=5000.0)
+    got = phase_times(flat(step) + flat(engine) + [later], cuda=True)
+    assert got["forward"] == pytest.approx(300e-6) and got["backward"] == pytest.approx(500e-6)
+    assert got["optimizer"] == pytest.approx(50e-6)
+    assert got["host"] == pytest.approx(step.cpu_time_total * 1e-6 - 850e-6)
+    assert phase_times(flat(step) + flat(engine), cuda=False)["backward"] == 0.0  # the CPU: backward is under the step
 
 
 def test_a_real_profiled_step_splits_forward_backward_and_optimizer():
