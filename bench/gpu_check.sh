@@ -22,6 +22,8 @@
 #   llama8, llama8_fp8  four layers of Llama 3 8B (bench/gpu_models/llama3_8b_slice.py) in bf16
 #               and FP8: FP8's speed-up at 8B's widths
 #   moe         a 2B mixture of experts whose experts run in a Python loop (bench/gpu_models/moe_2b.py)
+#   moe_profile one of its layers under torch.profiler: its top kernels, device time against wall
+#               (bench/gpu_moe_profile.py; the moe run measured 2.96x its plan on 2026-12-04)
 #   compiled    what torch.compile keeps for backward on CUDA (the loss; a Llama block under
 #               save-matmuls recompute) against the profile's counts, which
 #               tests/unit/test_compiled_memory.py measures on the CPU's inductor
@@ -45,7 +47,7 @@ PLAN="python3 -m planner.cli"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 status=0
-CHECKS=${CHECKS:-kernels calibrate default gb8 calibrated fp8 llama8 llama8_fp8 moe compiled}
+CHECKS=${CHECKS:-kernels calibrate default gb8 calibrated fp8 llama8 llama8_fp8 moe moe_profile compiled}
 want() { [[ " $CHECKS " == *" $1 "* ]]; }
 if want kernels; then
     echo "== kernels (bench/gpu_kernels.py)"
@@ -82,6 +84,10 @@ for name in $CHECKS; do  # in the order CHECKS names them
     timeout "${RUN_TIMEOUT:-900}" $PLAN run "$WORK/plan_$name.json" --steps "$STEPS" --force || status=1
     cp "$WORK/plan_$name.run.json" "$OUT/" 2>/dev/null
 done
+if want moe_profile; then
+    echo "== one MoE layer's kernels (bench/gpu_moe_profile.py)"
+    timeout 300 python3 bench/gpu_moe_profile.py || status=1
+fi
 if want compiled; then
     echo "== what torch.compile keeps on CUDA (the CPU-inductor measurements of tests/unit/test_compiled_memory.py)"
     python3 bench/compiled_memory.py || status=1

@@ -37,9 +37,9 @@ TRAINERS: dict[str, dict] = {
 """The trainers a plan can be made for (`plan --trainer`): the Training fields each sets."""
 TRAINER_NOTES = {
     "this": "plan run's runtime: eager PyTorch (memory-bound ops one kernel each), SDPA attention, torchao "
-            "Float8, non-reentrant recompute",
-    "torchtitan": "torchtitan: eager PyTorch, SDPA attention, torchao Float8, per-op selective recompute that keeps "
-                  "reduce-scatter outputs",
+            "Float8 (each Linear compiled: its casts fused), fused optimizer on CUDA, non-reentrant recompute",
+    "torchtitan": "torchtitan: eager PyTorch, SDPA attention, torchao Float8 (compiled), per-op selective recompute "
+                  "that keeps reduce-scatter outputs",
     "megatron": "Megatron-LM / NeMo / Megatron-Bridge on Transformer Engine: fused memory-bound kernels, cuDNN "
                 "attention, TE's FP8 casts, full recompute of whole layers, selective recompute of the attention "
                 "core, gradient reduce-scatter hidden behind the backward",
