@@ -50,10 +50,10 @@ def float8_blocker(capability: tuple[int, int] | None) -> str | None:
     return None
 
 
-def apply_float8(module: nn.Module, compile: bool = True) -> list[str]:
+def apply_float8(module: nn.Module) -> list[str]:
     """Swap `module`'s nn.Linear layers for torchao's Float8Linear (dynamic tensorwise scaling),
-    their forwards compiled (`compile`: compile_float8_linears); the names of those left in 16 bits
-    (features not multiples of 16)."""
+    their forwards compiled (compile_float8_linears); the names of those left in 16 bits (features
+    not multiples of 16)."""
     from torchao.float8 import convert_to_float8_training
 
     kept: list[str] = []
@@ -69,8 +69,7 @@ def apply_float8(module: nn.Module, compile: bool = True) -> list[str]:
     convert_to_float8_training(module, module_filter_fn=fp8)
     if kept:
         log.warning("FP8: %d Linear(s) stay in 16 bits (features not multiples of 16): %s", len(kept), ", ".join(kept))
-    if compile:
-        compile_float8_linears(module)
+    compile_float8_linears(module)
     return kept
 
 

@@ -157,10 +157,11 @@ def phase_times(events: Any, parallel: Any = None, cuda: bool = False) -> dict[s
             out[phase] += event.self_cpu_time_total / 1e6
 
     walk(root, [])
-    if cuda:  # backward's operators run on the autograd engine's thread for the device, not under the step
+    if cuda:
+        # backward's operators run on the autograd engine's thread for the device, not under the step
         for event in _other_threads_within(events, root):
             walk(event, [BACKWARD_SCOPE])
-    if cuda:  # the step's time the device ran none of its kernels (its wall: the step synchronises)
+        # the step's time the device ran none of its kernels (its wall: the step synchronises)
         out["host"] = max(0.0, root.cpu_time_total / 1e6 - sum(out.values()))
     else:
         out["pp_comm" if pp > 1 else "host"] += max(0.0, root.cpu_time_total / 1e6 - counted)
