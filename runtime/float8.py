@@ -47,6 +47,10 @@ def float8_blocker(capability: tuple[int, int] | None) -> str | None:
         import torchao.float8  # noqa: F401
     except ImportError:
         return "runs torchao's Float8 Linears and torchao is not installed (pip install torchao)"
+    from torch.utils._triton import has_triton
+
+    if not has_triton():  # torch.compile's CUDA kernels; eager casts would run slower than bf16
+        return "compiles its Float8 Linears (torch.compile, which needs Triton on CUDA) and Triton is not installed"
     return None
 
 

@@ -75,9 +75,17 @@ def test_an_fp8_plan_trains_with_float8_linears_under_fsdp2(tmp_path):
     ((9, 0), None),
     ((10, 0), None),
 ])
-def test_which_machines_run_an_fp8_plan(capability, says):
+def test_which_machines_run_an_fp8_plan(capability, says, monkeypatch):
+    monkeypatch.setattr("torch.utils._triton.has_triton", lambda: True)  # a CUDA machine's torch
     blocker = float8_blocker(capability)
     assert (blocker is None) if says is None else (says in blocker), blocker
+
+
+def test_an_fp8_plan_needs_triton_on_cuda_for_its_compiled_casts(monkeypatch):
+    """Without Triton torch.compile cannot build the Float8 Linears' CUDA kernels, and eager casts
+    ran FP8 slower than bf16 on an H200: one line before launching, not a failure in the first step."""
+    monkeypatch.setattr("torch.utils._triton.has_triton", lambda: False)
+    assert "Triton is not installed" in float8_blocker((9, 0))
 
 
 TP_SCRIPT = f"""
