@@ -54,10 +54,10 @@ def float8_blocker(capability: tuple[int, int] | None) -> str | None:
     return None
 
 
-def apply_float8(module: nn.Module) -> list[str]:
+def apply_float8(module: nn.Module) -> None:
     """Swap `module`'s nn.Linear layers for torchao's Float8Linear (dynamic tensorwise scaling),
-    their forwards compiled (compile_float8_linears); the names of those left in 16 bits (features
-    not multiples of 16)."""
+    their forwards compiled (compile_float8_linears); those left in 16 bits (features not multiples
+    of 16) are logged."""
     from torchao.float8 import convert_to_float8_training
 
     kept: list[str] = []
@@ -74,7 +74,6 @@ def apply_float8(module: nn.Module) -> list[str]:
     if kept:
         log.warning("FP8: %d Linear(s) stay in 16 bits (features not multiples of 16): %s", len(kept), ", ".join(kept))
     compile_float8_linears(module)
-    return kept
 
 
 RECOMPILE_LIMIT = 64
@@ -83,15 +82,14 @@ compiled with static shapes), a few per model; torch's default (8) would leave t
 eighth shape eager."""
 
 
-def compile_float8_linears(module: nn.Module) -> int:
+def compile_float8_linears(module: nn.Module) -> None:
     """Compile the forward of each of `module`'s Float8Linears (the casts fused, the matmul in
-    torch._scaled_mm); how many. Linears of the same shape share one graph."""
+    torch._scaled_mm). Linears of the same shape share one graph."""
     from torchao.float8.float8_linear import Float8Linear
 
     config = torch._dynamo.config
     limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, limit, max(getattr(config, limit), RECOMPILE_LIMIT))
-    linears = [m for m in module.modules() if isinstance(m, Float8Linear)]
-    for linear in linears:
-        linear.forward = torch.compile(linear.forward)
-    return len(linears)
+    for linear in module.modules():
+        if isinstance(linear, Float8Linear):
+            linear.forward = torch.compile(linear.forward)
