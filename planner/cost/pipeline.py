@@ -14,6 +14,8 @@ With p ranks, m micro-batches and per-micro-batch stage times T_i (forward + bac
 
 from __future__ import annotations
 
+import functools
+
 from planner.cost.setup import Candidate
 
 
@@ -30,15 +32,20 @@ def inflight_per_stage(cand: Candidate) -> tuple[float, ...]:
     rank i's 2(p-i-1) + (v-1)p + 1 in flight at the end of its warm-up fill its first chunks
     whole and its last ones least: the last rank holds one micro-batch of its last chunk (the
     model's head and loss), as its backward follows each forward at once."""
-    p, m, v = cand.pp, cand.num_microbatches, cand.virtual_stages
+    return _inflight(cand.schedule, cand.pp, cand.num_microbatches, cand.virtual_stages, cand.num_stages)
+
+
+@functools.lru_cache(maxsize=4096)
+def _inflight(schedule: str, p: int, m: int, v: int, num_stages: int) -> tuple[float, ...]:
+    """inflight_per_stage, once per schedule (the search asks for it for thousands of candidates)."""
     if p == 1:
-        return (1.0,) * cand.num_stages
-    if cand.schedule == "gpipe":
-        return tuple(float(m) for _ in range(cand.num_stages))
-    if cand.schedule == "1f1b" or v == 1:
+        return (1.0,) * num_stages
+    if schedule == "gpipe":
+        return tuple(float(m) for _ in range(num_stages))
+    if schedule == "1f1b" or v == 1:
         return tuple(float(min(m, p - i)) for i in range(p))
     group = m // interleaved_rounds(m, p)
-    out = [0.0] * cand.num_stages
+    out = [0.0] * num_stages
     for i in range(p):
         for k in range(min(m * v, 2 * (p - i - 1) + (v - 1) * p + 1)):
             out[((k // group) % v) * p + i] += 1.0
@@ -50,9 +57,13 @@ def inflight_per_device(cand: Candidate) -> tuple[float, ...]:
     """Each rank's in-flight micro-batches over its stages (inflight_per_stage), per stage on
     average: what its activations are held at taken together (the search's bounds, and what
     recompute saves on the rank, whose stages' choices the solver takes together)."""
-    stages = inflight_per_stage(cand)
-    p, v = cand.pp, len(stages) // cand.pp
-    return tuple(sum(stages[s] for s in range(i, len(stages), p)) / v for i in range(p))
+    return _per_device(cand.schedule, cand.pp, cand.num_microbatches, cand.virtual_stages, cand.num_stages)
+
+
+@functools.lru_cache(maxsize=4096)
+def _per_device(schedule: str, p: int, m: int, v: int, num_stages: int) -> tuple[float, ...]:
+    stages = _inflight(schedule, p, m, v, num_stages)
+    return tuple(sum(stages[s] for s in range(i, num_stages, p)) / (num_stages // p) for i in range(p))
 
 
 def pipeline_s(stage_s: list[float], cand: Candidate) -> float:

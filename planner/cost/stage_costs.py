@@ -640,8 +640,14 @@ def _layer_figures(profile: ModelProfile) -> list[int]:
     if hit is not None and hit[0]() is profile:
         return hit[1]
     names = [f.name for f in fields(LayerProfile) if f.name not in _NAMES]
+
+    def figure(layer: LayerProfile, name: str):
+        value = getattr(layer, name)
+        # the dropout modules a TP rank shards are named by the layer's path: the runtime's, no cost
+        return replace(value, shard_dropout=()) if name == "tp_role" and value is not None else value
+
     ids: dict[tuple, int] = {}
-    out = [ids.setdefault(tuple(getattr(layer, n) for n in names), len(ids)) for layer in profile.layers]
+    out = [ids.setdefault(tuple(figure(layer, n) for n in names), len(ids)) for layer in profile.layers]
     key = id(profile)
     _FIGURES[key] = (weakref.ref(profile, lambda _ref, key=key: _FIGURES.pop(key, None)), out)
     return out

@@ -41,6 +41,8 @@ Solved with HiGHS through PuLP, under a time limit; the status is reported as it
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 import time
 from contextlib import contextmanager
@@ -360,24 +362,28 @@ def balanced_bounds(times: list[float], num_stages: int, pp: int) -> list[int]:
     (greedy fill under a bisected cap): the ILP's starting point, and the interleaved chunks.
     With interleaving a rank holds stages i, i + pp, ...: equal stages make equal ranks."""
     n = len(times)
+    prefix = list(itertools.accumulate(times, initial=0.0))
 
     def split(cap: float) -> list[int] | None:
-        bounds, acc = [0], 0.0
-        for a, t in enumerate(times):
-            stages_left = num_stages - (len(bounds) - 1)
-            must_cut = n - a < stages_left  # one atom left per remaining stage
-            if a > bounds[-1] and stages_left > 1 and (acc + t > cap or must_cut):
-                bounds.append(a)
-                acc = 0.0
-            acc += t
+        """Each stage as far as `cap` allows, leaving an atom for each stage after it."""
+        bounds = [0]
+        for s in range(num_stages - 1):
+            start = bounds[-1]
+            fill = bisect.bisect_right(prefix, prefix[start] + cap) - 1  # atoms [start, fill) fit
+            bounds.append(max(start + 1, min(fill, n - (num_stages - 1 - s))))
         bounds.append(n)
-        ok = len(bounds) == num_stages + 1 and all(
-            sum(times[bounds[s] : bounds[s + 1]]) <= cap * (1 + 1e-9) for s in range(num_stages)
-        )
+        # every stage but the last holds what fits under the cap, or one atom (<= max(times) <= cap)
+        ok = bounds[-2] < n and prefix[n] - prefix[bounds[-2]] <= cap * (1 + 1e-9)
         return bounds if ok else None
 
-    lo, hi = max(times), sum(times)
-    best = split(hi) or [round(n * k / num_stages) for k in range(num_stages + 1)]
+    # the cap lies between the mean stage and the mean plus an atom (each greedy stage but the
+    # last then holds more than the mean)
+    lo = max(max(times), prefix[n] / num_stages)
+    hi = min(prefix[n], lo + max(times))
+    best = split(hi)
+    if best is None:
+        hi = prefix[n]
+        best = split(hi) or [round(n * k / num_stages) for k in range(num_stages + 1)]
     while hi - lo > 1e-6 * hi:  # to a millionth of the slowest stage
         mid = (lo + hi) / 2
         b = split(mid)

@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
+from planner.cost.comm import overlapped_s
 from planner.cost.pipeline import interleaved_rounds
 from planner.cost.setup import Candidate
 from planner.cost.stage_costs import FULL, KIND_OF, KINDS, NONE, StageCosts
@@ -385,8 +386,9 @@ def time_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
 
     With a fixed recompute choice every atom pays its extra time. With a free choice, if the
     activations kept without recompute cannot fit (by memory_lower_bound's own terms), at least
-    the missing bytes must be recomputed, at no better than the best seconds-per-byte any atom
-    offers (a fractional-knapsack bound).
+    the missing bytes must be recomputed, at no less than the linear relaxation of choosing a
+    recompute per atom charges (_recompute_offers); under interleaving, whose chunks are fixed,
+    the same holds rank by rank (_interleaved_ranks).
     """
     cand = costs.cand
     k = NONE if recompute is None else KIND_OF[recompute]
@@ -400,31 +402,99 @@ def time_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
     # the slowest rank: at least the average, and (without interleaving) at least the best
     # contiguous min-max split of the atoms (exact, by bisection on a greedy fill)
     slowest = total / p + latency
+    ranks: list[float] = []
     if v == 1 and p > 1:  # the collectives' latency goes with each atom, wherever it lands
         slowest = max(slowest, costs.atoms.memo(("min-max split", k, p, costs.mb_comm_atom_s), lambda: min_max_split(
             [t + costs.mb_comm_atom_s for t in times], p)))
     elif p > 1:  # interleaved: the chunks are the balanced split (partition.py), each rank's fixed
-        slowest = max(slowest, costs.atoms.memo(("interleaved ranks", k, cand.num_stages, p, costs.mb_comm_atom_s),
-                                                lambda: _slowest_interleaved_rank(costs, k)))
-    slowest = max(slowest + sends, costs.mb_comm_s(params, experts) + latency)
-    pipeline = (cand.num_microbatches - 1 / v) * slowest + (total + p * (sends + latency)) / v
+        ranks = _interleaved_ranks(costs, k, free=recompute is None)
+        slowest = max(slowest, max(ranks))
+    # ZeRO-2/3's traffic every micro-batch runs beside a rank's work, hidden by the overlap share
+    # (evaluate: overlapped_s(work, traffic) + latency): overlapped_s is convex, so the mean rank's
+    # work and traffic bound the slowest rank's, and p of them the sum over ranks
+    mean = overlapped_s(total / p + sends, costs.mb_comm_s(params, experts), costs.dp_overlap) + latency
+    slowest = max(slowest + sends, mean)
+    every = max(p * mean, sum(ranks) + p * sends)
+    pipeline = (cand.num_microbatches - 1 / v) * slowest + every / v
     sync = (costs.tail_s if cand.grad_ranks > 1 else 0.0) + costs.after_step_s(params, experts)
     sync += costs.after_step_atom_s * atoms_per_rank
     return pipeline + sync
 
 
-def _slowest_interleaved_rank(costs: StageCosts, kind: int) -> float:
-    """The slowest rank's seconds per micro-batch over its interleaved chunks (rank i holds chunks
-    i, i + pp, ...: the balanced split the partitioner fixes), with recompute `kind` everywhere."""
+def _interleaved_ranks(costs: StageCosts, kind: int, free: bool) -> list[float]:
+    """Each rank's least seconds per micro-batch over its interleaved chunks (rank i holds chunks
+    i, i + pp, ...: the balanced split the partitioner fixes), with recompute `kind` everywhere.
+    With recompute `free` (kind none), a rank over the memory limit must recompute at least the
+    bytes it is over (at its in-flight count and the fragmentation on top, as evaluate counts
+    them), at no better than the least seconds per byte its atoms offer (inf: none can save)."""
+    cand = costs.cand
+    S, p = cand.num_stages, cand.pp
+    ranks, stage_act = costs.atoms.memo(("interleaved ranks", kind, S, p, costs.mb_comm_atom_s),
+                                        lambda: _interleaved_chunks(costs, kind))
+    out = []
+    for i, (t, params, experts, atoms) in enumerate(ranks):
+        if free:
+            weights, grads, optim = costs.state_bytes(params, experts)  # pp > 1: gradients are kept
+            kept = sum(costs.inflight_stage[s] * stage_act[s] for s in range(i, S, p)) + costs.working_bytes
+            held = weights + costs.zero3_gather_bytes + grads + optim + kept
+            over = (1 + costs.fragmentation) * held + costs.reserve_fixed_bytes - costs.limit_bytes
+            if over > 0:
+                offers = costs.atoms.memo(("recompute offers", kind, S, p, i), lambda: _recompute_offers(costs, atoms, kind))
+                t += _least_recompute_on(offers, over / ((1 + costs.fragmentation) * costs.inflight[i]))
+        out.append(t)
+    return out
+
+
+def _interleaved_chunks(costs: StageCosts, kind: int) -> tuple[list[tuple], list[float]]:
+    """Of the balanced chunks, per rank: (seconds per micro-batch with recompute `kind`,
+    parameters, expert parameters, its atoms); and per stage its activations kept without
+    recompute. Once per atom table."""
     from planner.search.partition import balanced_split
 
     cand = costs.cand
-    bounds = balanced_split(costs, None, cand.num_stages, cand.pp)
+    S, p = cand.num_stages, cand.pp
+    bounds = balanced_split(costs, None, S, p)
     times = costs.atoms.times(kind)
-    return max(
-        sum(t + costs.mb_comm_atom_s for s in range(i, cand.num_stages, cand.pp) for t in times[bounds[s]:bounds[s + 1]])
-        for i in range(cand.pp)
-    )
+    ranks = []
+    for i in range(p):
+        ids = [a for s in range(i, S, p) for a in range(bounds[s], bounds[s + 1])]
+        ranks.append((sum(times[a] for a in ids) + costs.mb_comm_atom_s * len(ids),
+                      sum(costs.atoms[a].params for a in ids), sum(costs.atoms[a].expert_params for a in ids), ids))
+    stage_act = [sum(costs.atoms[a].act_bytes[NONE] for a in range(bounds[s], bounds[s + 1])) for s in range(S)]
+    return ranks, stage_act
+
+
+def _recompute_offers(costs: StageCosts, ids: list[int], kind: int) -> list[tuple[float, float]]:
+    """What recomputing atoms `ids` (from recompute `kind`) can save: (seconds per byte, bytes)
+    steps, cheapest first, the lower convex hull of each atom's choices (bytes saved, seconds
+    added) merged: the linear relaxation of choosing one recompute per atom, whose least cost
+    for a number of bytes no choice beats."""
+    hulls = costs.atoms.memo(("recompute hulls", kind), lambda: [_hull(a, kind) for a in costs.atoms])
+    return sorted(step for a in ids for step in hulls[a])
+
+
+def _hull(a, kind: int) -> list[tuple[float, float]]:
+    """An atom's (seconds per byte, bytes) steps along the lower convex hull of its recompute
+    choices' (bytes saved, seconds added) from `kind`."""
+    points = sorted({(a.act_bytes[kind] - a.act_bytes[c], a.extra_s[c] - a.extra_s[kind])
+                     for c in KINDS if a.act_bytes[kind] > a.act_bytes[c]})
+    steps, at = [], (0.0, 0.0)
+    while points:  # from `at`, the least slope to any point further out
+        nxt = min(points, key=lambda q: ((q[1] - at[1]) / (q[0] - at[0]), -q[0]))
+        steps.append((max((nxt[1] - at[1]) / (nxt[0] - at[0]), 0.0), nxt[0] - at[0]))
+        at = nxt
+        points = [q for q in points if q[0] > at[0]]
+    return steps
+
+
+def _least_recompute_on(offers: list[tuple[float, float]], need: float) -> float:
+    """The least seconds that save `need` bytes by the offers (inf: they cannot)."""
+    cost = 0.0
+    for per_byte, size in offers:
+        if need <= size:
+            return cost + need * per_byte
+        cost, need = cost + size * per_byte, need - size
+    return math.inf
 
 
 def min_max_split(times: list[float], parts: int) -> float:
@@ -453,14 +523,7 @@ def _least_recompute_s(costs: StageCosts) -> float:
     infl = least_inflight(costs)
     # bytes of the bound per byte of kept activations (the larger of its two slopes)
     slope = (1 + costs.fragmentation) * max(min(infl) / costs.cand.pp, 1 / sum(1 / x for x in infl))
-    def best_ratio() -> float | None:
-        ratios = [
-            (a.extra_s[c] - a.extra_s[NONE]) / (a.act_bytes[NONE] - a.act_bytes[c])
-            for a in costs.atoms
-            for c in KINDS[1:]
-            if a.act_bytes[NONE] > a.act_bytes[c]
-        ]
-        return min(ratios) if ratios else None
-
-    ratio = costs.atoms.memo("recompute s per byte", best_ratio)
-    return over / slope * ratio if ratio is not None else 0.0
+    offers = costs.atoms.memo(("recompute offers", NONE), lambda: _recompute_offers(costs, range(len(costs.atoms)), NONE))
+    # all the atoms offer: at most the bytes recomputing everything saves (the memory bound held
+    # with it)
+    return _least_recompute_on(offers, min(over / slope, sum(size for _, size in offers)))

@@ -761,3 +761,19 @@ def test_torchs_sdpa_runs_cudnns_kernels_from_torch_2_11_on_hopper_and_the_b200(
     assert any("fused attention 34% of peak" in a for a in old.assumptions)
     assert any("fused attention 58% of peak" in a and "torch 2.11's SDPA runs cuDNN's kernels" in a for a in new.assumptions)
     assert new.predicted.step_time_s < old.predicted.step_time_s
+
+
+def test_a_stack_of_identical_blocks_is_costed_once(gpt_bf16):
+    """The blocks of a transformer differ only in where they are and what they are called (their
+    dropout modules' names among it, which TP shards by name): one set of costs serves them all
+    (the search builds an atom table for each TP degree and micro-batch; a 96-block GPT-3's took
+    seconds when each block was costed alone)."""
+    from planner.cost.stage_costs import _layer_figures
+
+    layers = [replace(l, tp_role=replace(l.tp_role, shard_dropout=(f"{l.name}.attn.dropout",)))
+              if l.name.startswith("blocks.") else l for l in gpt_bf16.layers]
+    named = replace(gpt_bf16, layers=layers)
+    figures = _layer_figures(named)
+    blocks = [l.index for l in layers if l.name.startswith("blocks.")]
+    assert len(blocks) > 1 and len({figures[i] for i in blocks}) == 1
+    assert len(set(figures)) < len(figures)

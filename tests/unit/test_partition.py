@@ -479,3 +479,47 @@ def test_interleaved_bound_takes_the_slowest_rank_of_the_fixed_chunks():
     assert time_lower_bound(costs, "none") == pytest.approx(expected, rel=1e-9)
     part = solve_partition(costs, recompute="none")
     assert part.objective_s >= time_lower_bound(costs, "none") * (1 - 1e-9)
+
+
+def test_time_bound_counts_the_zero3_traffic_it_cannot_hide():
+    """ZeRO-3 under a pipeline gathers each rank's parameters every micro-batch; the plan hides
+    the OVERLAP_EFFICIENCY share of that traffic behind the rank's work (evaluate's overlapped_s).
+    The time bound charges the average rank's work and traffic together (overlapped_s is convex),
+    not the larger of the two: with no overlap a 96-layer GPT's ZeRO-3 candidates were bounded at
+    half their time and each went to the solver."""
+    from planner.cost.comm import overlapped_s
+    from planner.search.space import time_lower_bound
+
+    profile = synthetic_profile(n_blocks=6)
+    cluster = make_cluster("a100-80gb", 4, 4)
+    training = Training("bf16", "adamw", 8, 80 * 2**30)
+    cand = Candidate(tp=1, pp=2, dp=2, micro_batch=1, num_microbatches=4, zero=3, schedule="1f1b")
+    costs = stage_costs(profile, cluster, training, cand)
+    p, m = cand.pp, cand.num_microbatches
+    work = sum(a.fwd_s + a.bwd_s for a in costs.atoms) / p + costs.p2p_s
+    traffic = costs.mb_comm_s(*(x / p for x in costs.param_totals))
+    assert traffic > 0.1 * work  # the case the bound is about
+    mean_rank = overlapped_s(work, traffic, costs.dp_overlap) + costs.mb_comm_atom_s * len(costs.atoms) / p
+    bound = time_lower_bound(costs, "none")
+    assert bound >= (m - 1) * mean_rank + p * mean_rank
+    part = solve_partition(costs, recompute="none")
+    assert part.objective_s >= bound * (1 - 1e-9)
+
+
+def test_least_recompute_follows_the_hull_of_each_atoms_choices():
+    """The time bound's recompute floor (a rank over the limit must save the bytes it is over):
+    per atom the lower convex hull of its choices (bytes saved, seconds added), cheapest steps
+    first. An atom keeping 10 bytes: selective keeps 6 for 1 s, alternate 4 for 5 s (above the
+    hull: full saves more for about as much), full 1 for 5.5 s."""
+    from types import SimpleNamespace
+
+    from planner.cost.stage_costs import NONE
+    from planner.search.space import _hull, _least_recompute_on
+
+    atom = SimpleNamespace(act_bytes=(10.0, 6.0, 4.0, 1.0), extra_s=(0.0, 1.0, 5.0, 5.5))
+    steps = _hull(atom, NONE)
+    assert steps == [pytest.approx((0.25, 4.0)), pytest.approx((0.9, 5.0))]
+    assert _least_recompute_on(steps, 3.0) == pytest.approx(0.75)
+    assert _least_recompute_on(steps, 6.0) == pytest.approx(1.0 + 2 * 0.9)
+    assert _least_recompute_on(sorted(steps * 2), 10.0) == pytest.approx(2 * 1.0 + 2 * 0.9)  # two such atoms
+    assert _least_recompute_on(steps, 10.0) == float("inf")  # more than recomputing everything saves
