@@ -194,6 +194,11 @@ class StageCosts:
     def num_devices(self) -> int:
         return self.cand.pp
 
+    def device_bytes(self, held):
+        """The memory a device takes for `held` bytes of tensors: the allocator's fragmentation on
+        top, and the fixed reserve (CUDA context, NCCL). Linear: the ILP calls it with expressions."""
+        return (1 + self.fragmentation) * held + self.reserve_fixed_bytes
+
     @property
     def pipelined_fsdp(self) -> bool:
         """ZeRO-2/3 (FSDP2) under a pipeline schedule: PyTorch's PipelineStage runs every backward

@@ -239,10 +239,9 @@ def solve_partition(
         state = weights + optim + costs.zero3_gather_bytes
         memory = state + (0 if costs.grads_freed else grads) + held_activations(i) + costs.working_bytes
         # in GiB: byte-sized coefficients next to time-sized ones hurt the solver's tolerances
-        prob += ((1 + costs.fragmentation) * memory + costs.reserve_fixed_bytes) * (1 / GIB) <= costs.limit_bytes / GIB, f"memory_{i}"
+        prob += costs.device_bytes(memory) * (1 / GIB) <= costs.limit_bytes / GIB, f"memory_{i}"
         if costs.grads_freed:  # the peak holds the larger of the activations and the gradients
-            prob += ((1 + costs.fragmentation) * (state + grads) + costs.reserve_fixed_bytes) * (1 / GIB) \
-                <= costs.limit_bytes / GIB, f"memory_grads_{i}"
+            prob += costs.device_bytes(state + grads) * (1 / GIB) <= costs.limit_bytes / GIB, f"memory_grads_{i}"
         # [Sync]
         sync = costs.after_step_s(params, experts) * sc
         if costs.after_step_atom_s:

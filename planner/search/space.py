@@ -378,7 +378,7 @@ def memory_lower_bound(costs: StageCosts, recompute: str | None = None) -> float
     held = max((state + min(infl) * act) / cand.pp, act / h + state / (max(infl) * h))
     # freed gradients (one micro-batch, no pipeline): the peak holds the larger of them and the activations
     late = max(0.0, grads - act - costs.working_bytes) if costs.grads_freed else 0.0
-    return (1 + costs.fragmentation) * (held + late + costs.working_bytes + costs.zero3_gather_bytes) + costs.reserve_fixed_bytes
+    return costs.device_bytes(held + late + costs.working_bytes + costs.zero3_gather_bytes)
 
 
 def time_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
@@ -437,7 +437,7 @@ def _interleaved_ranks(costs: StageCosts, kind: int, free: bool) -> list[float]:
             weights, grads, optim = costs.state_bytes(params, experts)  # pp > 1: gradients are kept
             kept = sum(costs.inflight_stage[s] * stage_act[s] for s in range(i, S, p)) + costs.working_bytes
             held = weights + costs.zero3_gather_bytes + grads + optim + kept
-            over = (1 + costs.fragmentation) * held + costs.reserve_fixed_bytes - costs.limit_bytes
+            over = costs.device_bytes(held) - costs.limit_bytes
             if over > 0:
                 offers = costs.atoms.memo(("recompute offers", kind, S, p, i), lambda: _recompute_offers(costs, atoms, kind))
                 t += _least_recompute_on(offers, over / ((1 + costs.fragmentation) * costs.inflight[i]))
