@@ -6,6 +6,8 @@ Exit codes: 0 ok, 2 bad input (one line on stderr), 3 nothing fits. ``--debug`` 
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -255,5 +257,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The `plan` console script: main(), the exit handlers, the streams flushed, then the process
+    ends without tearing the interpreter down: freeing torch's modules one by one took 0.5-1 s
+    of every command here (`python -c "import torch, torch._dynamo"`: 5.5 s, 4.8 s so ended)."""
+    code = main()
+    atexit._run_exitfuncs()  # what libraries registered (logging's flush among them) still runs
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, ValueError):  # a reader that went away (`plan ... | head`), a closed stream
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -25,7 +25,6 @@ calibrate` measured it.
 from __future__ import annotations
 
 import functools
-import weakref
 from dataclasses import dataclass, fields, replace
 
 from planner.cost import comm
@@ -43,6 +42,7 @@ from planner.cost.constants import (
     OP_OVERHEAD_S,
     RESERVE_GPU_BYTES,
 )
+from planner.cost.memo import cache_of
 from planner.cost.pipeline import inflight_per_device, inflight_per_stage
 from planner.cost.setup import LOW_PRECISIONS, RECOMPUTE, Candidate, Training
 from planner.cost.topology import Links, links
@@ -635,15 +635,12 @@ def _layer_costs(
 _NAMES = ("index", "name", "modules", "kind")
 
 
-_FIGURES: dict[int, tuple[weakref.ref, list[int]]] = {}
-
-
 def _layer_figures(profile: ModelProfile) -> list[int]:
     """Per layer, an id of everything its costs depend on (all but where it is and what it is
     called): equal ids, equal costs. Made once per profile (the search asks for many tables)."""
-    hit = _FIGURES.get(id(profile))
-    if hit is not None and hit[0]() is profile:
-        return hit[1]
+    cache = cache_of(profile)
+    if "figures" in cache:
+        return cache["figures"]
     names = [f.name for f in fields(LayerProfile) if f.name not in _NAMES]
 
     def figure(layer: LayerProfile, name: str):
@@ -652,10 +649,8 @@ def _layer_figures(profile: ModelProfile) -> list[int]:
         return replace(value, shard_dropout=()) if name == "tp_role" and value is not None else value
 
     ids: dict[tuple, int] = {}
-    out = [ids.setdefault(tuple(figure(layer, n) for n in names), len(ids)) for layer in profile.layers]
-    key = id(profile)
-    _FIGURES[key] = (weakref.ref(profile, lambda _ref, key=key: _FIGURES.pop(key, None)), out)
-    return out
+    cache["figures"] = [ids.setdefault(tuple(figure(layer, n) for n in names), len(ids)) for layer in profile.layers]
+    return cache["figures"]
 
 
 def atoms_of(profile: ModelProfile) -> list[tuple[int, int]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.cost.comm import Link, ring_step_s
+from planner.cost.memo import cache_of
 from planner.cost.setup import Candidate
 from planner.hardware import Cluster
 
@@ -65,6 +66,15 @@ def _all_to_all_link(cluster: Cluster, n: int, spans: bool, members_per_node: in
 
 
 def links(cluster: Cluster, cand: Candidate) -> Links:
+    """The links of `cand`'s groups (kept per cluster and layout: the search asks for thousands)."""
+    cache = cache_of(cluster)
+    key = ("links", cand.tp, cand.pp, cand.dp, cand.cp, cand.ep, cand.dp_replicate)
+    if key not in cache:
+        cache[key] = _links(cluster, cand)
+    return cache[key]
+
+
+def _links(cluster: Cluster, cand: Candidate) -> Links:
     per_node = cluster.gpus_per_node
     shard, rep = cand.dp_shard, cand.dp_replicate
     tp_spans = cand.tp > per_node

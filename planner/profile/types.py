@@ -7,11 +7,12 @@ figures (the `per_sample` helpers do). Times are seconds on the device that meas
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
-
-import networkx as nx
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 from planner import schema
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 
 @dataclass(frozen=True)
@@ -368,6 +369,8 @@ class ModelProfile(schema.Versioned):
 
     def graph(self) -> nx.DiGraph:
         """Layers as nodes (with their profile as attributes), tensors between them as edges."""
+        import networkx as nx  # here: its import takes 0.4 s of every `plan`, and only this reads it
+
         g = nx.DiGraph()
         for layer in self.layers:
             g.add_node(layer.index, name=layer.name, kind=layer.kind)

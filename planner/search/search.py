@@ -15,6 +15,7 @@ full problem, with recompute per layer, solved as well.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -251,16 +252,24 @@ def _search(
             if result.min_need_bytes is None or need < result.min_need_bytes:
                 result.min_need_bytes, result.min_need_cand = need, cand
             continue
-        survivors.append((time_lower_bound(costs, fixed.recompute), costs))
-    survivors.sort(key=lambda x: x[0])
+        survivors.append((time_lower_bound(costs, fixed.recompute, quick=True), costs))
+    # in line by their quick bound; a candidate's full bound (tighter, dearer) is computed when it
+    # comes first, and it goes back in line: the first always has the least bound of those left
+    queue = [(bound, n, False) for n, (bound, _) in enumerate(survivors)]
+    heapq.heapify(queue)
 
     solver = _Solver(result, fixed)
     best_by_shape: dict[tuple, Scored] = {}
-    for n, (bound, costs) in enumerate(survivors):
+    while queue:
+        bound, n, full = heapq.heappop(queue)
+        costs = survivors[n][1]
         kth = sorted(s.score for s in best_by_shape.values())[top_k - 1 : top_k]
         if kth and bound > kth[0]:  # every later candidate's score >= its time >= its bound
-            result.pruned_time += len(survivors) - n
+            result.pruned_time += len(queue) + 1
             break
+        if not full:
+            heapq.heappush(queue, (time_lower_bound(costs, fixed.recompute), n, True))
+            continue
         if time.perf_counter() - start > SEARCH_BUDGET_S and best_by_shape:
             result.budget_hit = True
             break

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
-from planner.cost.comm import overlapped_s
+from planner.cost.comm import exposed_after_s, overlapped_s
 from planner.cost.pipeline import interleaved_rounds
 from planner.cost.setup import Candidate
 from planner.cost.stage_costs import FULL, KIND_OF, KINDS, NONE, StageCosts
@@ -381,8 +381,11 @@ def memory_lower_bound(costs: StageCosts, recompute: str | None = None) -> float
     return costs.device_bytes(held + late + costs.working_bytes + costs.zero3_gather_bytes)
 
 
-def time_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
+def time_lower_bound(costs: StageCosts, recompute: str | None = None, quick: bool = False) -> float:
     """Perfectly balanced stages, no exposed sync, and the least recompute memory demands.
+    `quick`: without the terms that cost the most to compute (the recompute memory forces, the
+    interleaved ranks' own split): a looser bound, below the full one, that orders the
+    candidates before the full one is worth computing (search.py).
 
     With a fixed recompute choice every atom pays its extra time. With a free choice, if the
     activations kept without recompute cannot fit (by memory_lower_bound's own terms), at least
@@ -393,7 +396,9 @@ def time_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
     cand = costs.cand
     k = NONE if recompute is None else KIND_OF[recompute]
     times = costs.atoms.times(k)
-    total = costs.atoms.memo(("total", k), lambda: sum(times)) + (_least_recompute_s(costs) if recompute is None else 0.0)
+    total = costs.atoms.memo(("total", k), lambda: sum(times))
+    if recompute is None and not quick:
+        total += _least_recompute_s(costs)
     p, v = cand.pp, cand.virtual_stages if cand.schedule == "interleaved" else 1
     atoms_per_rank = len(costs.atoms) / p
     params, experts = (x / p for x in costs.param_totals)
@@ -406,7 +411,7 @@ def time_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
     if v == 1 and p > 1:  # the collectives' latency goes with each atom, wherever it lands
         slowest = max(slowest, costs.atoms.memo(("min-max split", k, p, costs.mb_comm_atom_s), lambda: min_max_split(
             [t + costs.mb_comm_atom_s for t in times], p)))
-    elif p > 1:  # interleaved: the chunks are the balanced split (partition.py), each rank's fixed
+    elif p > 1 and not quick:  # interleaved: the chunks are the balanced split (partition.py), each rank's fixed
         ranks = _interleaved_ranks(costs, k, free=recompute is None)
         slowest = max(slowest, max(ranks))
     # ZeRO-2/3's traffic every micro-batch runs beside a rank's work, hidden by the overlap share
@@ -416,7 +421,12 @@ def time_lower_bound(costs: StageCosts, recompute: str | None = None) -> float:
     slowest = max(slowest + sends, mean)
     every = max(p * mean, sum(ranks) + p * sends)
     pipeline = (cand.num_microbatches - 1 / v) * slowest + every / v
-    sync = (costs.tail_s if cand.grad_ranks > 1 else 0.0) + costs.after_step_s(params, experts)
+    # the gradient sync past the last backward (evaluate: exposed_after_s, convex in the rank's
+    # backward seconds and parameters, so the mean rank's bounds the slowest's)
+    sync = costs.after_step_s(params, experts)
+    if cand.grad_ranks > 1:
+        backward = costs.atoms.memo("backward", lambda: sum(a.bwd_s for a in costs.atoms)) / p
+        sync += max(costs.tail_s, exposed_after_s(backward, costs.grad_sync_s(params, experts), costs.dp_overlap))
     sync += costs.after_step_atom_s * atoms_per_rank
     return pipeline + sync
 
