@@ -54,3 +54,25 @@ def test_malformed_user_gpu_is_one_line_exit_2(capsys, tmp_path, monkeypatch):
     assert main(["gpus"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "bad.yaml" in err and "'memory_gb'" in err and "\n" not in err
+
+
+def test_the_console_script_hands_over_all_it_printed(tmp_path):
+    """The script ends the process without tearing torch down (planner.cli.entry: os._exit after
+    flushing): stdout to a pipe is block-buffered, so what is printed must still arrive (the usage
+    fits in the buffer whole: nothing reaches the pipe unless flushed), with main()'s exit code."""
+    import os
+    import subprocess
+    import sys
+
+    from planner.cli import USAGE
+
+    env = dict(os.environ, XDG_CONFIG_HOME=str(tmp_path / "config"), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    for name in ("PLAN_GPU_DIR", "PYTHONUNBUFFERED"):  # buffered, as a user's shell has it
+        env.pop(name, None)
+    usage = subprocess.run([sys.executable, "-m", "planner.cli", "--help"], capture_output=True, text=True, env=env,
+                           timeout=300)
+    assert usage.returncode == 0 and usage.stdout == USAGE + "\n", usage.stderr
+    (tmp_path / "bad.yaml").write_text("peak_tflops: {bf16: 50}\nmemory_gb: -1\n")
+    bad = subprocess.run([sys.executable, "-m", "planner.cli", "gpus"], capture_output=True, text=True,
+                         env=dict(env, PLAN_GPU_DIR=str(tmp_path)), timeout=300)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "bad.yaml" in bad.stderr, bad.stderr
