@@ -383,9 +383,9 @@ def memory_lower_bound(costs: StageCosts, recompute: str | None = None) -> float
 
 def time_lower_bound(costs: StageCosts, recompute: str | None = None, quick: bool = False) -> float:
     """Perfectly balanced stages, the gradient sync of an average rank, and the least recompute
-    memory demands. `quick`: without the terms that cost the most to compute (the recompute memory forces, the
-    interleaved ranks' own split): a looser bound, below the full one, that orders the
-    candidates before the full one is worth computing (search.py).
+    memory demands. `quick`: without the terms that cost the most to compute (the recompute
+    memory forces, the interleaved ranks' own split): a looser bound, below the full one, that
+    orders the candidates before the full one is worth computing (search.py).
 
     With a fixed recompute choice every atom pays its extra time. With a free choice, if the
     activations kept without recompute cannot fit (by memory_lower_bound's own terms), at least
