@@ -532,6 +532,10 @@ TORCHTITAN_COMPILED_LOSS = (2025, 4)
 #   torch 2.11, released 2026-03-23 (planner/cost/constants.py SDPA_CUDNN_FROM_TORCH): a row
 #   published from the month after on (or without a month: today's torchtitan) is taken to run it.
 TORCHTITAN_SDPA_CUDNN = (2026, 4)
+# - Megatron-LM runs an interleaved schedule's pipeline sends beside the compute
+#   (Training.p2p_overlap) since Megatron-Core, 2023; the SC'21 and Korthikanti et al. (2022)
+#   runs sent them between the compute. The year is the paper's (`publication_year`).
+MEGATRON_P2P_OVERLAP = 2023
 _MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
 
 
@@ -542,6 +546,18 @@ def publication_month(text: str) -> tuple[int, int] | None:
              if m[:3] in _MONTHS]
     found += [(int(y), int(m)) for y, m in re.findall(r"(?<!\d)(20\d\d)[-/_]?(0[1-9]|1[0-2])(?!\d)", text)]
     return max(found, default=None)
+
+
+def publication_year(source: dict) -> int | None:
+    """The year a row's source was published: a paper's own ("Narayanan et al. 2021, ..."; the
+    first year its citation names, not the dates of the notes on where the figures were read),
+    else the latest month a repository's text names; None when it names none."""
+    if source.get("paper"):
+        found = re.search(r"(?<!\d)(20\d\d)(?!\d)", str(source["paper"]))
+        if found:
+            return int(found.group(1))
+    month = publication_month(" ".join(str(source.get(k, "")) for k in ("repo", "paper", "path", "where")).lower())
+    return month[0] if month else None
 
 
 def _source_text(e: dict) -> str:
@@ -651,6 +667,8 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
             settings["compiled_loss"] = True
     if trainer == "torchtitan" and (publication_month(_source_text(e)) or (9999, 1)) >= TORCHTITAN_SDPA_CUDNN:
         settings["sdpa_cudnn"] = True
+    if trainer == "megatron" and (publication_year(e["source"]) or 9999) < MEGATRON_P2P_OVERLAP:
+        settings["p2p_overlap"] = False
     if trainer == "this":
         settings["recompute_whole_forward"] = True  # a trainer not named: a reentrant checkpoint
     if _names(trainer_text, TRITON_ATTENTION):

@@ -32,7 +32,7 @@ TRAINERS: dict[str, dict] = {
     # Megatron-LM, NeMo and Megatron-Bridge on Transformer Engine, with the overlaps their
     # performance recipes turn on (--overlap-grad-reduce)
     "megatron": {"recompute_whole_forward": True, "fused_kernels": True, "attention_kernel": "te", "fp8_recipe": "te",
-                 "recompute_collectives": "none", "dp_overlap": 1.0, "fused_loss": True},
+                 "recompute_collectives": "none", "dp_overlap": 1.0, "fused_loss": True, "p2p_overlap": True},
 }
 """The trainers a plan can be made for (`plan --trainer`): the Training fields each sets."""
 TRAINER_NOTES = {
@@ -42,7 +42,8 @@ TRAINER_NOTES = {
                   "that keeps reduce-scatter outputs",
     "megatron": "Megatron-LM / NeMo / Megatron-Bridge on Transformer Engine: fused memory-bound kernels, cuDNN "
                 "attention, TE's FP8 casts, full recompute of whole layers, selective recompute of the attention "
-                "core, gradient reduce-scatter hidden behind the backward",
+                "core, gradient reduce-scatter hidden behind the backward, pipeline sends beside the compute under "
+                "the interleaved schedule",
 }
 
 
@@ -133,6 +134,14 @@ class Training:
     their transpose) once per step after the optimizer and cached across the micro-batches, each
     forward input cast once and kept in FP8 for the weight gradient, each output gradient cast
     once with its transpose (cast_transpose) for both backward matmuls."""
+    p2p_overlap: bool = False
+    """Under the interleaved schedule, the trainer runs each chunk's pipeline sends and receives
+    beside the next chunk's compute (Megatron-LM's overlap_p2p_comm: on by default with virtual
+    stages since Megatron-Core's 2023 releases, --no-overlap-p2p-communication turns it off;
+    Megatron-Bridge and NeMo set it whenever virtual stages are on, and batch the sends
+    otherwise): exposed only past that compute (stage_costs._exposed_sends). False: sent between
+    the compute, as torch's pipeline schedules (this runtime's, torchtitan's) and Megatron-LM
+    before it (SC'21, Korthikanti et al. 2022) run them."""
     trainer: str = "this"
     """The trainer the plan is for (TRAINERS: what it set above); "this": plan run's runtime."""
 

@@ -25,6 +25,7 @@ calibrate` measured it.
 from __future__ import annotations
 
 import functools
+import statistics
 from dataclasses import dataclass, fields, replace
 
 from planner.cost import comm
@@ -737,6 +738,19 @@ def _ring_working_bytes(profile: ModelProfile, cand: Candidate, training: Traini
                default=0.0)
 
 
+def _exposed_sends(atoms: AtomTable, training: Training, cand: Candidate, sends_s: float) -> float:
+    """A stage's pipeline sends per micro-batch (its activation forward, its gradient backward),
+    as far as they hold the stage up. Under the interleaved schedule a trainer that overlaps them
+    (Training.p2p_overlap) posts each chunk's sends and receives beside the next chunk's compute
+    and waits only when it needs their data: exposed past that compute, for which a chunk's least
+    is taken as a typical atom's (the median atom's forward and backward; a chunk holds one at
+    least). Otherwise they run between the chunks' compute, all exposed."""
+    if not (training.p2p_overlap and cand.schedule == "interleaved"):
+        return sends_s
+    chunk = atoms.memo("median_atom_s", lambda: statistics.median(a.fwd_s + a.bwd_s for a in atoms))
+    return comm.exposed_after_s(chunk, sends_s, 1.0)
+
+
 def stage_costs(
     profile: ModelProfile,
     cluster: Cluster,
@@ -819,7 +833,7 @@ def stage_costs(
         fragmentation=(training.fragmentation if training.fragmentation is not None
                        else FRAGMENTATION_GPU if on_gpu else FRAGMENTATION_CPU),
         limit_bytes=training.memory_limit_bytes,
-        p2p_s=2 * comm.p2p(lk.pp)(cut_bytes) * comm_factor if cand.pp > 1 else 0.0,
+        p2p_s=_exposed_sends(atoms, training, cand, 2 * comm.p2p(lk.pp)(cut_bytes) * comm_factor) if cand.pp > 1 else 0.0,
         min_first_atoms=first_atoms,
         mb_comm_atom_s=dense.per_atom,
         mb_comm_param_s=dense.per_param,

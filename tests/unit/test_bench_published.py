@@ -8,7 +8,7 @@ import pytest
 
 from bench.published.models import model_source
 from bench.published.predict import Profiles, predict
-from bench.published.rows import REFERENCE, inter_node_Bps, load_rows, publication_month
+from bench.published.rows import REFERENCE, inter_node_Bps, load_rows, publication_month, publication_year
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -113,6 +113,26 @@ def test_torchtitan_runs_cudnns_attention_from_torch_2_11(rows, tmp_path):
 ])
 def test_a_rows_month_is_read_from_its_source_text(text, month):
     assert publication_month(text) == month
+
+
+@pytest.mark.parametrize("source, year", [
+    ({"paper": "Narayanan et al. 2021, Efficient Large-Scale ... (SC'21)", "where": "scripts removed 2024-10-28"}, 2021),
+    ({"paper": "Korthikanti et al. 2022 (arXiv 2205.05198)"}, 2022),
+    ({"repo": "NVIDIA/Megatron-LM", "path": "README.md (added 2024-07-15)"}, 2024),
+    ({"repo": "NVIDIA-NeMo/Megatron-Bridge", "path": "docs/performance-summary.md"}, None),
+])
+def test_a_rows_year_is_its_papers_own(source, year):
+    assert publication_year(source) == year
+
+
+def test_megatron_rows_overlap_their_pipeline_sends_from_2023():
+    """Megatron-LM's interleaved schedule overlaps its sends since Megatron-Core (2023): the
+    README's H100 runs (2024) are predicted with it, SC'21's (2021) and Korthikanti et al.'s
+    (2022) without; other trainers never."""
+    rows = load_rows(REFERENCE)
+    overlap = {r.source: r.training().p2p_overlap for r in rows}
+    assert overlap["megatron_lm"] and not overlap["narayanan2021_t1"] and not overlap["korthikanti2022"]
+    assert not overlap["torchtitan"] and not overlap["llm_foundry"]
 
 
 def test_torchtitans_interleaved_schedule_runs_two_stages_per_rank_unless_said(tmp_path):

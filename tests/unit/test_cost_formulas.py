@@ -382,6 +382,37 @@ def test_a_pipeline_cut_sends_each_tp_rank_its_shard(gpt_bf16):
     assert costs.p2p_s == pytest.approx(2 * comm.p2p(links(cluster, cand).pp)(block.output_bytes * scale / 2))
 
 
+def test_an_interleaved_schedule_hides_its_sends_where_the_trainer_overlaps_them(gpt_bf16):
+    """Megatron's interleaved schedule runs each chunk's sends beside the next chunk's compute
+    (Training.p2p_overlap): a stage's sends are exposed only past the median atom's forward and
+    backward; not under 1F1B (sent between the compute there), nor for this runtime's schedules."""
+    import statistics
+
+    from planner.cost.stage_costs import AtomTable, _exposed_sends
+    from planner.cost.topology import links
+
+    cluster = make_cluster("a100-80gb", 8)
+    this = Training("bf16", "adamw", 8, 80 * 2**30)
+    megatron = Training.for_trainer("megatron", "bf16", "adamw", 8, 80 * 2**30)
+    assert megatron.p2p_overlap and not this.p2p_overlap
+    interleaved = Candidate(tp=1, pp=2, dp=1, micro_batch=2, num_microbatches=4, zero=0, schedule="interleaved",
+                            virtual_stages=2)
+    plain = replace(interleaved, schedule="1f1b", virtual_stages=1)
+    sent = stage_costs(gpt_bf16, cluster, this, interleaved)
+    block = next(l for l in gpt_bf16.layers if l.name == "blocks.0")
+    sends = 2 * comm.p2p(links(cluster, interleaved).pp)(block.output_bytes * 2 / gpt_bf16.batch_size)
+    assert sent.p2p_s == pytest.approx(sends)
+    assert stage_costs(gpt_bf16, cluster, megatron, plain).p2p_s == pytest.approx(sends)
+    hidden = stage_costs(gpt_bf16, cluster, megatron, interleaved)
+    chunk = statistics.median(a.fwd_s + a.bwd_s for a in hidden.atoms)
+    assert hidden.p2p_s == pytest.approx(max(0.0, sends - chunk))
+    # by hand: sends of 3 ms beside atoms of 1, 2 and 4 ms (median 2): 1 ms exposed; of 1 ms: none
+    atoms = AtomTable(replace(hidden.atoms[0], fwd_s=t / 3, bwd_s=2 * t / 3) for t in (1e-3, 2e-3, 4e-3))
+    assert _exposed_sends(atoms, megatron, interleaved, 3e-3) == pytest.approx(1e-3)
+    assert _exposed_sends(atoms, megatron, interleaved, 1e-3) == 0.0
+    assert _exposed_sends(atoms, megatron, plain, 3e-3) == 3e-3
+
+
 def test_tp_collectives_are_one_call_per_linear_group_and_norm_parameter(gpt_bf16):
     """gpt.py's block under tp=2: two row-wise Linears (proj, down), four column-wise ones (q, k,
     v, up) in two gathered groups (attention, MLP). Without SP: an all-reduce per row-wise output
