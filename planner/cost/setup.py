@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.cost.constants import ASYNC_TP_OVERLAP
+
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "fp4")
 LOW_PRECISIONS = ("fp8", "fp4")
 """Training precisions that run the Linear matmuls (and grouped GEMMs, under Transformer Engine)
@@ -28,7 +30,7 @@ TRAINERS: dict[str, dict] = {
     "this": {},
     # torchtitan as its configs run it (eager; torch_compile adds fused kernels): the same kernels,
     # and its per-op selective checkpointing keeps reduce-scatter outputs
-    "torchtitan": {"recompute_collectives": "all_gathers"},
+    "torchtitan": {"recompute_collectives": "all_gathers", "tp_overlap_share": ASYNC_TP_OVERLAP},
     # Megatron-LM, NeMo and Megatron-Bridge on Transformer Engine, with the overlaps their
     # performance recipes turn on (--overlap-grad-reduce)
     "megatron": {"recompute_whole_forward": True, "fused_kernels": True, "attention_kernel": "te", "fp8_recipe": "te",
@@ -134,6 +136,11 @@ class Training:
     their transpose) once per step after the optimizer and cached across the micro-batches, each
     forward input cast once and kept in FP8 for the weight gradient, each output gradient cast
     once with its transpose (cast_transpose) for both backward matmuls."""
+    tp_overlap_share: float = 1.0
+    """With TP overlap (Candidate.tp_overlap), the share of the TP collectives its GEMMs hide where
+    they last longer (comm.exposed_after_s). 1: Megatron-LM's --tp-comm-overlap (Transformer
+    Engine's userbuffers). torchtitan's async TP: constants.ASYNC_TP_OVERLAP, what its published
+    gains come to."""
     p2p_overlap: bool = False
     """Under the interleaved schedule, the trainer runs each chunk's pipeline sends and receives
     beside the next chunk's compute (Megatron-LM's overlap_p2p_comm: on by default with virtual

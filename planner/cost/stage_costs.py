@@ -567,12 +567,14 @@ def _layer_costs(
             logits = layer.activation_bytes / 4 * scale / shard
             fwd, bwd = fwd + per_fwd * logits, bwd + per_bwd * logits
         if cand.tp_overlap and cand.sequence_parallel:
-            # chunked beside the Linear GEMMs (their share of the phase's time): what outlasts
-            # them, and at least the first chunk
+            # chunked beside the Linear GEMMs (their share of the phase's time): what they do not
+            # hide (all that outlasts them, with the trainer's share of the rest), and at least
+            # the first chunk
             gemm_fwd = fwd * layer.fwd_linear_flops / layer.fwd_flops if layer.fwd_flops else 0.0
             gemm_bwd = bwd * layer.bwd_linear_flops / layer.bwd_flops if layer.bwd_flops else 0.0
-            tp_fwd = max(tp_fwd / shard, tp_fwd - gemm_fwd)
-            tp_bwd = max(tp_bwd / shard, tp_bwd - gemm_bwd)
+            share = training.tp_overlap_share
+            tp_fwd = max(tp_fwd / shard, comm.exposed_after_s(gemm_fwd, tp_fwd, share))
+            tp_bwd = max(tp_bwd / shard, comm.exposed_after_s(gemm_bwd, tp_bwd, share))
     cp_fwd = cp_bwd = 0.0
     if cand.cp > 1 and layer.attention_kv_bytes:
         # The ring (torch's context_parallel): forward gathers every rank's keys and values, beside

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from planner.cost import comm
-from planner.cost.constants import DDP_BUCKET_BYTES, LINK_EFFICIENCY, MEMORY_EFFICIENCY, OVERLAP_EFFICIENCY
+from planner.cost.constants import ASYNC_TP_OVERLAP, DDP_BUCKET_BYTES, LINK_EFFICIENCY, MEMORY_EFFICIENCY, OVERLAP_EFFICIENCY
 from planner.cost.evaluate import evaluate
 from planner.cost.pipeline import inflight_per_device, inflight_per_stage, pipeline_s
 from planner.cost.setup import Candidate, Training
@@ -641,6 +641,14 @@ def test_tp_overlap_hides_the_collectives_behind_the_linear_gemms(gpt_bf16):
     expect = max(per_phase / 2, per_phase - gemm_fwd) + max(per_phase / 2, per_phase - gemm_bwd)
     assert b.tp_comm_s == pytest.approx(expect) and b.tp_comm_s < a.tp_comm_s
     assert b.fwd_s + b.bwd_s - b.tp_comm_s == pytest.approx(a.fwd_s + a.bwd_s - a.tp_comm_s)  # same math
+    # torchtitan's async TP hides its share of what the GEMMs cover (constants.ASYNC_TP_OVERLAP):
+    # share s leaves max(chunk, comm - s min(gemm, comm)) exposed per phase
+    titan = Training.for_trainer("torchtitan", "bf16", "adamw", 8, 80 * 2**30)
+    assert titan.tp_overlap_share == ASYNC_TP_OVERLAP < 1 == training.tp_overlap_share
+    c = atom_table(gpt_bf16, cluster, titan, tp=2, micro_batch=256, sequence_parallel=True, tp_overlap=True)[i]
+    share = ASYNC_TP_OVERLAP
+    expect = sum(max(per_phase / 2, per_phase - share * min(gemm, per_phase)) for gemm in (gemm_fwd, gemm_bwd))
+    assert c.tp_comm_s == pytest.approx(expect) and b.tp_comm_s < c.tp_comm_s < a.tp_comm_s
 
 
 def test_dtensor_host_time_shows_beside_gpu_kernels_only_where_it_outlasts_them(gpt_bf16):
