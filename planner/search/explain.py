@@ -212,7 +212,7 @@ def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int
         sp = ("with sequence parallelism (norms, residuals and dropout split along the sequence too)" if c.sequence_parallel
               else "without sequence parallelism (norms, residuals and dropout whole on every TP rank"
               + (f": this model cannot run it, {blocker}" if blocker else "") + ")")
-        overlap = " (overlapped with the GEMMs: what outlasts them)" if c.tp_overlap else ""
+        overlap = " (beside the GEMMs: what they do not hide)" if c.tp_overlap else ""
         lines.append(f"Tensor parallelism over {c.tp} GPUs {where} splits each block's matmuls, {sp}; "
                      f"its collectives cost {fmt_seconds(breakdown(best)['tp_comm'])} per step{overlap}.")
     if c.cp > 1:
