@@ -272,7 +272,7 @@ def test_tp_overlap_is_planned_when_asked_and_refused_by_the_runtime(capsys, tmp
     assert over["parallel"]["tp_overlap"] is True and plain["parallel"]["tp_overlap"] is False
     assert over["predicted"]["breakdown_s"]["tp_comm"] < plain["predicted"]["breakdown_s"]["tp_comm"]
     assert over["predicted"]["step_time_s"] < plain["predicted"]["step_time_s"]
-    assert any("overlapped with the GEMMs" in line for line in over["explanation"])
+    assert any("beside the GEMMs: what they do not hide" in line for line in over["explanation"])
     free = _plan_json(capsys, str(EXAMPLES / "llama_7b.py"), "--gpus", "8", "--global-batch", "64", "--tp", "8")
     assert free["parallel"]["tp_overlap"] is False  # never offered unasked: the runtime cannot run it
     assert main([*args, "--tp-overlap", "on", "--sequence-parallel", "off"]) == EXIT_BAD_INPUT
