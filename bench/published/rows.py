@@ -548,15 +548,14 @@ def publication_month(text: str) -> tuple[int, int] | None:
     return max(found, default=None)
 
 
-def publication_year(source: dict) -> int | None:
+def publication_year(e: dict) -> int | None:
     """The year a row's source was published: a paper's own ("Narayanan et al. 2021, ..."; the
     first year its citation names, not the dates of the notes on where the figures were read),
     else the latest month a repository's text names; None when it names none."""
-    if source.get("paper"):
-        found = re.search(r"(?<!\d)(20\d\d)(?!\d)", str(source["paper"]))
-        if found:
-            return int(found.group(1))
-    month = publication_month(" ".join(str(source.get(k, "")) for k in ("repo", "paper", "path", "where")).lower())
+    found = re.search(r"(?<!\d)(20\d\d)(?!\d)", str(e["source"].get("paper", "")))
+    if found:
+        return int(found.group(1))
+    month = publication_month(_source_text(e))
     return month[0] if month else None
 
 
@@ -667,7 +666,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
             settings["compiled_loss"] = True
     if trainer == "torchtitan" and (publication_month(_source_text(e)) or (9999, 1)) >= TORCHTITAN_SDPA_CUDNN:
         settings["sdpa_cudnn"] = True
-    if trainer == "megatron" and (publication_year(e["source"]) or 9999) < MEGATRON_P2P_OVERLAP:
+    if trainer == "megatron" and (publication_year(e) or 9999) < MEGATRON_P2P_OVERLAP:
         settings["p2p_overlap"] = False
     if trainer == "this":
         settings["recompute_whole_forward"] = True  # a trainer not named: a reentrant checkpoint

@@ -122,7 +122,7 @@ def test_a_rows_month_is_read_from_its_source_text(text, month):
     ({"repo": "NVIDIA-NeMo/Megatron-Bridge", "path": "docs/performance-summary.md"}, None),
 ])
 def test_a_rows_year_is_its_papers_own(source, year):
-    assert publication_year(source) == year
+    assert publication_year({"source": source}) == year
 
 
 def test_megatron_rows_overlap_their_pipeline_sends_from_2023():
