@@ -115,6 +115,10 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-overlap", choices=("on", "off"),
                    help="plan for a trainer that overlaps TP collectives with the GEMMs (Megatron-LM --tp-comm-overlap, "
                         "torchtitan async TP; default off: plan run does not)")
+    p.add_argument("--ep-overlap", choices=("on", "off"),
+                   help="plan for a trainer that runs the expert all-to-alls beside another micro-batch's compute "
+                        "(Megatron-Core --overlap-moe-expert-parallel-comm, DeepSeek's DualPipe; default off: plan run "
+                        "does not)")
     p.add_argument("--hsdp", choices=("on", "off"),
                    help="with ZeRO-2/3 over several nodes: shard inside each node, replicate across nodes (default: searched)")
     p.add_argument("--schedule", choices=SCHEDULES, help="fix the pipeline schedule")
@@ -159,7 +163,7 @@ def cmd_plan(argv: Sequence[str]) -> int:
             schedule=args.schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
             sequence_parallel=None if args.sequence_parallel is None else args.sequence_parallel == "on",
             hsdp=None if args.hsdp is None else args.hsdp == "on",
-            tp_overlap=args.tp_overlap == "on",
+            tp_overlap=args.tp_overlap == "on", ep_overlap=args.ep_overlap == "on",
         ),
         top_k=args.top,
     )

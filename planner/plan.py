@@ -28,6 +28,9 @@ class Parallel:
     sequence_parallel: bool
     tp_overlap: bool = False
     """TP collectives overlapped with the GEMMs (a trainer's feature the runtime lacks: plan run refuses)."""
+    ep_overlap: bool = False
+    """Expert all-to-alls beside another micro-batch's compute (Megatron-Core's combined 1F1B,
+    DeepSeek's DualPipe: a trainer's feature the runtime lacks: plan run refuses)."""
     dp_replicate: int = 1
     """HSDP (ZeRO-2/3): dp ranks in dp_replicate groups of dp / dp_replicate (one node's); FSDP
     shards inside a group and the groups are replicas (FSDP2 on a 2-D mesh). 1: no HSDP."""
@@ -60,6 +63,8 @@ class Parallel:
             parts.append("sequence parallel" if self.sequence_parallel else "no sequence parallel")
             if self.tp_overlap:
                 parts.append("TP overlap")
+        if self.ep_overlap and self.ep > 1:
+            parts.append("EP overlap")
         parts.append(f"ZeRO-{self.zero}" + (f" HSDP {self.dp_replicate} x {self.dp // self.dp_replicate}" if self.dp_replicate > 1 else ""))
         parts.append(f"recompute: {self.recompute}")
         return " · ".join(parts)

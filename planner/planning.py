@@ -90,6 +90,11 @@ def _check(request: PlanRequest, cluster: Cluster) -> list[str]:
         raise BadInput("--tp-overlap on overlaps the sequence-parallel collectives: it needs --sequence-parallel on")
     if f.tp_overlap and f.tp == 1:
         warnings.append("--tp-overlap on has no effect with --tp 1")
+    if f.ep_overlap and f.recompute == "full":
+        raise BadInput("--ep-overlap on pairs each layer's forward with another micro-batch's backward, which full "
+                       "recompute reruns apart (Megatron-Core refuses the two together): use another --recompute")
+    if f.ep_overlap and f.ep == 1:
+        warnings.append("--ep-overlap on has no effect with --ep 1")
     if f.sequence_parallel and f.tp == 1:
         warnings.append("--sequence-parallel on has no effect with --tp 1 (it splits tensor-parallel blocks)")
     if f.tp is not None and f.tp > cluster.gpus_per_node:

@@ -101,6 +101,12 @@ def prepare(plan_path: str | Path, model_path: str | Path | None = None, *, on_l
             f"{plan_path}: the plan overlaps TP collectives with the GEMMs (--tp-overlap on, as Megatron-LM's "
             "--tp-comm-overlap or torchtitan's async TP run it), which this runtime does not; re-plan without it to run it here"
         )
+    if p.ep_overlap:
+        raise BadInput(
+            f"{plan_path}: the plan runs the expert all-to-alls beside another micro-batch's compute (--ep-overlap on, "
+            "as Megatron-Core's combined 1F1B or DeepSeek's DualPipe run it), which this runtime does not; re-plan "
+            "without it to run it here"
+        )
     if p.cp > 1:
         check_context_parallel(plan, plan_path)
     if p.dp_replicate > 1 and (p.zero < 2 or p.dp % p.dp_replicate):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from planner.cost.setup import tensor_dtype
@@ -112,14 +112,15 @@ def predict(row: Row, profile, free: bool = False) -> Result:
                     tight=found.tight)
     if free:
         start = time.perf_counter()
-        # every choice free but what the trainer can do: TP overlap where the row's trainer runs it
-        result.free = run_search(profile, cluster, training, Fixed(tp_overlap=row.fixed.tp_overlap), top_k=1).best
+        # every choice free but what the trainer can do: TP and EP overlap where the row's trainer runs them
+        overlaps = Fixed(tp_overlap=row.fixed.tp_overlap, ep_overlap=row.fixed.ep_overlap)
+        result.free = run_search(profile, cluster, training, overlaps, top_k=1).best
         result.free_s = time.perf_counter() - start
         if row.fixed.recompute is not None:
             # the trainers ran full recompute where less fits (Korthikanti et al. 2022 measured what that
             # costs): searched again with the row's recompute, what is left is the rest of the choice
             result.free_same_recompute = run_search(
-                profile, cluster, training, Fixed(tp_overlap=row.fixed.tp_overlap, recompute=row.fixed.recompute), top_k=1).best
+                profile, cluster, training, replace(overlaps, recompute=row.fixed.recompute), top_k=1).best
     return result
 
 

@@ -657,6 +657,9 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     # the backward (Training.dp_overlap); other trainers' overlap is the fitted OVERLAP_EFFICIENCY
     dp_overlap = 1.0 if re.search(r"overlap[-_ ]grad[-_ ]reduce", overlap_text) and dp * cp > 1 else None
     tp_overlap = tp > 1 and bool(value(p.get("async_tp")) or value(p.get("tp_comm_overlap")) or named)
+    # EP overlap: Megatron-Core's combined 1F1B (--overlap-moe-expert-parallel-comm, Megatron-Bridge's
+    # moe_a2a_overlap) and DeepSeek-V3's DualPipe, which overlaps its all-to-alls (the cost model's --ep-overlap)
+    ep_overlap = ep > 1 and bool(re.search(r"moe[-_ ]a2a[-_ ]overlap|overlap[-_ ]moe[-_ ]expert|dualpipe", overlap_text))
     trainer = _trainer(trainer_text)
     settings: dict[str, Any] = {"dp_overlap": dp_overlap}  # what the row says, over its trainer's
     if value(p.get("torch_compile")):
@@ -687,7 +690,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
         schedule=schedule, virtual_stages=v, recompute=recompute,
         sequence_parallel=bool(sp) if sp is not None and tp > 1 else None,
         hsdp=hsdp if zero >= 2 and dp * cp > 1 else None,
-        tp_overlap=tp_overlap or None,
+        tp_overlap=tp_overlap or None, ep_overlap=ep_overlap or None,
     )
     if shape.arch != "gpt" and not (_published(e, "step_time_s") or _published(e, "tokens_per_s_per_gpu")):
         notes.append("step from model FLOP/s by PaLM's formula (sources count attention differently)")

@@ -205,6 +205,11 @@ class Candidate:
     """With tp > 1 and sequence parallelism: TP's all-gathers and reduce-scatters run in chunks
     beside the Linear GEMMs they feed (Megatron-LM --tp-comm-overlap, torchtitan's async TP),
     exposed only where they outlast those GEMMs, and never below one chunk (1/tp of them)."""
+    ep_overlap: bool = False
+    """With ep > 1: one micro-batch's forward runs beside another's backward, layer by layer, so
+    that each phase's expert all-to-alls run beside the other phase's compute (Megatron-Core's
+    combined 1F1B, --overlap-moe-expert-parallel-comm; DeepSeek-V3's DualPipe), exposed only
+    where they outlast it."""
     dp_replicate: int = 1
     """HSDP (ZeRO-2/3 only): the dp ranks form dp_replicate groups of dp_shard = dp / dp_replicate
     (one node's data-parallel ranks); FSDP shards inside a group, and the groups hold replicas
@@ -252,6 +257,7 @@ class Candidate:
         if self.tp > 1:
             sched += " · SP" if self.sequence_parallel else " · no SP"
             sched += " · TP overlap" if self.tp_overlap else ""
+        sched += " · EP overlap" if self.ep_overlap and self.ep > 1 else ""
         hsdp = f" · HSDP {self.dp_replicate} x {self.dp_shard}" if self.dp_replicate > 1 else ""
         cp = (f" cp={self.cp}" if self.cp > 1 else "") + (f" ep={self.ep}" if self.ep > 1 else "")
         return (

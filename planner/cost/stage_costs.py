@@ -603,12 +603,17 @@ def _layer_costs(
         ep_fwd = ep_bwd = 2 * comm.all_to_all(cand.ep, lk.ep)(layer.moe_dispatch_bytes * scale / routed)
     cp_fwd, cp_bwd = cp_fwd * gpu.factor("comm"), cp_bwd * gpu.factor("comm")
     ep_fwd, ep_bwd = ep_fwd * gpu.factor("comm"), ep_bwd * gpu.factor("comm")
+    rerun_ep = ep_fwd  # a fully recomputed layer reruns its forward alone (Megatron refuses the overlap with it)
+    if cand.ep_overlap:
+        # one micro-batch's forward beside another's backward, layer by layer (Candidate.ep_overlap):
+        # the forward's all-to-alls beside the backward's compute, and the backward's beside the forward's
+        ep_fwd, ep_bwd = comm.exposed_after_s(bwd, ep_fwd, 1.0), comm.exposed_after_s(fwd, ep_bwd, 1.0)
     # a recomputed layer exchanges its tokens again (checkpointing keeps matmul outputs at most),
     # and gathers again what its policy does not keep (Training.recompute_collectives)
     rerun_tp_comm = {"all": 1.0, "none": 0.0,
                      "all_gathers": 0.5 if cand.sequence_parallel else 1.0}[training.recompute_collectives]
     sel_extra, alt_extra = (x + ep_fwd + tp_fwd * rerun_tp_comm for x in (sel_extra, alt_extra))
-    full_extra = fwd * rerun + tp_fwd * rerun_tp + cp_fwd + ep_fwd
+    full_extra = fwd * rerun + tp_fwd * rerun_tp + cp_fwd + rerun_ep
     fwd += tp_fwd + cp_fwd + ep_fwd
     bwd += tp_bwd + cp_bwd + ep_bwd
 
@@ -677,11 +682,13 @@ def atom_table(
     tp_overlap: bool = False,
     cp: int = 1,
     ep: int = 1,
+    ep_overlap: bool = False,
 ) -> tuple[AtomCost, ...]:
-    """Per-atom costs for a TP degree, micro-batch, sequence-parallel, TP-overlap, CP and EP choice
-    (what the other choices do not change). `cpu_factor`: use the profile's measured seconds, times this."""
+    """Per-atom costs for a TP degree, micro-batch, sequence-parallel, TP-overlap, CP, EP and
+    EP-overlap choice (what the other choices do not change). `cpu_factor`: use the profile's
+    measured seconds, times this."""
     probe = Candidate(tp, 1, ep, micro_batch, 1, 0, "1f1b", sequence_parallel=sequence_parallel, tp_overlap=tp_overlap,
-                      cp=cp, ep=ep)
+                      cp=cp, ep=ep, ep_overlap=ep_overlap)
     lk = links(cluster, probe)
     layers = profile.layers
     per_layer = []
@@ -766,7 +773,7 @@ def stage_costs(
     layers = profile.layers
     if atoms is None:
         atoms = atom_table(profile, cluster, training, cand.tp, cand.micro_batch, cpu_factor, cand.sequence_parallel,
-                           cand.tp_overlap, cand.cp, cand.ep)
+                           cand.tp_overlap, cand.cp, cand.ep, cand.ep_overlap)
     elif not isinstance(atoms, AtomTable):
         atoms = AtomTable(atoms)
     w, g, o = training.bytes_per_param()

@@ -37,7 +37,7 @@ def parallel_of(s: Scored) -> Parallel:
         dp=c.dp, tp=c.tp, pp=c.pp, micro_batch=c.micro_batch, num_microbatches=c.num_microbatches,
         zero=c.zero, schedule=c.schedule, virtual_stages=c.virtual_stages,
         recompute=recompute_label(s.partition.choice), sequence_parallel=c.sequence_parallel, dp_replicate=c.dp_replicate,
-        tp_overlap=c.tp_overlap, cp=c.cp, ep=c.ep,
+        tp_overlap=c.tp_overlap, cp=c.cp, ep=c.ep, ep_overlap=c.ep_overlap,
     )
 
 
@@ -281,7 +281,8 @@ def _expert_parallel_line(best: Scored, profile: ModelProfile) -> str:
     line = (f"Expert parallelism over {c.ep} GPUs {where}: each GPU holds {experts // c.ep} of the {experts} experts of "
             f"each of the {layers} mixture-of-experts layers ({share:.0%} of the parameters, 1/{c.ep} of them per GPU), "
             f"and each token goes to {k} and back by two all-to-alls per layer in forward and two in backward, "
-            f"{fmt_seconds(breakdown(best)['ep_comm'])} per step. "
+            + ("run beside another micro-batch's compute (EP overlap: what it does not hide), " if c.ep_overlap else "")
+            + f"{fmt_seconds(breakdown(best)['ep_comm'])} per step. "
             + (f"Each expert's gradients are averaged over the {c.expert_replicas} data-parallel GPUs that hold it"
                + (f", and ZeRO-{c.zero} shards its state over them" if c.zero else "") + "."
                if c.expert_replicas > 1 else "No other data-parallel GPU holds the same experts (nothing to average)."))

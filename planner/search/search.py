@@ -237,7 +237,7 @@ def _search(
     lowest = cpu_factor(0.0) if cpu_factor is not None else None
 
     def costs_of(cand: Candidate, factor: float | None = all_busy) -> StageCosts:
-        key = (cand.tp, cand.micro_batch, cand.sequence_parallel, cand.tp_overlap, cand.cp, cand.ep)
+        key = (cand.tp, cand.micro_batch, cand.sequence_parallel, cand.tp_overlap, cand.cp, cand.ep, cand.ep_overlap)
         if (key, factor) not in tables:
             tables[key, factor] = atom_table(profile, cluster, training, *key[:2], factor, *key[2:])
         return stage_costs(profile, cluster, training, cand, factor, atoms=tables[key, factor])

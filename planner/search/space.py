@@ -53,6 +53,8 @@ class Fixed:
     hsdp: bool | None = None
     tp_overlap: bool | None = None
     """Only ever on when asked for: the runtime does not overlap TP collectives (plan run refuses)."""
+    ep_overlap: bool | None = None
+    """Likewise: the runtime does not run one micro-batch's forward beside another's backward."""
 
 
 
@@ -159,7 +161,8 @@ def _enumerate(
                                 for ep in eps if rep == 1 else [1]:
                                     if sp in sp_by_ep.get(ep, ()):
                                         yield replace(cand, sequence_parallel=sp, dp_replicate=rep,
-                                                      tp_overlap=bool(fixed.tp_overlap) and sp, ep=ep)
+                                                      tp_overlap=bool(fixed.tp_overlap) and sp, ep=ep,
+                                                      ep_overlap=bool(fixed.ep_overlap) and ep > 1)
 
 
 def cp_blocker(profile: ModelProfile) -> str:

@@ -285,6 +285,26 @@ def test_tp_overlap_is_planned_when_asked_and_refused_by_the_runtime(capsys, tmp
     assert "overlaps TP collectives" in err and "\n" not in err
 
 
+def test_ep_overlap_is_planned_when_asked_and_refused_by_the_runtime(capsys, tmp_path):
+    """--ep-overlap on plans for a trainer that runs the expert all-to-alls beside another
+    micro-batch's compute: less EP time than the same plan without, stated in the plan, never
+    offered unasked, refused by plan run in one line; with full recompute, exit 2."""
+    args = [str(EXAMPLES / "moe.py"), "--gpus", "4", "--gpus-per-node", "1", "--global-batch", "16", "--ep", "4"]
+    plain, over = (_plan_json(capsys, *args, "--ep-overlap", v) for v in ("off", "on"))
+    assert over["parallel"]["ep_overlap"] is True and plain["parallel"]["ep_overlap"] is False
+    assert over["predicted"]["breakdown_s"]["ep_comm"] < plain["predicted"]["breakdown_s"]["ep_comm"]
+    assert any("beside another micro-batch's compute" in line for line in over["explanation"])
+    assert _plan_json(capsys, *args)["parallel"]["ep_overlap"] is False
+    assert main([*args, "--ep-overlap", "on", "--recompute", "full"]) == EXIT_BAD_INPUT
+    assert "--ep-overlap on pairs each layer's forward" in capsys.readouterr().err
+    out = tmp_path / "over.json"
+    assert main([*args, "--ep-overlap", "on", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(out)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert "expert all-to-alls beside another micro-batch's compute" in err and "\n" not in err
+
+
 def test_hsdp_shards_inside_nodes_when_asked(capsys):
     """--hsdp on: ZeRO-3 over 16 GPUs in 2 nodes as 2 replicas of 8 shards, state sharded over 8,
     said in the plan; with ZeRO-1, exit 2."""

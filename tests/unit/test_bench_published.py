@@ -135,6 +135,17 @@ def test_megatron_rows_overlap_their_pipeline_sends_from_2023():
     assert not overlap["torchtitan"] and not overlap["llm_foundry"]
 
 
+def test_rows_whose_trainer_overlaps_the_expert_all_to_alls_are_predicted_with_it():
+    """Megatron-Bridge's Qwen3 235B H100 runs (its perf config: moe_a2a_overlap) and DeepSeek-V3's
+    DualPipe run the expert all-to-alls beside another micro-batch's compute (--ep-overlap);
+    the same model's B200 runs (moe_a2a_overlap=False) and dense rows do not."""
+    rows = {r.id: r for r in load_rows(REFERENCE.parent / "held_out_runs.yaml")}
+    overlapped = {i for i, r in rows.items() if r.fixed.ep_overlap}
+    assert overlapped == {"megatron_bridge_2511_qwen3_235b_h100_256gpu_fp8cs",
+                          "megatron_bridge_2602_qwen3_235b_h100_256gpu_fp8cs", "deepseek_v3_2048gpu"}
+    assert all(r.fixed.ep_overlap is None for r in rows.values() if r.fixed.ep is None)
+
+
 def test_torchtitans_interleaved_schedule_runs_two_stages_per_rank_unless_said(tmp_path):
     """torchtitan's interleaved 1F1B without split points runs two stages per rank (its
     generate_split_points default): a torchtitan row that does not say how many gets two; another

@@ -161,6 +161,31 @@ def test_ep_adds_four_all_to_alls_and_divides_the_experts(moe):
     assert a2a(1e9) == pytest.approx(a2a.fixed_s + 0.75e9 / (cluster.gpu.intra_node_bandwidth_Bps * comm.LINK_EFFICIENCY))
 
 
+@pytest.mark.parametrize("gbps", [None, 0.4])
+def test_ep_overlap_hides_each_phase_s_all_to_alls_behind_the_other_phase_s_compute(moe, gbps):
+    """--ep-overlap on (one micro-batch's forward beside another's backward, layer by layer): each
+    phase's two all-to-alls (c) are exposed only past the other phase's compute (F, B): forward
+    F + max(0, c - B), backward B + max(0, c - F). Inside a node they hide entirely; one GPU a node
+    at 0.4 Gb/s, F < c < B: the forward's hide behind the backward, the backward's show past the
+    forward. Nothing else in the layer changes."""
+    cluster = make_cluster("h100-sxm-80gb", 4, gpus_per_node=1 if gbps else None, inter_node_gbps=gbps)
+    training = Training("bf16", "adamw", 16, 80 * GIB)
+    plain = atom_table(moe, cluster, training, 1, 2, ep=4)
+    over = atom_table(moe, cluster, training, 1, 2, ep=4, ep_overlap=True)
+    moe_atoms = 0
+    for a, b in zip(plain, over):
+        c = a.ep_comm_s / 2
+        f, bwd = a.fwd_s - c, a.bwd_s - c
+        exposed = max(0.0, c - bwd), max(0.0, c - f)
+        assert (b.fwd_s, b.bwd_s, b.ep_comm_s) == pytest.approx((f + exposed[0], bwd + exposed[1], sum(exposed)))
+        assert (b.act_bytes, b.params, b.expert_params) == (a.act_bytes, a.params, a.expert_params)
+        if c:
+            moe_atoms += 1
+            assert exposed == ((0.0, 0.0) if gbps is None else (0.0, pytest.approx(c - f)))
+            assert gbps is None or f < c < bwd
+    assert moe_atoms == 2
+
+
 def test_an_ep_group_across_nodes_uses_each_gpu_s_port():
     """ep = 8 with 4 GPUs a node: 3/8 of each GPU's rows stay in its node, 4/8 cross the network
     through its own port."""

@@ -151,10 +151,10 @@ def test_valid_plan_round_trips(tmp_path, plan_data):
 
 
 def test_old_plan_without_newer_fields_loads(tmp_path, plan_data):
-    """Fields added with defaults (HSDP, TP overlap, the alternate recompute policy, assumptions,
+    """Fields added with defaults (HSDP, TP and EP overlap, the alternate recompute policy, assumptions,
     warnings, skipped configurations) may be absent from a plan written before them."""
     data = copy.deepcopy(plan_data)
-    for key in ("dp_replicate", "tp_overlap"):
+    for key in ("dp_replicate", "tp_overlap", "ep_overlap"):
         del data["parallel"][key]
     for stage in data["stages"]:
         del stage["alternate_layers"]
@@ -162,7 +162,7 @@ def test_old_plan_without_newer_fields_loads(tmp_path, plan_data):
         del data[key]
     del data["solver"]["skipped"]
     plan = _load(tmp_path, data)
-    assert (plan.parallel.dp_replicate, plan.parallel.tp_overlap) == (1, False)
+    assert (plan.parallel.dp_replicate, plan.parallel.tp_overlap, plan.parallel.ep_overlap) == (1, False, False)
     assert all(stage.alternate_layers == () for stage in plan.stages)
     assert plan.assumptions == () and plan.solver.skipped == {}
     assert plan.parallel.dp * plan.parallel.tp * plan.parallel.pp == plan.cluster.num_gpus
