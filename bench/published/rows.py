@@ -382,10 +382,14 @@ def active_params_b(shape: Shape) -> float:
     return (layers + shape.vocab * h) / 1e9
 
 
-def measured_step(e: dict, shape: Shape, global_batch: int, gpus: int) -> float:
+def measured_step(e: dict, shape: Shape, global_batch: int, gpus: int, full_recompute: bool = False,
+                  notes: list[str] | None = None) -> float:
     """The measured step time, or derived from what was published (measured first, then derived):
-    a step time, tokens/s per GPU, or model TFLOP/s per GPU (MFU x peak) with the model-FLOPs
-    formula of its source (Korthikanti et al.'s for GPT, PaLM's for the others)."""
+    a step time, tokens/s per GPU, or TFLOP/s per GPU (MFU x peak) with the model-FLOPs formula of
+    its source (Korthikanti et al.'s for GPT, PaLM's for the others). TFLOP/s that count the
+    recompute ("hardware" FLOPs, as Megatron-LM's papers and BLOOM report them: Narayanan et al.
+    2021 Eq. 3) add the rerun forward of every layer but the logits under full recompute; TFLOP/s
+    of no stated kind are read as model FLOPs, with a note."""
     step = _published(e, "step_time_s")
     if step:
         return step
@@ -396,23 +400,30 @@ def measured_step(e: dict, shape: Shape, global_batch: int, gpus: int) -> float:
     tflops = _published(e, "model_tflops_per_gpu")
     if tflops is None and value(m.get("mfu")) and value(m.get("peak_used_tflops")):
         tflops = num(m["mfu"]) * num(m["peak_used_tflops"])
-    if tflops is None and value(m.get("tflops_per_gpu")) and "model" in str(value(m.get("tflops_kind"))).lower():
+    kind = str(value(m.get("tflops_kind")) or "").lower()
+    hardware = tflops is None and "model" not in kind and bool(re.search(r"hardware|recompute", kind))
+    if tflops is None and value(m.get("tflops_per_gpu")):
         tflops = num(m["tflops_per_gpu"])
-    assert tflops, f"{e['id']}: no step time, throughput or model FLOP/s"
+        if not kind and notes is not None:
+            notes.append("TFLOP/s of no stated kind read as model FLOPs")
+    assert tflops, f"{e['id']}: no step time, throughput or TFLOP/s"
     if shape.arch == "gpt":
-        flops = korthikanti_model_flops(shape, global_batch)
+        flops, logits = korthikanti_model_flops(shape, global_batch), 6 * global_batch * shape.seq_len * shape.vocab * shape.hidden
     else:
         m = _model_fields(e)
         params_b = num(m.get("active_params_b")) or (active_params_b(shape) if shape.experts else num(m.get("params_b")))
         assert params_b, f"{e['id']}: model FLOP/s without params_b"
         flops = palm_model_flops(shape, params_b, global_batch)
+        logits = 6 * global_batch * shape.seq_len * shape.vocab * shape.hidden
+    if hardware and full_recompute:  # one more forward (a third of forward + backward) of all but the logits
+        flops += (flops - logits) / 3
     return flops / (tflops * 1e12 * gpus)
 
 
 def _zero(p: dict) -> tuple[int, bool]:
     """(ZeRO stage, HSDP) of a row's data parallelism."""
     text = str(value(p.get("zero"))).lower()
-    return _zero_stage(p, text), "hsdp" in text or "hybrid" in text
+    return _zero_stage(p, text), "hsdp" in text or "hybrid" in text or value(p.get("hsdp")) is True
 
 
 def _zero_stage(p: dict, text: str) -> int:
@@ -699,7 +710,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     return Row(
         id=e["id"], source=source + ("_moe" if shape.experts else ""), shape=shape, gpu=gpu, num_gpus=gpus, gpus_per_node=per_node,
         precision=precision, global_batch=gb, fixed=fixed,
-        measured_step_s=measured_step(e, shape, gb, gpus),
+        measured_step_s=measured_step(e, shape, gb, gpus, recompute == "full", notes),
         measured_peak_bytes=peak or None,
         notes=tuple(notes), assumed=tuple(assumed), trainer=trainer, settings=tuple(settings.items()),
     )

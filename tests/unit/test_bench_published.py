@@ -146,6 +146,29 @@ def test_rows_whose_trainer_overlaps_the_expert_all_to_alls_are_predicted_with_i
     assert all(r.fixed.ep_overlap is None for r in rows.values() if r.fixed.ep is None)
 
 
+def test_a_run_published_as_tflops_per_gpu_alone_is_read(tmp_path):
+    """A run that gives only TFLOP/s per GPU is read, not refused: BLOOM's 150 hardware TFLOP/s
+    (recompute counted, Narayanan et al.'s Eq. 3) give the step its paper derives (104.5 s); the same
+    figure as model FLOPs gives a step 3/4 as long less the logits' share; a figure of no stated
+    kind reads as model FLOPs, with a note."""
+    import yaml
+
+    entries = yaml.safe_load((REFERENCE.parent / "held_out_runs.yaml").read_text())["entries"]
+    bloom = next(e for e in entries if e["id"] == "bloom_176b_384gpu")
+    kinds = [bloom["measured"]["tflops_kind"], "model FLOPs", None]
+    path = tmp_path / "runs.yaml"
+    path.write_text(yaml.safe_dump({"entries": [
+        {**bloom, "id": f"bloom_{i}", "derived": None, "measured": {"tflops_per_gpu": 150, "tflops_kind": kind}}
+        for i, kind in enumerate(kinds)]}))
+    hardware, model, unsaid = load_rows(path)
+    assert hardware.measured_step_s == pytest.approx(104.5, rel=1e-3)
+    s, l, h, v = 2048, 70, 14336, 250880
+    logits = v / (16 * l * h) / (1 + s / (6 * h) + v / (16 * l * h))  # the logits' share of Eq. 3
+    assert model.measured_step_s == pytest.approx(hardware.measured_step_s * (0.75 * (1 - logits) + logits))
+    assert unsaid.measured_step_s == model.measured_step_s
+    assert "TFLOP/s of no stated kind read as model FLOPs" in unsaid.notes
+
+
 def test_torchtitans_interleaved_schedule_runs_two_stages_per_rank_unless_said(tmp_path):
     """torchtitan's interleaved 1F1B without split points runs two stages per rank (its
     generate_split_points default): a torchtitan row that does not say how many gets two; another
@@ -305,6 +328,18 @@ def test_the_ways_a_file_of_runs_from_elsewhere_states_a_configuration(tmp_path,
             assert want in row.notes
         else:
             assert getattr(row.fixed, key) == want, key
+
+
+def test_hsdp_said_beside_fsdp_is_read(tmp_path):
+    """`hsdp: true` beside `zero: FSDP` (rather than in its text) reads as HSDP."""
+    import yaml
+
+    entry = yaml.safe_load((REFERENCE.parent / "held_out_runs.yaml").read_text())["entries"][1]
+    entry = {**entry, "parallel": {**entry["parallel"], "zero": "FSDP", "hsdp": True}}
+    path = tmp_path / "runs.yaml"
+    path.write_text(yaml.safe_dump({"entries": [entry]}))
+    (row,) = load_rows(path)
+    assert (row.fixed.zero, row.fixed.hsdp) == (3, True)
 
 
 @pytest.mark.parametrize("text, name", [
