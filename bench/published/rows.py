@@ -547,6 +547,10 @@ TORCHTITAN_SDPA_CUDNN = (2026, 4)
 #   (Training.p2p_overlap) since Megatron-Core, 2023; the SC'21 and Korthikanti et al. (2022)
 #   runs sent them between the compute. The year is the paper's (`publication_year`).
 MEGATRON_P2P_OVERLAP = 2023
+# - DeepSpeed's ZeRO-3 gathers each module's parameters with one coalesced all-gather since
+#   v0.5 (PR 1188, September 2021); before, one per parameter (issue 1069, June 2021)
+#   (Training.zero3_gathers). A row published before 2022 is taken to run the earlier.
+DEEPSPEED_MODULE_GATHERS = 2022
 _MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
 
 
@@ -689,6 +693,8 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     if precision == "fp8" and _names(precision_text, MEGATRON) or precision == "fp4":
         settings["fp8_recipe"] = "te"  # Transformer Engine's FP8, whoever drives it; its NVFP4 (no other has one)
     zero, hsdp = _zero(p)
+    if zero == 3 and "deepspeed" in f"{value(p.get('zero'))} {trainer_text}".lower():
+        settings["zero3_gathers"] = "tensor" if (publication_year(e) or 9999) < DEEPSPEED_MODULE_GATHERS else "module"
     if zero == 3 and pp > 1 and source == "torchtitan":
         # torchtitan's FSDP2 does not reshard after forward under a pipeline (to avoid a gather
         # per micro-batch): ZeRO-2 in the plan's terms (runtime/README.md, data parallel)

@@ -35,6 +35,9 @@ TRAINERS: dict[str, dict] = {
     # performance recipes turn on (--overlap-grad-reduce)
     "megatron": {"recompute_whole_forward": True, "fused_kernels": True, "attention_kernel": "te", "fp8_recipe": "te",
                  "recompute_collectives": "none", "dp_overlap": 1.0, "fused_loss": True, "p2p_overlap": True},
+    # DeepSpeed's ZeRO (eager PyTorch kernels): ZeRO-3 gathers module by module, and its
+    # activation checkpointing is reentrant (reruns a layer's whole forward)
+    "deepspeed": {"zero3_gathers": "module", "recompute_whole_forward": True},
 }
 """The trainers a plan can be made for (`plan --trainer`): the Training fields each sets."""
 TRAINER_NOTES = {
@@ -46,6 +49,8 @@ TRAINER_NOTES = {
                 "attention, TE's FP8 casts, full recompute of whole layers, selective recompute of the attention "
                 "core, gradient reduce-scatter hidden behind the backward, pipeline sends beside the compute under "
                 "the interleaved schedule",
+    "deepspeed": "DeepSpeed (eager PyTorch kernels): ZeRO-3 gathers each module's parameters with a collective of "
+                 "its own, reentrant activation checkpointing",
 }
 
 
@@ -149,6 +154,13 @@ class Training:
     otherwise): exposed only past that compute (stage_costs._exposed_sends). False: sent between
     the compute, as torch's pipeline schedules (this runtime's, torchtitan's) and Megatron-LM
     before it (SC'21, Korthikanti et al. 2022) run them."""
+    zero3_gathers: str = "layer"
+    """What ZeRO-3 gathers (and reduce-scatters) with one collective, each paying its startup
+    latency every micro-batch (StageCosts.gathers). "layer": a layer's parameters together (FSDP
+    and FSDP2 wrapping each block, as this runtime, torchtitan and llm-foundry run it). "module":
+    each module's own (DeepSpeed's ZeRO-3 since v0.5, September 2021, fetches each submodule's
+    parameters with one coalesced all-gather: DeepSpeed PR 1188). "tensor": each parameter's
+    (DeepSpeed's ZeRO-3 before it: one all-gather per parameter, DeepSpeed issue 1069)."""
     trainer: str = "this"
     """The trainer the plan is for (TRAINERS: what it set above); "this": plan run's runtime."""
 

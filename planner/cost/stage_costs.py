@@ -80,9 +80,13 @@ class AtomCost:
     expert_params: float = 0.0
     """Of params, experts split by expert parallelism (0 without it): their state is sharded over
     the expert replicas, not the whole dp group (StageCosts.state_bytes)."""
+    gathers: int = 1
+    """The collectives ZeRO-3 gathers this atom's parameters with, each way (Training.zero3_gathers):
+    1 when the trainer gathers a layer at once."""
 
     def signature(self) -> tuple:
-        return (self.fwd_s, self.bwd_s, self.extra_s, self.act_bytes, self.params, self.out_bytes, self.expert_params)
+        return (self.fwd_s, self.bwd_s, self.extra_s, self.act_bytes, self.params, self.out_bytes, self.expert_params,
+                self.gathers)
 
 
 class AtomTable(tuple):
@@ -155,8 +159,8 @@ class StageCosts:
     (sharded gradients cannot accumulate unreduced, as torchtitan and DeepSpeed run it);
     ZeRO-0/1: none; under a pipeline (`pipelined_fsdp`) only ZeRO-3's gather for backward.
     Prefetching overlaps the bytes (params x mb_comm_param_s) with compute, but each
-    collective's startup latency (atoms x mb_comm_atom_s) stays on the critical path: a layer
-    waits for its gather."""
+    collective's startup latency (mb_comm_atom_s for each, mb_latency_s: one an atom, or one per
+    gather, AtomCost.gathers) stays on the critical path: a layer waits for its gather."""
     grad_sync: comm.Affine
     """Once per step, on the gradient bytes, overlapped with the last micro-batch's backward:
     an all-reduce for ZeRO-0 and ZeRO-1 (DDP, whose gradients stay whole; ZeRO-1 then steps a
@@ -222,6 +226,15 @@ class StageCosts:
         dense = self.state_bytes_per_param()
         return tuple(params * d + experts * (e - d) for d, e in zip(dense, self.expert_state_bytes)) if self.cand.ep > 1 \
             else tuple(params * d for d in dense)
+
+    def latency_units(self, atom: AtomCost) -> int:
+        """The collectives of `atom` that each pay mb_comm_atom_s every micro-batch: ZeRO-3's
+        gathers (AtomCost.gathers), or ZeRO-2's one reduce-scatter."""
+        return atom.gathers if self.cand.zero == 3 else 1
+
+    def mb_latency_s(self, atoms) -> float:
+        """The startup latency of ZeRO-2/3's collectives every micro-batch over `atoms`."""
+        return self.mb_comm_atom_s * sum(self.latency_units(a) for a in atoms) if self.mb_comm_atom_s else 0.0
 
     def mb_comm_s(self, params, experts=0.0):
         """ZeRO-2/3's data-parallel bytes every micro-batch, in seconds (mb_comm_param_s)."""
@@ -734,9 +747,20 @@ def atom_table(
                 out_bytes=last_layer.output_bytes * scale / out_shard,
                 cut_ok=last_layer.cut_after_ok,
                 expert_params=sum(r[8] for r in rows),
+                gathers=zero3_gathers(layers[first : last + 1], training.zero3_gathers),
             )
         )
     return AtomTable(atoms)
+
+
+def zero3_gathers(layers: list[LayerProfile], how: str) -> int:
+    """The collectives ZeRO-3 gathers these layers' parameters with (Training.zero3_gathers): one
+    for "layer"; one per module ("module") or parameter tensor ("tensor") that holds them, a layer
+    of a profile that does not count them taken as one, and at least one."""
+    if how == "layer":
+        return 1
+    return max(1, sum((l.param_modules if how == "module" else l.param_tensors) or (1 if l.num_params else 0)
+                      for l in layers))
 
 
 def _ring_working_bytes(profile: ModelProfile, cand: Candidate, training: Training) -> float:

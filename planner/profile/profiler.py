@@ -358,6 +358,11 @@ def _assemble(
     for key, li in param_layer.items():
         num_params[li] += params[key].numel()
         param_bytes[li] += params[key].numel() * params[key].element_size()
+    # the modules of each layer that hold parameters themselves, and their tensors (a tied weight
+    # in each module that holds it: a trainer gathering module by module fetches it in each)
+    holders = [[m for pos in g for m in ordered[pos].module.modules() if next(m.parameters(recurse=False), None) is not None]
+               for g in groups]
+    tensors = [sum(len(list(m.parameters(recurse=False))) for m in ms) for ms in holders]
 
     def per_layer(counter) -> list[int]:
         out = [0] * num_layers
@@ -461,6 +466,8 @@ def _assemble(
                 kind=kinds[li],
                 num_params=num_params[li],
                 param_bytes=param_bytes[li],
+                param_tensors=tensors[li],
+                param_modules=len(holders[li]),
                 fwd_flops=fwd_flops[li],
                 bwd_flops=bwd_flops[li],
                 activation_bytes=saved[li],

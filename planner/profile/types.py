@@ -169,6 +169,11 @@ class LayerProfile:
     moe_dispatch_bytes: int = 0
     """Bytes of the rows the forward sends into the experts (each token once per expert it
     chose), for the profiled batch: what each of expert parallelism's all-to-alls moves."""
+    # -- how a ZeRO-3 trainer may gather them (Training.zero3_gathers) ---------------------------
+    param_tensors: int = 0
+    """Parameter tensors of this layer (0: a profile from before the field)."""
+    param_modules: int = 0
+    """Modules that hold this layer's parameters directly (0: a profile from before the field)."""
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="default bf16")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default adamw")
     p.add_argument("--trainer", choices=TRAINERS, default="this",
-                   help="the trainer that will run the plans: this (plan run's runtime, the default), torchtitan, megatron")
+                   help="the trainer that will run the plans: this (plan run's runtime, the default), torchtitan, megatron, "
+                        "deepspeed")
     p.add_argument("--compile", action="store_true",
                    help="with --trainer torchtitan: it runs under torch.compile (its --compile), as plan --compile")
     p.add_argument("--gpus-per-node", type=_positive_int, help="GPUs per node (default: each type's usual node)")

@@ -24,7 +24,7 @@ Constraints
     [Time]       T_i >= B_i + (1 - e) D_i,  T_i >= D_i + (1 - e) B_i   (comm.overlapped_s)
                  B_i = sum_g (sum_{s on i} c_gs t_g + sum_k r_kgi d_kg) + p2p  (t = fwd + bwd),
                  D_i = ZeRO-2/3's bytes per micro-batch (0 otherwise); both rows carry the
-                 collectives' latency per atom
+                 collectives' latency per atom (per gather under ZeRO-3: AtomCost.gathers)
                  M >= T_i
     [Memory]     (1 + frag)(params_i (w/z3 + g/z2 + o/z1) + infl_i (sum c act0 - sum_k r_k (act0 - act_k))
                  + working + gathered) + reserve <= limit        for each rank i
@@ -214,6 +214,7 @@ def solve_partition(
     params_of = lambda atom, k: atom.params  # noqa: E731
     experts_of = lambda atom, k: atom.expert_params  # noqa: E731
     one = lambda atom, k: 1  # noqa: E731
+    gathers = lambda atom, k: costs.latency_units(atom)  # noqa: E731
 
     M = _var(prob, "M", 0)
     U = _var(prob, "U", 0)
@@ -225,7 +226,7 @@ def solve_partition(
         params = rank_sum(i, params_of)
         experts = rank_sum(i, experts_of) if cand.ep > 1 else 0.0
         # [Time]
-        latency = costs.mb_comm_atom_s * sc * rank_sum(i, one) if costs.mb_comm_atom_s else 0
+        latency = costs.mb_comm_atom_s * sc * rank_sum(i, gathers) if costs.mb_comm_atom_s else 0
         busy = rank_sum(i, step_time) + costs.p2p_s * sc * (S // p)
         if costs.mb_comm_param_s:  # ZeRO-2/3 bytes per micro-batch, overlapped with compute (comm.overlapped_s)
             dp_bytes = costs.mb_comm_s(params, experts) * sc

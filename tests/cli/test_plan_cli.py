@@ -422,8 +422,21 @@ def test_a_plan_for_another_trainer_prices_its_kernels(capsys, tmp_path):
     assert main([*args, "--trainer", "megatron", "-o", str(out)]) == 0
     plan = Plan.load(out)
     assert any("--trainer megatron" in w for w in runtime_warnings(plan, ()))
-    assert main([*args, "--trainer", "deepspeed"]) == EXIT_BAD_INPUT
+    assert main([*args, "--trainer", "colossalai"]) == EXIT_BAD_INPUT
     assert "--trainer" in capsys.readouterr().err
+
+
+def test_a_plan_for_deepspeed_gathers_module_by_module(capsys):
+    """--trainer deepspeed: its ZeRO-3 gathers each module's parameters with a collective of its
+    own (a Llama block's nine where FSDP gathers the block at once), each paying its startup
+    latency every micro-batch: the same configuration over two nodes spends longer in data-parallel
+    traffic; the plan says which trainer it assumed."""
+    args = [str(EXAMPLES / "llama_7b.py"), "--gpus", "16", "--global-batch", "64", "--dp", "16", "--zero", "3",
+            "--micro-batch", "1", "--recompute", "full"]
+    this, deepspeed = (_plan_json(capsys, *args, "--trainer", t) for t in ("this", "deepspeed"))
+    assert deepspeed["training"]["trainer"] == "deepspeed"
+    assert deepspeed["predicted"]["breakdown_s"]["dp_comm"] > this["predicted"]["breakdown_s"]["dp_comm"]
+    assert any(a.startswith("trainer: DeepSpeed") for a in deepspeed["assumptions"])
 
 
 def test_a_plan_for_a_compiled_torchtitan_keeps_less_and_runs_faster(capsys):

@@ -135,6 +135,24 @@ def test_megatron_rows_overlap_their_pipeline_sends_from_2023():
     assert not overlap["torchtitan"] and not overlap["llm_foundry"]
 
 
+def test_deepspeed_zero3_rows_gather_as_deepspeed_did_then(tmp_path):
+    """SC'21's DeepSpeed ZeRO-3 runs (2021) gather parameter by parameter (DeepSpeed before v0.5);
+    the same run published from 2022 module by module; every other row a layer at once."""
+    import yaml
+
+    rows = load_rows(REFERENCE)
+    gathers = {r.id: r.training().zero3_gathers for r in rows}
+    zero3 = {i for i in gathers if i.startswith("megatron_sc21_t2_zero3")}
+    assert len(zero3) == 3 and {gathers[i] for i in zero3} == {"tensor"}
+    assert {g for i, g in gathers.items() if i not in zero3} == {"layer"}
+    entry = next(e for e in yaml.safe_load(REFERENCE.read_text())["entries"] if e["id"] in zero3)
+    later = {**entry, "source": {"paper": "A later paper 2023", "where": "a table"}}
+    path = tmp_path / "runs.yaml"
+    path.write_text(yaml.safe_dump({"entries": [later]}))
+    (row,) = load_rows(path)
+    assert row.training().zero3_gathers == "module"
+
+
 def test_rows_whose_trainer_overlaps_the_expert_all_to_alls_are_predicted_with_it():
     """Megatron-Bridge's Qwen3 235B H100 runs (its perf config: moe_a2a_overlap) and DeepSeek-V3's
     DualPipe run the expert all-to-alls beside another micro-batch's compute (--ep-overlap);

@@ -163,6 +163,32 @@ def test_a_trainer_that_overlaps_its_data_parallel_traffic(e):
     assert ev.devices[0].time_per_microbatch_s == pytest.approx(max(compute, gathers) + (1 - e) * min(compute, gathers) + latency)
 
 
+@pytest.mark.parametrize("how,per_block", [("layer", 1), ("module", 6), ("tensor", 12)])
+def test_zero3_pays_a_collective_s_latency_for_each_gather(how, per_block):
+    """Training.zero3_gathers: ZeRO-3 gathers a GPT block (6 modules that hold 12 tensors) with
+    one collective (FSDP's unit), one per module (DeepSpeed since v0.5) or one per tensor
+    (DeepSpeed before): each pays its startup latency (mb_comm_atom_s) every micro-batch, the
+    bytes stay the same; the ILP states the same; ZeRO-2's reduce-scatter is one per atom anyway."""
+    from planner.search.partition import solve_partition
+
+    base = synthetic_profile(n_blocks=4, h=1024, s=512, heads=16, vocab=32768)
+    profile = replace(base, layers=tuple(replace(l, param_modules=6, param_tensors=12) if l.kind.startswith("Block") else l
+                                         for l in base.layers))
+    cluster = make_cluster("a100-80gb", 4)
+    for zero in (3, 2):
+        cand = Candidate(tp=1, pp=1, dp=4, micro_batch=1, num_microbatches=4, zero=zero, schedule="1f1b")
+        layer, costs = (stage_costs(profile, cluster, Training("bf16", "adamw", 16, 80 * 2**30, zero3_gathers=g), cand)
+                        for g in ("layer", how))
+        blocks = sum(1 for l in profile.layers if l.kind.startswith("Block"))
+        assert [a.gathers for a in costs.atoms] == [per_block if profile.layers[a.first].kind.startswith("Block") else 1
+                                                    for a in costs.atoms]
+        whole = [0, len(costs.atoms)], [NONE] * len(costs.atoms)
+        before, after = evaluate(layer, *whole), evaluate(costs, *whole)
+        extra = costs.mb_comm_atom_s * blocks * (per_block - 1) if zero == 3 else 0.0
+        assert after.devices[0].time_per_microbatch_s == pytest.approx(before.devices[0].time_per_microbatch_s + extra)
+        assert solve_partition(costs, recompute="none").objective_s == pytest.approx(after.step_time_s, rel=1e-4)
+
+
 def test_zero1_all_reduces_then_gathers_layer_by_layer():
     profile, costs = _costs(zero=1)
     ev = evaluate(costs, [0, len(costs.atoms)], [NONE] * len(costs.atoms))

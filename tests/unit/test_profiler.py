@@ -26,6 +26,12 @@ def test_parameter_counts_equal_the_models(example):
     profile = _profile(path)
     assert profile.totals.num_params == _num_params(path)
     assert sum(layer.num_params for layer in profile.layers) == profile.totals.num_params
+    # and the modules that hold them and their tensors (what a ZeRO-3 trainer may gather one by
+    # one; GPT-2's tied embedding in both modules that hold it)
+    model = load_model_file(path).build_model("meta")
+    holders = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
+    assert sum(layer.param_modules for layer in profile.layers) == len(holders)
+    assert sum(layer.param_tensors for layer in profile.layers) == sum(len(list(m.parameters(recurse=False))) for m in holders)
 
 
 def test_linear_stack_flops_are_exact(model_file):
