@@ -218,10 +218,12 @@ class Candidate:
     beside the Linear GEMMs they feed (Megatron-LM --tp-comm-overlap, torchtitan's async TP),
     exposed only where they outlast those GEMMs, and never below one chunk (1/tp of them)."""
     ep_overlap: bool = False
-    """With ep > 1: one micro-batch's forward runs beside another's backward, layer by layer, so
-    that each phase's expert all-to-alls run beside the other phase's compute (Megatron-Core's
-    combined 1F1B, --overlap-moe-expert-parallel-comm; DeepSeek-V3's DualPipe), exposed only
-    where they outlast it."""
+    """With ep > 1 and several micro-batches: one micro-batch's forward runs beside another's
+    backward, layer by layer, so that each phase's expert all-to-alls run beside the other phase's
+    compute (Megatron-Core's combined 1F1B, --overlap-moe-expert-parallel-comm; DeepSeek-V3's
+    DualPipe), exposed only where they outlast it. The micro-batches of the warm-up and cool-down,
+    which have no partner (one each way without a pipeline, pp - 1 with one), are priced as the
+    rest."""
     dp_replicate: int = 1
     """HSDP (ZeRO-2/3 only): the dp ranks form dp_replicate groups of dp_shard = dp / dp_replicate
     (one node's data-parallel ranks); FSDP shards inside a group, and the groups hold replicas

@@ -162,7 +162,7 @@ def _enumerate(
                                     if sp in sp_by_ep.get(ep, ()):
                                         yield replace(cand, sequence_parallel=sp, dp_replicate=rep,
                                                       tp_overlap=bool(fixed.tp_overlap) and sp, ep=ep,
-                                                      ep_overlap=bool(fixed.ep_overlap) and ep > 1)
+                                                      ep_overlap=bool(fixed.ep_overlap) and ep > 1 and cand.num_microbatches > 1)
 
 
 def cp_blocker(profile: ModelProfile) -> str:

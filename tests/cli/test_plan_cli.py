@@ -17,6 +17,15 @@ def _plan_json(capsys, *args) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+def _run_refuses(capsys, path: Path, args: list, said: str) -> None:
+    """The plan `args` make, written to `path`, is refused by plan run in one line that says `said`."""
+    assert main([*args, "-o", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(path)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert said in err and "\n" not in err
+
+
 def test_small_model_gets_data_parallelism(capsys):
     plan = _plan_json(capsys, GPT, "--gpus", "8")
     par = plan["parallel"]
@@ -256,12 +265,7 @@ def test_nvfp4_is_planned_for_transformer_engine_on_blackwell_and_refused_elsewh
         assert main([*args, "--precision", "fp4", *bad]) == EXIT_BAD_INPUT
         err = capsys.readouterr().err.strip()
         assert "--precision fp4" in err and said in err and "\n" not in err
-    out = tmp_path / "fp4.json"
-    assert main([*args, "--precision", "fp4", "-o", str(out)]) == 0
-    capsys.readouterr()
-    assert main(["run", str(out)]) == EXIT_BAD_INPUT
-    err = capsys.readouterr().err.strip()
-    assert "NVFP4 training" in err and "\n" not in err
+    _run_refuses(capsys, tmp_path / "fp4.json", [*args, "--precision", "fp4"], "NVFP4 training")
 
 
 def test_tp_overlap_is_planned_when_asked_and_refused_by_the_runtime(capsys, tmp_path):
@@ -277,32 +281,26 @@ def test_tp_overlap_is_planned_when_asked_and_refused_by_the_runtime(capsys, tmp
     assert free["parallel"]["tp_overlap"] is False  # never offered unasked: the runtime cannot run it
     assert main([*args, "--tp-overlap", "on", "--sequence-parallel", "off"]) == EXIT_BAD_INPUT
     assert "needs --sequence-parallel on" in capsys.readouterr().err
-    out = tmp_path / "over.json"
-    assert main([*args, "--tp-overlap", "on", "-o", str(out)]) == 0
-    capsys.readouterr()
-    assert main(["run", str(out)]) == EXIT_BAD_INPUT
-    err = capsys.readouterr().err.strip()
-    assert "overlaps TP collectives" in err and "\n" not in err
+    _run_refuses(capsys, tmp_path / "over.json", [*args, "--tp-overlap", "on"], "overlaps TP collectives")
 
 
 def test_ep_overlap_is_planned_when_asked_and_refused_by_the_runtime(capsys, tmp_path):
     """--ep-overlap on plans for a trainer that runs the expert all-to-alls beside another
     micro-batch's compute: less EP time than the same plan without, stated in the plan, never
     offered unasked, refused by plan run in one line; with full recompute, exit 2."""
-    args = [str(EXAMPLES / "moe.py"), "--gpus", "4", "--gpus-per-node", "1", "--global-batch", "16", "--ep", "4"]
+    args = [str(EXAMPLES / "moe.py"), "--gpus", "4", "--gpus-per-node", "1", "--global-batch", "16", "--ep", "4",
+            "--micro-batch", "1"]
     plain, over = (_plan_json(capsys, *args, "--ep-overlap", v) for v in ("off", "on"))
     assert over["parallel"]["ep_overlap"] is True and plain["parallel"]["ep_overlap"] is False
     assert over["predicted"]["breakdown_s"]["ep_comm"] < plain["predicted"]["breakdown_s"]["ep_comm"]
     assert any("beside another micro-batch's compute" in line for line in over["explanation"])
     assert _plan_json(capsys, *args)["parallel"]["ep_overlap"] is False
+    # one micro-batch a step: no other to pair with
+    assert _plan_json(capsys, *args[:-2], "--micro-batch", "4", "--ep-overlap", "on")["parallel"]["ep_overlap"] is False
     assert main([*args, "--ep-overlap", "on", "--recompute", "full"]) == EXIT_BAD_INPUT
     assert "--ep-overlap on pairs each layer's forward" in capsys.readouterr().err
-    out = tmp_path / "over.json"
-    assert main([*args, "--ep-overlap", "on", "-o", str(out)]) == 0
-    capsys.readouterr()
-    assert main(["run", str(out)]) == EXIT_BAD_INPUT
-    err = capsys.readouterr().err.strip()
-    assert "expert all-to-alls beside another micro-batch's compute" in err and "\n" not in err
+    _run_refuses(capsys, tmp_path / "over.json", [*args, "--ep-overlap", "on"],
+                 "expert all-to-alls beside another micro-batch's compute")
 
 
 def test_hsdp_shards_inside_nodes_when_asked(capsys):
