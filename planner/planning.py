@@ -270,8 +270,13 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
             "frees its cached blocks and retries (slower steps) or the step runs out of memory. "
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True fragments less; more GPUs or recompute leave room")
     if any(l.moe_experts for l in profile.layers):
+        overlap = ("beside another micro-batch's compute (--ep-overlap on)" if best.ep_overlap else
+                   "not overlapped with compute (--ep-overlap on: a trainer that overlaps them)")
         assumptions.append("mixture-of-experts routing balanced (every expert gets its share of the tokens x top-k, "
-                           "what a load-balancing loss aims at); expert-parallel all-to-alls not overlapped with compute")
+                           f"what a load-balancing loss aims at); expert-parallel all-to-alls {overlap}")
+    if request.fixed.ep_overlap and best.ep > 1 and not best.ep_overlap:
+        warnings.append("--ep-overlap on: this plan runs one micro-batch a step, with no other to pair it with, "
+                        "so its all-to-alls are priced without the overlap")
     if best.ep > 1 and best.pp > 1 and profile.tracer_splits(best.tp):
         warnings.append("plan run does not run expert parallelism on pipeline stages split by the pipelining tracer "
                         "(this model's): planned because --ep and --pp were both fixed")

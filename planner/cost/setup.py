@@ -156,7 +156,7 @@ class Training:
     before it (SC'21, Korthikanti et al. 2022) run them."""
     zero3_gathers: str = "layer"
     """What ZeRO-3 gathers (and reduce-scatters) with one collective, each paying its startup
-    latency every micro-batch (StageCosts.gathers). "layer": a layer's parameters together (FSDP
+    latency every micro-batch (AtomCost.gathers). "layer": a layer's parameters together (FSDP
     and FSDP2 wrapping each block, as this runtime, torchtitan and llm-foundry run it). "module":
     each module's own (DeepSpeed's ZeRO-3 since v0.5, September 2021, fetches each submodule's
     parameters with one coalesced all-gather: DeepSpeed PR 1188). "tensor": each parameter's

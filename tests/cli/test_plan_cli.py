@@ -295,8 +295,10 @@ def test_ep_overlap_is_planned_when_asked_and_refused_by_the_runtime(capsys, tmp
     assert over["predicted"]["breakdown_s"]["ep_comm"] < plain["predicted"]["breakdown_s"]["ep_comm"]
     assert any("beside another micro-batch's compute" in line for line in over["explanation"])
     assert _plan_json(capsys, *args)["parallel"]["ep_overlap"] is False
-    # one micro-batch a step: no other to pair with
-    assert _plan_json(capsys, *args[:-2], "--micro-batch", "4", "--ep-overlap", "on")["parallel"]["ep_overlap"] is False
+    # one micro-batch a step: no other to pair with, and the plan says so
+    single = _plan_json(capsys, *args[:-2], "--micro-batch", "4", "--ep-overlap", "on")
+    assert single["parallel"]["ep_overlap"] is False
+    assert any("no other to pair it with" in w for w in single["warnings"])
     assert main([*args, "--ep-overlap", "on", "--recompute", "full"]) == EXIT_BAD_INPUT
     assert "--ep-overlap on pairs each layer's forward" in capsys.readouterr().err
     _run_refuses(capsys, tmp_path / "over.json", [*args, "--ep-overlap", "on"],
