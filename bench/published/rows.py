@@ -408,14 +408,14 @@ def measured_step(e: dict, shape: Shape, global_batch: int, gpus: int, full_reco
             notes.append("TFLOP/s of no stated kind read as model FLOPs")
     assert tflops, f"{e['id']}: no step time, throughput or TFLOP/s"
     if shape.arch == "gpt":
-        flops, logits = korthikanti_model_flops(shape, global_batch), 6 * global_batch * shape.seq_len * shape.vocab * shape.hidden
+        flops = korthikanti_model_flops(shape, global_batch)
     else:
         m = _model_fields(e)
         params_b = num(m.get("active_params_b")) or (active_params_b(shape) if shape.experts else num(m.get("params_b")))
         assert params_b, f"{e['id']}: model FLOP/s without params_b"
         flops = palm_model_flops(shape, params_b, global_batch)
-        logits = 6 * global_batch * shape.seq_len * shape.vocab * shape.hidden
     if hardware and full_recompute:  # one more forward (a third of forward + backward) of all but the logits
+        logits = 6 * global_batch * shape.seq_len * shape.vocab * shape.hidden
         flops += (flops - logits) / 3
     return flops / (tflops * 1e12 * gpus)
 
