@@ -232,6 +232,11 @@ class StageCosts:
         gathers (AtomCost.gathers), or ZeRO-2's one reduce-scatter."""
         return atom.gathers if self.cand.zero == 3 else 1
 
+    @property
+    def latency_key(self) -> tuple:
+        """What mb_latency_s depends on beside the atoms (a memo key for what is derived from it)."""
+        return self.cand.zero == 3, self.mb_comm_atom_s
+
     def mb_latency_s(self, atoms) -> float:
         """The startup latency of ZeRO-2/3's collectives every micro-batch over `atoms`."""
         return self.mb_comm_atom_s * sum(self.latency_units(a) for a in atoms) if self.mb_comm_atom_s else 0.0

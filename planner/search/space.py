@@ -405,7 +405,7 @@ def time_lower_bound(costs: StageCosts, recompute: str | None = None, quick: boo
     p, v = cand.pp, cand.virtual_stages if cand.schedule == "interleaved" else 1
     atoms_per_rank = len(costs.atoms) / p
     params, experts = (x / p for x in costs.param_totals)
-    latency = costs.atoms.memo(("latency", costs.cand.zero == 3, costs.mb_comm_atom_s),
+    latency = costs.atoms.memo(("latency", costs.latency_key),
                                lambda: costs.mb_latency_s(costs.atoms)) / p
     sends = costs.p2p_s * (cand.num_stages // p)
     # the slowest rank: at least the average, and (without interleaving) at least the best
@@ -413,7 +413,7 @@ def time_lower_bound(costs: StageCosts, recompute: str | None = None, quick: boo
     slowest = total / p + latency
     ranks: list[float] = []
     if v == 1 and p > 1:  # the collectives' latency goes with each atom, wherever it lands
-        slowest = max(slowest, costs.atoms.memo(("min-max split", k, p, costs.cand.zero == 3, costs.mb_comm_atom_s),
+        slowest = max(slowest, costs.atoms.memo(("min-max split", k, p, costs.latency_key),
                                                 lambda: min_max_split([t + costs.mb_latency_s([a]) for t, a in zip(times, costs.atoms)], p)))
     elif p > 1 and not quick:  # interleaved: the chunks are the balanced split (partition.py), each rank's fixed
         ranks = _interleaved_ranks(costs, k, free=recompute is None)
@@ -443,7 +443,7 @@ def _interleaved_ranks(costs: StageCosts, kind: int, free: bool) -> list[float]:
     them), at no better than the least seconds per byte its atoms offer (inf: none can save)."""
     cand = costs.cand
     S, p = cand.num_stages, cand.pp
-    ranks, stage_act = costs.atoms.memo(("interleaved ranks", kind, S, p, costs.cand.zero == 3, costs.mb_comm_atom_s),
+    ranks, stage_act = costs.atoms.memo(("interleaved ranks", kind, S, p, costs.latency_key),
                                         lambda: _interleaved_chunks(costs, kind))
     out = []
     for i, (t, params, experts, atoms) in enumerate(ranks):
