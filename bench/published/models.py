@@ -49,10 +49,35 @@ from gpt import GPTConfig, build_gpt, gpt_batch
 {attention}
 CFG = GPTConfig(vocab={vocab}, seq_len={seq}, n_layer={layers}, n_head={heads}, n_embd={hidden},
                 dropout=0.1, attn={attn!r})
+KV_HEADS, HEAD_DIM, FFN = {kv_heads}, {head_dim} or {hidden} // {heads}, {ffn}
+
+
+def resize(block):
+    # the row's widths where they are not GPT-2's: grouped-query or multi-query attention (fewer
+    # key and value heads), heads of another width than hidden / heads, an MLP other than 4h
+    h, attn, mlp = CFG.n_embd, block.attn, block.mlp
+    if KV_HEADS != CFG.n_head or HEAD_DIM * CFG.n_head != h:
+        attn.head_dim = HEAD_DIM
+        attn.q, attn.proj = nn.Linear(h, CFG.n_head * HEAD_DIM), nn.Linear(CFG.n_head * HEAD_DIM, h)
+        attn.k, attn.v = nn.Linear(h, KV_HEADS * HEAD_DIM), nn.Linear(h, KV_HEADS * HEAD_DIM)
+    if FFN != 4 * h:
+        mlp.up, mlp.down = nn.Linear(h, FFN), nn.Linear(FFN, h)
+
+
+def qkv(attn, x):
+    # (B, heads, T, head width) each; shared key and value heads repeated to the query heads
+    B, T, _ = x.shape
+    q, k, v = (m(x).view(B, T, -1, attn.head_dim).transpose(1, 2) for m in (attn.q, attn.k, attn.v))
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return q, k, v
+
+
 def build_model():
     model = build_gpt(CFG)
     for block in model.blocks:  # this model's attention modules only (gpt.py stays as it is)
         block.attn.__class__ = Attention
+        resize(block)
     return model
 def sample_batch(b):
     return gpt_batch(CFG, b)
@@ -66,10 +91,8 @@ class Attention(gpt.CausalSelfAttention):
         # applied inside it, so it costs what a plain softmax costs), dropout, bmm. No flash
         # attention.
         B, T, C = x.shape
-        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2) * self.head_dim ** -0.5
-        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        att = self.attn_dropout(F.softmax(q @ k.transpose(-2, -1), dim=-1))
+        q, k, v = qkv(self, x)
+        att = self.attn_dropout(F.softmax(q * self.head_dim ** -0.5 @ k.transpose(-2, -1), dim=-1))
         y = (att @ v).transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.proj(y))
 """
@@ -81,9 +104,7 @@ class Attention(gpt.CausalSelfAttention):
         # the mask from the RNG state and saves nothing, so SDPA runs here without dropout (with
         # it, SDPA's CPU path would save an s x s mask).
         B, T, C = x.shape
-        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k, v = qkv(self, x)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
 """
@@ -287,10 +308,8 @@ def model_source(shape: Shape) -> str:
         return head + _MOE.format(**fields)
     if s.arch == "llama":
         return head + _LLAMA.format(**fields)
-    assert not s.head_dim, f"{s}: examples/gpt.py's heads are hidden / heads wide"
-    assert s.ffn == 4 * s.hidden, f"{s}: examples/gpt.py's MLP is 4h wide"
-    assert s.kv_heads == s.heads, f"{s}: examples/gpt.py has no grouped-query attention"
     if s.arch == "mpt":
+        assert (s.head_dim, s.ffn, s.kv_heads) == (0, 4 * s.hidden, s.heads), f"{s}: MPT's blocks here are GPT-2's widths"
         return head + _MPT.format(**fields)
     if s.attention == "materialised":
         return head + _GPT.format(attention=MEGATRON_ATTENTION, attn="math", **fields)

@@ -239,6 +239,12 @@ def _model_fields(e: dict) -> dict:
     return m
 
 
+# An MLP of two matrices and an activation between (GPT's, BLOOM's, Falcon's, StarCoder's), said in a
+# row's arch: the GPT model file, with the row's attention heads and MLP width; else with kv_heads, a
+# Llama's gated MLP
+NOT_GATED = re.compile(r"(?!.*(?:swiglu|geglu|gated|\bglu\b))(?=.*(?:\b(?:gelu|relu)\b|falcon|starcoder|neox|bloom|\bopt\b|\bgpt\b))", re.I)
+
+
 def _shape(e: dict) -> Shape:
     m = _model_fields(e)
     arch_text = str(value(m.get("arch", "")))
@@ -248,8 +254,8 @@ def _shape(e: dict) -> Shape:
     mla = _mla(m, arch_text)
     if "MPT" in arch_text:
         arch = "mpt"
-    elif m.get("kv_heads") is not None or "llama" in arch_text.lower() or experts or mla:
-        arch = "llama"
+    elif experts or mla or "llama" in arch_text.lower() or m.get("kv_heads") is not None and not NOT_GATED.search(arch_text):
+        arch = "llama"  # a gated (SwiGLU) MLP
     else:
         arch = "gpt"
     src = e["source"]
@@ -279,23 +285,51 @@ def _shape(e: dict) -> Shape:
     )
 
 
-_GB_PER_S = re.compile(r"(\d+(?:\.\d+)?)\s*Gb(?:/s|ps)", re.I)
+# A link's rate as written: "400 Gb/s", "3.2 Tbps", "400G", "50 GB/s" (bytes), or InfiniBand's
+# generation by name (EDR 100, HDR 200, NDR 400, XDR 800 Gb/s a port; "HDR200" too).
+_RATE = re.compile(r"(\d+(?:\.\d+)?)\s*([TG])(b|B)?(?:/s|ps|it/s)?(?![a-zA-Z])")
+_IB = re.compile(r"\b(EDR|HDR|NDR|XDR)(?:\s*(\d+))?", re.I)
+_IB_GBPS = {"edr": 100, "hdr": 200, "ndr": 400, "xdr": 800}
 
 
 def inter_node_Bps(text: str | None, gpus_per_node: int) -> float | None:
     """Per-GPU, per-direction bytes/s from the row's inter-node link text ("400 Gb/s per GPU",
-    "8x 400 Gb/s ... per node", "1600 Gbps ... per node (=200 Gb/s per GPU)"), or None."""
+    "8x 400 Gb/s ... per node", "1600 Gbps ... per node (=200 Gb/s per GPU)", "Slingshot-11,
+    4 x 200 Gb/s NICs per node", "8x NDR400"), or None when it gives no rate. A rate said per GPU
+    is per GPU; a count of NICs, or "per node", is the node's, shared by its GPUs; a lone rate
+    without either is one GPU's NIC below 1.6 Tb/s (no NIC was faster), a node's above."""
     if not text:
         return None
     per_gpu = re.search(r"(\d+(?:\.\d+)?)\s*Gb(?:/s|ps) per GPU", text)
     if per_gpu:
         return float(per_gpu.group(1)) * 1e9 / 8
-    nics = re.search(r"(\d+)x\s*(\d+(?:\.\d+)?)\s*Gb(?:/s|ps)", text)
-    if nics and "per node" in text:
-        return int(nics.group(1)) * float(nics.group(2)) * 1e9 / 8 / gpus_per_node
-    total = _GB_PER_S.search(text)
-    if total and "per node" in text:
-        return float(total.group(1)) * 1e9 / 8 / gpus_per_node
+    rate = _RATE.search(text)
+    ib = _IB.search(text)
+    if rate:
+        bits = float(rate.group(1)) * (1e12 if rate.group(2) == "T" else 1e9) * (8 if rate.group(3) == "B" else 1)
+        said = text[:rate.start()] + " " + text[rate.end():]
+    elif ib:
+        bits = float(ib.group(2) or _IB_GBPS[ib.group(1).lower()]) * 1e9
+        said = text[:ib.start()] + " " + text[ib.end():]
+    else:
+        return None
+    count = re.search(r"(?<![\d.-])(\d+)\s*[x×]", said) or re.search(r"[x×]\s*(\d+)(?![\d.])", said)
+    nics = int(count.group(1)) if count else 1
+    if re.search(r"(per|each|one per|1 per)\s+GPU", text, re.I) and not count:
+        return bits / 8
+    if count or re.search(r"per node|node-to-node|/node", text, re.I) or bits >= 1.6e12:
+        return nics * bits / 8 / gpus_per_node
+    return bits / 8
+
+
+def _family(text: str, catalogue: dict[str, GPUSpec]) -> str | None:
+    """The catalogue family (the first part of a catalogue name: "h100", "mi300x", "rtx4090") a
+    row's GPU text names, spaced or hyphenated as people write it ("RTX 4090", "MI-300X", "8xH100"),
+    not inside another part's name: "GH200" is not an H200, nor "H200" an H20."""
+    for family in sorted({n.split("-")[0] for n in catalogue}, key=len, reverse=True):
+        spelled = r"[ -]?".join(re.findall(r"[a-z]+|\d+", family))  # a gap where letters meet digits
+        if re.search(rf"(?:(?<![a-z0-9])|(?<=\dx)){spelled}(?!\d)", text, re.I):  # "8xH100s" too
+            return family
     return None
 
 
@@ -303,10 +337,9 @@ def gpu_of(hw: dict, catalogue: dict[str, GPUSpec]) -> tuple[GPUSpec, str | None
     """The catalogue GPU a row names (family and memory), with the row's figures replacing the
     catalogue's where it gives them; and a note when the GPU itself is not in the catalogue."""
     text = str(value(hw["gpu"]))
-    family = re.search(r"(GB300|GB200|B300|B200|A100|A800|H100|H800|H200|V100|L40S|MI300X|RTX ?4090)", text, re.I)
+    family = _family(text, catalogue)
     assert family, f"unknown GPU in the reference: {text!r}"
-    fam = family.group(1).lower().replace(" ", "")
-    names = sorted(n for n in catalogue if n.startswith(fam))
+    names = sorted(n for n in catalogue if n.split("-")[0] == family)
     assert names, f"no {fam} in the catalogue for {text!r}"
     mem = re.search(r"(\d+)\s*GB", text)
 
@@ -383,35 +416,56 @@ def active_params_b(shape: Shape) -> float:
 
 
 def measured_step(e: dict, shape: Shape, global_batch: int, gpus: int, full_recompute: bool = False,
-                  notes: list[str] | None = None) -> float:
+                  notes: list[str] | None = None, peak_tflops: float | None = None) -> float:
     """The measured step time, or derived from what was published (measured first, then derived):
-    a step time, tokens/s per GPU, or TFLOP/s per GPU (MFU x peak) with the model-FLOPs formula of
-    its source (Korthikanti et al.'s for GPT, PaLM's for the others). TFLOP/s that count the
-    recompute ("hardware" FLOPs, as Megatron-LM's papers and BLOOM report them: Narayanan et al.
-    2021 Eq. 3) add the rerun forward of every layer but the logits under full recompute; TFLOP/s
-    of no stated kind are read as model FLOPs, with a note."""
+    a step time, throughput (tokens/s per GPU or in all, sequences/s, days per 300B tokens), or
+    FLOP/s per GPU (TFLOP/s, all GPUs' PFLOP/s, or a utilisation: MFU, HFU, % of peak, times the
+    row's `peak_used_tflops` or else `peak_tflops`, the catalogue's 16-bit peak of its GPU, with a
+    note) with the model-FLOPs formula of its source (Korthikanti et al.'s for GPT, PaLM's for the
+    others). FLOP/s that count the recompute ("hardware" FLOPs, as Megatron-LM's papers and BLOOM
+    report them: Narayanan et al. 2021 Eq. 3; HFU) add the rerun forward of every layer but the
+    logits under full recompute; TFLOP/s of no stated kind are read as model FLOPs, with a note."""
     step = _published(e, "step_time_s")
     if step:
         return step
+    tokens = global_batch * shape.seq_len
     tps = _published(e, "tokens_per_s_per_gpu")
     if tps:
-        return global_batch * shape.seq_len / (tps * gpus)
+        return tokens / (tps * gpus)
+    for key, seconds in (("tokens_per_s", lambda x: tokens / x), ("samples_per_s", lambda x: global_batch / x),
+                         ("sequences_per_s", lambda x: global_batch / x),
+                         ("training_days_300B_tokens", lambda x: x * 86400 * tokens / 300e9)):
+        if _published(e, key):
+            return seconds(_published(e, key))
     m = e.get("measured") or {}
-    tflops = _published(e, "model_tflops_per_gpu")
-    if tflops is None and value(m.get("mfu")) and value(m.get("peak_used_tflops")):
-        tflops = num(m["mfu"]) * num(m["peak_used_tflops"])
     kind = str(value(m.get("tflops_kind")) or "").lower()
-    hardware = tflops is None and "model" not in kind and bool(re.search(r"hardware|recompute", kind))
-    if tflops is None and value(m.get("tflops_per_gpu")):
-        tflops = num(m["tflops_per_gpu"])
+    hardware = "model" not in kind and bool(re.search(r"hardware|recompute", kind))
+
+    def utilisation(key: str) -> float | None:
+        share = _published(e, key)
+        if not share:
+            return None
+        peak = _published(e, "peak_used_tflops")
+        if peak is None and notes is not None:
+            notes.append(f"{key} of the catalogue's 16-bit peak ({peak_tflops:g} TFLOP/s)")
+        return (share / 100 if share > 1 else share) * (peak or peak_tflops)  # 0.38 or 38 (%)
+
+    tflops = _published(e, "model_tflops_per_gpu") or utilisation("mfu") or utilisation("mfu_model_flops")
+    if tflops is not None:
+        hardware = False
+    elif _published(e, "tflops_per_gpu") or _published(e, "aggregate_pflops"):
+        tflops = _published(e, "tflops_per_gpu") or _published(e, "aggregate_pflops") * 1e3 / gpus
         if not kind and notes is not None:
             notes.append("TFLOP/s of no stated kind read as model FLOPs")
+    elif _published(e, "hfu") or _published(e, "pct_of_peak"):
+        tflops, hardware = utilisation("hfu") or utilisation("pct_of_peak"), True
     assert tflops, f"{e['id']}: no step time, throughput or TFLOP/s"
-    if shape.arch == "gpt":
+    if shape.arch == "gpt" and (shape.kv_heads, shape.ffn, shape.head_dim) == (shape.heads, 4 * shape.hidden, 0):
         flops = korthikanti_model_flops(shape, global_batch)
     else:
         m = _model_fields(e)
-        params_b = num(m.get("active_params_b")) or (active_params_b(shape) if shape.experts else num(m.get("params_b")))
+        params_b = num(m.get("active_params_b")) or (active_params_b(shape) if shape.experts else num(m.get("params_b"))
+                                                     or (num(m.get("params")) or 0) / 1e9)
         assert params_b, f"{e['id']}: model FLOP/s without params_b"
         flops = palm_model_flops(shape, params_b, global_batch)
     if hardware and full_recompute:  # one more forward (a third of forward + backward) of all but the logits
@@ -455,12 +509,15 @@ def _recompute(p: dict, shape: Shape, notes: list[str], assumed: list[str]) -> s
         kind = "full"
     elif text is False or first in _NO:
         kind = "none"
-    elif "selective" in lower:
-        kind = "selective"
+    elif isinstance(text, (int, float)):
+        kind = "full" if text else "none"
+    elif "selective" in lower or re.search(r"\bop\b|per[- ]op", lower):
+        kind = "selective"  # torchtitan's per-op policy too ("op")
     elif "full" in lower or "checkpoint" in lower:
         kind = "full"  # "activation checkpointing (every layer)"
-    else:
-        raise ValueError(f"recompute {text!r}: not none, selective or full")
+    else:  # some layers ("block", "partial"): the search chooses per layer, as the trainer did
+        assumed.append(f"recompute {text!r} free")
+        return None
     # Megatron-LM's only selective mode recomputes the attention core (Korthikanti et al. 2022);
     # the GPT rows are Megatron-LM runs. torchtitan's selective is its per-op policy (its default,
     # selective_ac_option "op": save every other matmul): the cost model's "alternate".
@@ -643,6 +700,15 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     if isinstance(gb, dict) and "tokens" in gb:  # the schema's {tokens: N}: sequences of the row's length
         gb = num(gb["tokens"]) / shape.seq_len
     gb = num(gb)
+    if isinstance(gb, str):  # "4M tokens", "1.5K sequences"
+        said = re.match(r"\s*([\d.]+)\s*([kmb])?\b", gb.replace(",", ""), re.I)
+        if not said:
+            raise ValueError(f"global batch {gb!r}: not a number of sequences or tokens")
+        unit = (said.group(2) or "").lower()
+        gb = float(said.group(1)) * {"k": 1e3, "m": 1e6, "b": 1e9, "": 1}[unit]
+        if "token" in e["global_batch"].lower():  # "4M tokens" of 2,048-token sequences: 2,048 of them (2^22)
+            binary = float(said.group(1)) * {"k": 2**10, "m": 2**20, "b": 2**30, "": 1}[unit] / shape.seq_len
+            gb = binary if binary.is_integer() and not (gb / shape.seq_len).is_integer() else gb / shape.seq_len
     if gb is None:
         gb = gpus
         assumed.append(f"global batch {gb} (1 per GPU)")
@@ -716,7 +782,8 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     return Row(
         id=e["id"], source=source + ("_moe" if shape.experts else ""), shape=shape, gpu=gpu, num_gpus=gpus, gpus_per_node=per_node,
         precision=precision, global_batch=gb, fixed=fixed,
-        measured_step_s=measured_step(e, shape, gb, gpus, recompute == "full", notes),
+        measured_step_s=measured_step(e, shape, gb, gpus, recompute == "full", notes,
+                                      catalogue[gpu.name].peak_flops["fp16" if "bf16" not in gpu.peak_flops else "bf16"] / 1e12),
         measured_peak_bytes=peak or None,
         notes=tuple(notes), assumed=tuple(assumed), trainer=trainer, settings=tuple(settings.items()),
     )

@@ -8,7 +8,7 @@ import pytest
 
 from bench.published.models import model_source
 from bench.published.predict import Profiles, predict
-from bench.published.rows import REFERENCE, inter_node_Bps, load_rows, publication_month, publication_year
+from bench.published.rows import REFERENCE, inter_node_Bps, korthikanti_model_flops, load_rows, publication_month, publication_year
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,6 +65,34 @@ def test_llm_foundrys_attention_and_loss_are_its_own(rows):
     expected = torch.softmax(logits.detach().float(), -1) - torch.nn.functional.one_hot(targets, 11)
     assert logits.grad.dtype == torch.bfloat16
     assert torch.allclose(logits.grad.float(), expected / 6, atol=1e-3)
+
+
+def test_a_gpt_with_grouped_query_attention_or_another_mlp_width_is_built_at_its_widths(tmp_path):
+    """A row whose MLP is not gated (GELU: GPT, BLOOM, Falcon, StarCoder) keeps the GPT model file
+    with its own key/value heads, head width and MLP width (not a Llama's SwiGLU of that width, not
+    refused); its model FLOPs come from its parameters (PaLM's formula), not from Korthikanti's
+    formula for GPT-3's widths."""
+    import yaml
+
+    entry = {"id": "falcon_like", "source": {"paper": "A 2023 report"},
+             "model": {"arch": "Falcon (multi-query groups, GELU MLP)", "layers": 2, "hidden": 256, "heads": 8, "kv_heads": 2,
+                       "head_dim": 64, "ffn_hidden": 768, "vocab": 512, "seq_len": 128, "params_b": 0.002},
+             "hardware": {"gpu": "A100 80GB", "gpus": 8, "gpus_per_node": 8}, "precision": "bf16", "global_batch": 16,
+             "micro_batch": 1, "parallel": {"tp": 2, "pp": 1, "dp": 4, "zero": 1, "recompute": "none"},
+             "measured": {"tflops_per_gpu": 100, "tflops_kind": "model"}}
+    path = tmp_path / "runs.yaml"
+    path.write_text(yaml.safe_dump({"entries": [entry]}))
+    (row,) = load_rows(path)
+    assert row.shape.arch == "gpt" and row.measured_step_s == pytest.approx(
+        (6 * 0.002e9 * 16 * 128 + 12 * 2 * 256 * 128 * 16 * 128) / (100e12 * 8))
+    namespace: dict = {}
+    exec(compile(model_source(row.shape), row.id, "exec"), namespace)
+    model = namespace["build_model"]()
+    attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
+    assert (attn.q.out_features, attn.k.out_features, attn.proj.in_features, mlp.up.out_features) == (8 * 64, 2 * 64, 8 * 64, 768)
+    tokens, targets = namespace["sample_batch"](2)
+    namespace["torch"].nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+    assert attn.k.weight.grad is not None
 
 
 def test_the_trainers_fused_kernels_are_known(rows):
@@ -187,6 +215,34 @@ def test_a_run_published_as_tflops_per_gpu_alone_is_read(tmp_path):
     assert "TFLOP/s of no stated kind read as model FLOPs" in unsaid.notes
 
 
+def test_every_way_a_run_publishes_its_speed_gives_the_same_step(tmp_path):
+    """Throughput in all (tokens/s, sequences/s, days per 300B tokens), all GPUs' PFLOP/s, and a
+    utilisation (MFU or HFU, as a fraction or a percent) read as the same step as BLOOM's 150
+    hardware TFLOP/s per GPU; a utilisation without `peak_used_tflops` is of the catalogue's 16-bit
+    peak of the row's GPU (the A100's 312), with a note."""
+    import yaml
+
+    entries = yaml.safe_load((REFERENCE.parent / "held_out_runs.yaml").read_text())["entries"]
+    bloom = next(e for e in entries if e["id"] == "bloom_176b_384gpu")
+    hardware = {"tflops_per_gpu": 150, "tflops_kind": bloom["measured"]["tflops_kind"]}
+    ways = [hardware, {"aggregate_pflops": 150 * 384 / 1e3, "tflops_kind": "hardware"}, {"hfu": 150 / 312},
+            {"hfu": 100 * 150 / 312, "peak_used_tflops": 312}]
+    path = tmp_path / "runs.yaml"
+    path.write_text(yaml.safe_dump({"entries": [
+        {**bloom, "id": f"bloom_{i}", "derived": None, "measured": way} for i, way in enumerate(ways)]}))
+    rows = load_rows(path)
+    step = rows[0].measured_step_s
+    assert [r.measured_step_s for r in rows] == pytest.approx([step] * len(ways))
+    assert "hfu of the catalogue's 16-bit peak (312 TFLOP/s)" in rows[2].notes and not any("hfu" in n for n in rows[3].notes)
+    gb, seq = bloom["global_batch"], bloom["model"]["seq_len"]
+    mfu = korthikanti_model_flops(rows[0].shape, gb) / (step * 384) / 312e12  # the same run's model FLOPs
+    others = [{"tokens_per_s": gb * seq / step}, {"samples_per_s": gb / step},
+              {"training_days_300B_tokens": 300e9 / (gb * seq) * step / 86400}, {"mfu": mfu}, {"mfu": 100 * mfu}]
+    path.write_text(yaml.safe_dump({"entries": [
+        {**bloom, "id": f"bloom_{i}", "derived": None, "measured": way} for i, way in enumerate(others)]}))
+    assert [r.measured_step_s for r in load_rows(path)] == pytest.approx([step] * len(others))
+
+
 def test_torchtitans_interleaved_schedule_runs_two_stages_per_rank_unless_said(tmp_path):
     """torchtitan's interleaved 1F1B without split points runs two stages per rank (its
     generate_split_points default): a torchtitan row that does not say how many gets two; another
@@ -239,6 +295,11 @@ def test_inter_node_bandwidth_per_gpu():
     assert inter_node_Bps("8x 400 Gb/s NDR InfiniBand per node (DGX H100)", 8) == 50e9
     assert inter_node_Bps("1600 Gbps node-to-node RoCE per node (=200 Gb/s per GPU)", 8) == 25e9
     assert inter_node_Bps(None, 8) is None
+    # as other clusters write it: NICs counted per node, terabits, bare InfiniBand generations
+    assert inter_node_Bps("Slingshot-11, 4 x 200 Gb/s NICs per node", 8) == 12.5e9  # Frontier: 8 GCDs
+    assert inter_node_Bps("3.2 Tbps EFA", 8) == inter_node_Bps("8x NDR400", 8) == inter_node_Bps("RoCE 400G per GPU", 8) == 50e9
+    assert inter_node_Bps("4x HDR200 per node", 4) == inter_node_Bps("50 GB/s per node", 8) * 4 == 25e9
+    assert inter_node_Bps("NVLink Switch System", 8) is None
 
 
 def test_a_small_row_is_predicted(rows):
@@ -364,6 +425,8 @@ def test_hsdp_said_beside_fsdp_is_read(tmp_path):
     ("H100-SXM5-80GB", "h100-sxm-80gb"), ("H100 80GB HBM3", "h100-sxm-80gb"), ("H100 PCIe 80GB", "h100-pcie-80gb"),
     ("H100 NVL 94GB", "h100-nvl-94gb"), ("A100-SXM4-80GB", "a100-80gb"), ("A100 PCIe 80GB", "a100-pcie-80gb"),
     ("A100-SXM4-40GB", "a100-40gb"), ("GB200 NVL72", "gb200"), ("B200 180GB", "b200"), ("H800 80GB", "h800"),
+    ("8xH100 SXM5 80GB", "h100-sxm-80gb"), ("NVIDIA GH200 96GB", "gh200"), ("H20 96GB", "h20"), ("H200 141GB", "h200"),
+    ("AMD Instinct MI250X (one GCD, 64GB)", "mi250x"), ("MI-300X", "mi300x"), ("RTX 4090 24GB", "rtx4090"),
 ])
 def test_a_rows_gpu_is_the_catalogue_part_of_its_family_memory_and_form_factor(text, name):
     """A PCIe card or an H100 NVL is not read as the SXM part of the same memory (nor an NVL72 rack
