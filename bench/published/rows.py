@@ -295,7 +295,8 @@ _IB_GBPS = {"edr": 100, "hdr": 200, "ndr": 400, "xdr": 800}
 def inter_node_Bps(text: str | None, gpus_per_node: int) -> float | None:
     """Per-GPU, per-direction bytes/s from the row's inter-node link text ("400 Gb/s per GPU",
     "8x 400 Gb/s ... per node", "1600 Gbps ... per node (=200 Gb/s per GPU)", "Slingshot-11,
-    4 x 200 Gb/s NICs per node", "8x NDR400"), or None when it gives no rate. A rate said per GPU
+    4 x 200 Gb/s NICs per node", "8x NDR400", "8 InfiniBand adapters of 100 Gb/s"), or None when it
+    gives no rate. A rate said per GPU
     is per GPU; a count of NICs, or "per node", is the node's, shared by its GPUs; a lone rate
     without either is one GPU's NIC below 1.6 Tb/s (no NIC was faster), a node's above."""
     if not text:
@@ -313,7 +314,8 @@ def inter_node_Bps(text: str | None, gpus_per_node: int) -> float | None:
         said = text[:ib.start()] + " " + text[ib.end():]
     else:
         return None
-    count = re.search(r"(?<![\d.-])(\d+)\s*[x×]", said) or re.search(r"[x×]\s*(\d+)(?![\d.])", said)
+    count = (re.search(r"(?<![\d.-])(\d+)\s*(?:[x×]|(?:[\w-]+\s+){0,2}(?:NIC|HCA|adapter|link|port|card|rail)s?\b)", said, re.I)
+             or re.search(r"[x×]\s*(\d+)(?![\d.])", said))
     nics = int(count.group(1)) if count else 1
     if re.search(r"(per|each|one per|1 per)\s+GPU", text, re.I) and not count:
         return bits / 8
@@ -415,6 +417,13 @@ def active_params_b(shape: Shape) -> float:
     return (layers + shape.vocab * h) / 1e9
 
 
+# The year model FLOPs became the figure runs publish: PaLM (Chowdhery et al. 2022, arXiv 2204.02311,
+# Appendix B) named model FLOPs utilisation, against the hardware FLOPs (recompute counted) that
+# Megatron-LM (Shoeybi et al. 2019; Narayanan et al. 2021, Eq. 3), ZeRO (Rajbhandari et al. 2020) and
+# their successors had reported as "TFLOP/s per GPU".
+MODEL_FLOPS_NAMED = 2022
+
+
 def measured_step(e: dict, shape: Shape, global_batch: int, gpus: int, full_recompute: bool = False,
                   notes: list[str] | None = None, peak_tflops: float | None = None) -> float:
     """The measured step time, or derived from what was published (measured first, then derived):
@@ -424,7 +433,8 @@ def measured_step(e: dict, shape: Shape, global_batch: int, gpus: int, full_reco
     note) with the model-FLOPs formula of its source (Korthikanti et al.'s for GPT, PaLM's for the
     others). FLOP/s that count the recompute ("hardware" FLOPs, as Megatron-LM's papers and BLOOM
     report them: Narayanan et al. 2021 Eq. 3; HFU) add the rerun forward of every layer but the
-    logits under full recompute; TFLOP/s of no stated kind are read as model FLOPs, with a note."""
+    logits under full recompute; TFLOP/s of no stated kind are read as hardware FLOPs before 2022
+    (MODEL_FLOPS_NAMED), as model FLOPs after, with a note."""
     step = _published(e, "step_time_s")
     if step:
         return step
@@ -455,8 +465,10 @@ def measured_step(e: dict, shape: Shape, global_batch: int, gpus: int, full_reco
         hardware = False
     elif _published(e, "tflops_per_gpu") or _published(e, "aggregate_pflops"):
         tflops = _published(e, "tflops_per_gpu") or _published(e, "aggregate_pflops") * 1e3 / gpus
-        if not kind and notes is not None:
-            notes.append("TFLOP/s of no stated kind read as model FLOPs")
+        if not kind:  # before PaLM named model FLOPs utilisation (2022), FLOP/s counted what ran
+            hardware = (publication_year(e) or 9999) < MODEL_FLOPS_NAMED
+            if notes is not None:
+                notes.append(f"TFLOP/s of no stated kind read as {'hardware' if hardware else 'model'} FLOPs")
     elif _published(e, "hfu") or _published(e, "pct_of_peak"):
         tflops, hardware = utilisation("hfu") or utilisation("pct_of_peak"), True
     assert tflops, f"{e['id']}: no step time, throughput or TFLOP/s"

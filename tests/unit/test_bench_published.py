@@ -196,17 +196,20 @@ def test_a_run_published_as_tflops_per_gpu_alone_is_read(tmp_path):
     """A run that gives only TFLOP/s per GPU is read, not refused: BLOOM's 150 hardware TFLOP/s
     (recompute counted, Narayanan et al.'s Eq. 3) give the step its paper derives (104.5 s); the same
     figure as model FLOPs gives a step 3/4 as long less the logits' share; a figure of no stated
-    kind reads as model FLOPs, with a note."""
+    kind reads as model FLOPs from 2022 on, as hardware FLOPs before, with a note."""
     import yaml
 
     entries = yaml.safe_load((REFERENCE.parent / "held_out_runs.yaml").read_text())["entries"]
     bloom = next(e for e in entries if e["id"] == "bloom_176b_384gpu")
     kinds = [bloom["measured"]["tflops_kind"], "model FLOPs", None]
     path = tmp_path / "runs.yaml"
+    earlier = {**bloom, "id": "bloom_2021", "source": {"paper": "A 2021 paper"}, "derived": None, "measured": {"tflops_per_gpu": 150}}
     path.write_text(yaml.safe_dump({"entries": [
         {**bloom, "id": f"bloom_{i}", "derived": None, "measured": {"tflops_per_gpu": 150, "tflops_kind": kind}}
-        for i, kind in enumerate(kinds)]}))
-    hardware, model, unsaid = load_rows(path)
+        for i, kind in enumerate(kinds)] + [earlier]}))
+    hardware, model, unsaid, before_palm = load_rows(path)
+    # before PaLM named model FLOPs (2022), a TFLOP/s figure counted the recompute
+    assert before_palm.measured_step_s == hardware.measured_step_s and "read as hardware FLOPs" in before_palm.notes[-1]
     assert hardware.measured_step_s == pytest.approx(104.5, rel=1e-3)
     s, l, h, v = 2048, 70, 14336, 250880
     logits = v / (16 * l * h) / (1 + s / (6 * h) + v / (16 * l * h))  # the logits' share of Eq. 3
@@ -300,6 +303,7 @@ def test_inter_node_bandwidth_per_gpu():
     assert inter_node_Bps("3.2 Tbps EFA", 8) == inter_node_Bps("8x NDR400", 8) == inter_node_Bps("RoCE 400G per GPU", 8) == 50e9
     assert inter_node_Bps("4x HDR200 per node", 4) == inter_node_Bps("50 GB/s per node", 8) * 4 == 25e9
     assert inter_node_Bps("NVLink Switch System", 8) is None
+    assert inter_node_Bps("8 InfiniBand adapters of 100 Gb/s per server", 16) == 6.25e9  # DGX-2H
 
 
 def test_a_small_row_is_predicted(rows):
