@@ -597,6 +597,10 @@ def _schedule(p: dict, pp: int, notes: list[str], assumed: list[str], trainer: s
 #   (SC'21 Table 2's ZeRO-3) and Composer's FSDP default (activation_checkpointing_reentrant=True,
 #   llm-foundry) rerun the whole forward, torch.utils.checkpoint's long-standing default.
 MEGATRON = ("megatron", "nemo", "transformer engine", "mt-nlg")
+# FP8 scaled per tile or block (DeepSeek-V3's, arXiv 2412.19437 Sec. 3.3: "the majority of core
+# computation kernels, i.e., GEMM operations, are implemented in FP8", activations cached in FP8
+# for the backward, as Transformer Engine's recipes do; TE's own MXFP8 and block-wise recipes)
+FINE_GRAINED_FP8 = ("block-wise", "blockwise", "tile-wise", "tilewise", "fine-grained")
 TORCHTITAN = ("torchtitan",)
 # - llm-foundry's benchmark table (scripts/train/benchmarking): MPT with attn_impl "triton"
 #   (submit_benchmarks.py's default; FlashAttention in Triton, for ALiBi) and its default loss,
@@ -768,8 +772,10 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
         settings["recompute_whole_forward"] = True  # a trainer not named: a reentrant checkpoint
     if _names(trainer_text, TRITON_ATTENTION):
         settings["attention_kernel"] = "triton"
-    if precision == "fp8" and _names(precision_text, MEGATRON) or precision == "fp4":
-        settings["fp8_recipe"] = "te"  # Transformer Engine's FP8, whoever drives it; its NVFP4 (no other has one)
+    if precision == "fp8" and _names(precision_text, MEGATRON + FINE_GRAINED_FP8) or precision == "fp4":
+        # Transformer Engine's FP8, whoever drives it; its NVFP4 (no other has one); a block-wise
+        # recipe of one's own (DeepSeek-V3's), which like it runs every GEMM in FP8, the experts' too
+        settings["fp8_recipe"] = "te"
     zero, hsdp = _zero(p)
     if zero == 3 and "deepspeed" in f"{value(p.get('zero'))} {trainer_text}".lower():
         settings["zero3_gathers"] = "tensor" if (publication_year(e) or 9999) < DEEPSPEED_MODULE_GATHERS else "module"
