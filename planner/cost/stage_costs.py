@@ -529,6 +529,13 @@ def _layer_costs(
     # the matmul-like ops selective recompute reruns (an unfused attention's batched matmuls)
     core_work = Work(*batched, 0.0, 0, batched_flops=batched[0], batched_bytes=batched[1]).scaled(scale / shard)
     fwd_work, bwd_work = fwd_work.scaled(scale / shard), bwd_work.scaled(scale / shard)
+    if cand.ep > 1 and layer.expert_params and layer.num_params:
+        # each rank's grouped GEMMs read (and backward writes the gradients of) its own experts'
+        # weights alone, 1/ep of the layer's, once a micro-batch whatever its size
+        weights = layer.expert_params * layer.param_bytes / layer.num_params
+        away = weights * (scale / shard - 1 / cand.ep)
+        fwd_work = replace(fwd_work, matmul_bytes=max(0.0, fwd_work.matmul_bytes - away))
+        bwd_work = replace(bwd_work, matmul_bytes=max(0.0, bwd_work.matmul_bytes - 2 * away))
     fwd_work = replace(fwd_work, other_bytes=fwd_work.other_bytes + layer.fwd_other_io_bytes * whole * scale + cast[0])
     bwd_work = replace(bwd_work, other_bytes=bwd_work.other_bytes + layer.bwd_other_io_bytes * whole * scale + cast[1])
     # what full recompute reruns: the share of the forward's roofline before the tail

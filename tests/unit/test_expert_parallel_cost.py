@@ -161,6 +161,37 @@ def test_ep_adds_four_all_to_alls_and_divides_the_experts(moe):
     assert a2a(1e9) == pytest.approx(a2a.fixed_s + 0.75e9 / (cluster.gpu.intra_node_bandwidth_Bps * comm.LINK_EFFICIENCY))
 
 
+def test_under_ep_a_rank_reads_its_own_experts_weights_once_a_micro_batch(moe):
+    """Where the experts' grouped GEMMs are bound by memory (a GPU of endless FLOP/s and 1 GB/s of
+    HBM), ep = 4 takes from each MoE layer's forward the weights of the 3/4 of the experts it does
+    not hold, and from its backward (which reads them and writes their gradients) twice that:
+    W (scale - 1/4) and 2 W (scale - 1/4) bytes, W the layer's expert weights, scale the
+    micro-batch over the profile's batch (what every other byte of the layer is scaled by)."""
+    from dataclasses import replace
+
+    from planner.cost.constants import MEMORY_EFFICIENCY
+    from planner.hardware import load_catalogue
+
+    gpu = load_catalogue()["h100-sxm-80gb"]
+    slow = replace(gpu, peak_flops={k: v * 1e9 for k, v in gpu.peak_flops.items()}, hbm_bandwidth_Bps=1e9,
+                   matmul_shapes=None)
+    cluster = make_cluster(slow, 4)
+    training = Training("bf16", "adamw", 16, 80 * GIB)
+    one = atom_table(moe, cluster, training, 1, 2)
+    four = atom_table(moe, cluster, training, 1, 2, ep=4)
+    hbm = 1e9 * MEMORY_EFFICIENCY
+    seen = 0
+    for a, b in zip(one, four):
+        layer = moe.layers[a.first]
+        if not layer.moe_experts:
+            continue
+        seen += 1
+        away = layer.expert_params * layer.param_bytes / layer.num_params * (2 / moe.batch_size - 1 / 4) / hbm
+        c = b.ep_comm_s / 2
+        assert (b.fwd_s - c, b.bwd_s - c) == pytest.approx((a.fwd_s - away, a.bwd_s - 2 * away))
+    assert seen == 2
+
+
 @pytest.mark.parametrize("gbps", [None, 0.4])
 def test_ep_overlap_hides_each_phase_s_all_to_alls_behind_the_other_phase_s_compute(moe, gbps):
     """--ep-overlap on (one micro-batch's forward beside another's backward, layer by layer): each
