@@ -285,9 +285,9 @@ def _shape(e: dict) -> Shape:
     )
 
 
-# A link's rate as written: "400 Gb/s", "3.2 Tbps", "400G", "50 GB/s" (bytes), or InfiniBand's
+# A link's rate as written: "400 Gb/s", "3.2 Tbps", "400G", "100 GbE", "50 GB/s" (bytes), or InfiniBand's
 # generation by name (EDR 100, HDR 200, NDR 400, XDR 800 Gb/s a port; "HDR200" too).
-_RATE = re.compile(r"(\d+(?:\.\d+)?)\s*([TG])(b|B)?(?:/s|ps|it/s)?(?![a-zA-Z])")
+_RATE = re.compile(r"(\d+(?:\.\d+)?)\s*([TG])(b|B)?(?:/s|ps|it/s|E)?(?![a-zA-Z])")
 _IB = re.compile(r"\b(EDR|HDR|NDR|XDR)(?:\s*(\d+))?", re.I)
 _IB_GBPS = {"edr": 100, "hdr": 200, "ndr": 400, "xdr": 800}
 
@@ -296,9 +296,9 @@ def inter_node_Bps(text: str | None, gpus_per_node: int) -> float | None:
     """Per-GPU, per-direction bytes/s from the row's inter-node link text ("400 Gb/s per GPU",
     "8x 400 Gb/s ... per node", "1600 Gbps ... per node (=200 Gb/s per GPU)", "Slingshot-11,
     4 x 200 Gb/s NICs per node", "8x NDR400", "8 InfiniBand adapters of 100 Gb/s"), or None when it
-    gives no rate. A rate said per GPU
-    is per GPU; a count of NICs, or "per node", is the node's, shared by its GPUs; a lone rate
-    without either is one GPU's NIC below 1.6 Tb/s (no NIC was faster), a node's above."""
+    gives no rate. A rate said per GPU is per GPU; a count of NICs, or "per node", is the node's,
+    shared by its GPUs; a lone rate without either is one GPU's NIC below 1.6 Tb/s (no NIC was
+    faster), a node's above."""
     if not text:
         return None
     per_gpu = re.search(r"(\d+(?:\.\d+)?)\s*Gb(?:/s|ps) per GPU", text)
@@ -342,7 +342,6 @@ def gpu_of(hw: dict, catalogue: dict[str, GPUSpec]) -> tuple[GPUSpec, str | None
     family = _family(text, catalogue)
     assert family, f"unknown GPU in the reference: {text!r}"
     names = sorted(n for n in catalogue if n.split("-")[0] == family)
-    assert names, f"no {fam} in the catalogue for {text!r}"
     mem = re.search(r"(\d+)\s*GB", text)
 
     def labelled_gb(spec: GPUSpec) -> int:
@@ -456,6 +455,8 @@ def measured_step(e: dict, shape: Shape, global_batch: int, gpus: int, full_reco
         if not share:
             return None
         peak = _published(e, "peak_used_tflops")
+        if peak is None and peak_tflops is None:
+            return None
         if peak is None and notes is not None:
             notes.append(f"{key} of the catalogue's 16-bit peak ({peak_tflops:g} TFLOP/s)")
         return (share / 100 if share > 1 else share) * (peak or peak_tflops)  # 0.38 or 38 (%)

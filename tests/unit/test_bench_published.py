@@ -304,6 +304,7 @@ def test_inter_node_bandwidth_per_gpu():
     assert inter_node_Bps("4x HDR200 per node", 4) == inter_node_Bps("50 GB/s per node", 8) * 4 == 25e9
     assert inter_node_Bps("NVLink Switch System", 8) is None
     assert inter_node_Bps("8 InfiniBand adapters of 100 Gb/s per server", 16) == 6.25e9  # DGX-2H
+    assert inter_node_Bps("8x 100 GbE RoCE", 8) == 12.5e9
 
 
 def test_a_small_row_is_predicted(rows):
