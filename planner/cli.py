@@ -108,8 +108,9 @@ def _plan_parser() -> argparse.ArgumentParser:
                    help="with tensor parallelism: split norms, residuals and dropout along the sequence too (default: searched)")
     p.add_argument("--trainer", choices=TRAINERS, default="this",
                    help="the trainer that will run the plan, for its kernels and overlaps: this (plan run's runtime, "
-                        "the default), torchtitan, megatron (Megatron-LM, NeMo, Megatron-Bridge on Transformer Engine) "
-                        "or deepspeed (DeepSpeed's ZeRO)")
+                        "the default), torchtitan, megatron (Megatron-LM, NeMo, Megatron-Bridge on Transformer Engine), "
+                        "deepspeed (DeepSpeed's ZeRO) or automodel (NeMo AutoModel: FSDP2 on TE kernels, bf16 parameters "
+                        "and optimizer state)")
     p.add_argument("--compile", action="store_true",
                    help="with --trainer torchtitan: it runs under torch.compile (its --compile): fused memory-bound "
                         "kernels, and the loss compiled, keeping the logits in their dtype")

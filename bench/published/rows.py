@@ -603,6 +603,7 @@ MEGATRON = ("megatron", "nemo", "transformer engine", "mt-nlg")
 # for the backward, as Transformer Engine's recipes do; TE's own MXFP8 and block-wise recipes)
 FINE_GRAINED_FP8 = ("block-wise", "blockwise", "tile-wise", "tilewise", "fine-grained")
 TORCHTITAN = ("torchtitan",)
+AUTOMODEL = ("automodel",)
 # - llm-foundry's benchmark table (scripts/train/benchmarking): MPT with attn_impl "triton"
 #   (submit_benchmarks.py's default; FlashAttention in Triton, for ALiBi) and its default loss,
 #   flash-attn's fused cross-entropy (bench/published/models.py).
@@ -658,6 +659,8 @@ def _names(trainer_text: str, trainers: tuple[str, ...]) -> bool:
 
 
 def _trainer(trainer_text: str) -> str:
+    if _names(trainer_text, AUTOMODEL):  # NeMo's PyTorch backend, not its Megatron one
+        return "automodel"
     if _names(trainer_text, MEGATRON):
         return "megatron"
     return "torchtitan" if _names(trainer_text, TORCHTITAN) else "this"

@@ -38,6 +38,11 @@ TRAINERS: dict[str, dict] = {
     # DeepSpeed's ZeRO (eager PyTorch kernels): ZeRO-3 gathers module by module, and its
     # activation checkpointing is reentrant (reruns a layer's whole forward)
     "deepspeed": {"zero3_gathers": "module", "recompute_whole_forward": True},
+    # NeMo AutoModel (NVIDIA's PyTorch backend: FSDP2, torch pipelining, expert parallelism with
+    # DeepEP) on Transformer Engine's kernels (its BackendConfig: TE Linear, RMSNorm and attention,
+    # fused RoPE); the Hugging Face model's 16-bit parameters are what FSDP2 shards and
+    # torch.optim.Adam steps, with its state in their dtype (no fp32 master copy)
+    "automodel": {"master_weights": False, "fused_kernels": True, "attention_kernel": "te", "fp8_recipe": "te"},
 }
 """The trainers a plan can be made for (`plan --trainer`): the Training fields each sets."""
 TRAINER_NOTES = {
@@ -51,6 +56,9 @@ TRAINER_NOTES = {
                 "the interleaved schedule",
     "deepspeed": "DeepSpeed (eager PyTorch kernels): ZeRO-3 gathers each module's parameters with a collective of "
                  "its own, reentrant activation checkpointing",
+    "automodel": "NeMo AutoModel (PyTorch FSDP2, torch pipelining, DeepEP) on Transformer Engine's kernels: fused "
+                 "norms, cuDNN attention, TE's FP8 casts; 16-bit parameters with the optimizer state in their dtype "
+                 "(no fp32 master copy)",
 }
 
 
@@ -161,6 +169,11 @@ class Training:
     each module's own (DeepSpeed's ZeRO-3 since v0.5, September 2021, fetches each submodule's
     parameters with one coalesced all-gather: DeepSpeed PR 1188). "tensor": each parameter's
     (DeepSpeed's ZeRO-3 before it: one all-gather per parameter, DeepSpeed issue 1069)."""
+    master_weights: bool = True
+    """Mixed precision keeps an fp32 copy of the weights that the optimizer steps, its state in fp32
+    (PyTorch AMP, FSDP2's MixedPrecisionPolicy over fp32 parameters, Megatron's and DeepSpeed's
+    optimizers). False: the 16-bit parameters are stepped in place and the optimizer's state is
+    in their dtype (a model loaded in bf16, as NeMo AutoModel trains it)."""
     trainer: str = "this"
     """The trainer the plan is for (TRAINERS: what it set above); "this": plan run's runtime."""
 
@@ -174,10 +187,13 @@ class Training:
 
         Mixed precision with AdamW: 2 + 2 + 12 (fp32 master copy, momentum, variance: ZeRO paper,
         Rajbhandari et al. 2020, Sec. 3.1, K = 12); SGD with momentum: 2 + 2 + 8 (master copy,
-        momentum). fp32: AdamW 4 + 4 + 8, SGD 4 + 4 + 4.
+        momentum). fp32: AdamW 4 + 4 + 8, SGD 4 + 4 + 4. Without master weights (16-bit parameters
+        stepped in place, the state in their dtype): AdamW 2 + 2 + 4, SGD 2 + 2 + 2.
         """
         mixed = self.precision != "fp32"
         w = g = 2 if mixed else 4
+        if mixed and not self.master_weights:
+            return w, g, {"adamw": 4, "sgd": 2}[self.optimizer]
         opt = {"adamw": 8, "sgd": 4}[self.optimizer] + (4 if mixed else 0)
         return w, g, opt
 

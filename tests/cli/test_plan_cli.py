@@ -439,6 +439,22 @@ def test_a_plan_for_deepspeed_gathers_module_by_module(capsys):
     assert any(a.startswith("trainer: DeepSpeed") for a in deepspeed["assumptions"])
 
 
+def test_a_plan_for_automodel_keeps_no_fp32_master_copy(capsys):
+    """--trainer automodel (NeMo AutoModel steps the 16-bit parameters with Adam's state in their
+    dtype): the same ZeRO-1 configuration holds a third of the optimizer state (4 bytes a parameter
+    where an fp32 master copy, momentum and variance take 12), the same weights and gradients, and
+    peaks lower; the plan says which trainer it assumed."""
+    args = [str(EXAMPLES / "llama_7b.py"), "--gpus", "8", "--global-batch", "64", "--dp", "8", "--zero", "1",
+            "--micro-batch", "1", "--recompute", "full"]
+    this, automodel = (_plan_json(capsys, *args, "--trainer", t) for t in ("this", "automodel"))
+    assert automodel["training"]["trainer"] == "automodel"
+    mine, theirs = this["stages"][0]["memory_bytes"], automodel["stages"][0]["memory_bytes"]
+    assert mine["optimizer"] == pytest.approx(3 * theirs["optimizer"])
+    assert (mine["weights"], mine["grads"]) == (theirs["weights"], theirs["grads"])
+    assert automodel["predicted"]["peak_memory_bytes"] < this["predicted"]["peak_memory_bytes"]
+    assert any(a.startswith("trainer: NeMo AutoModel") for a in automodel["assumptions"])
+
+
 def test_a_plan_for_a_compiled_torchtitan_keeps_less_and_runs_faster(capsys):
     """--trainer torchtitan --compile: inductor's fused kernels (a faster step) and the compiled
     loss, which keeps the logits in bf16 rather than fp32 log-probabilities (a lower peak); the

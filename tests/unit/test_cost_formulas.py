@@ -842,3 +842,15 @@ def test_a_stack_of_identical_blocks_is_costed_once(gpt_bf16):
     blocks = [l.index for l in layers if l.name.startswith("blocks.")]
     assert len(blocks) > 1 and len({figures[i] for i in blocks}) == 1
     assert len(set(figures)) < len(figures)
+
+
+def test_without_master_weights_the_optimizer_state_is_in_the_parameters_dtype():
+    """Mixed precision keeps an fp32 master copy beside Adam's fp32 momentum and variance (12 bytes
+    a parameter, ZeRO's K); a trainer that steps its bf16 parameters in place (NeMo AutoModel)
+    keeps Adam's two moments in bf16 (4), SGD's momentum (2); fp32 training is unchanged."""
+    def per_param(trainer, precision="bf16", optimizer="adamw"):
+        return Training.for_trainer(trainer, precision, optimizer, 8, 2**30).bytes_per_param()
+
+    assert per_param("this") == (2, 2, 12) and per_param("automodel") == (2, 2, 4)
+    assert per_param("this", optimizer="sgd") == (2, 2, 8) and per_param("automodel", optimizer="sgd") == (2, 2, 2)
+    assert per_param("automodel", "fp32") == per_param("this", "fp32") == (4, 4, 8)
