@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -202,13 +203,13 @@ def render_sweep(sweep: Sweep, console: Console | None = None) -> None:
     console.print("[dim]mb BxM: micro-batches of B samples, M per step per replica; batch: global batch (samples per step); "
                   "memory: the fullest GPU against the limit; scaling: speed-up per GPU against the type's smallest "
                   "fitting count (100% is linear)[/dim]")
-    for p in sweep.points:
+    for p in sweep.points:  # text, not markup: a source may read "[uncertain: ...]"
         if p.batch_note:
-            console.print(f"[dim]* {p.label}: global batch {p.batch_note}[/dim]")
+            console.print(f"[dim]* {escape(p.label)}: global batch {escape(p.batch_note)}[/dim]")
     for line in summary_lines(sweep):
-        console.print(f"  {line}")
+        console.print(f"  {escape(line)}")
     for a in sweep.assumptions:
-        console.print(f"[dim]assumes: {a}[/dim]")
+        console.print(f"[dim]assumes: {escape(a)}[/dim]")
     n = len(sweep.points)
     console.print(f"[dim]profiled once in {sweep.profile_s:.1f} s; {n} configuration{'s' if n != 1 else ''} in {sweep.sweep_s:.1f} s[/dim]")
 

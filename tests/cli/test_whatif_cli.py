@@ -195,6 +195,14 @@ def test_terminal_table(capsys):
     assert out.count("does not fit") >= 2 and "cheapest" in out and "fastest" in out
 
 
+def test_a_gpus_sources_are_printed_as_written(capsys):
+    """The assumptions name each GPU's sources in brackets; one that begins in lower case (the
+    MI250X's memory: "[rocm-smi ...]") is printed, not taken for terminal markup and dropped."""
+    assert main(["whatif", str(EXAMPLES / "mlp.py"), "--gpus", "1", "--gpu", "mi250x", "--steps", "10"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "[rocm-smi --showmeminfo vram on an MI250X GCD" in out
+
+
 def test_existing_report_and_csv_are_not_overwritten(capsys, tmp_path):
     for flag, name in (("--report", "r.html"), ("--csv", "r.csv")):
         target = tmp_path / name
