@@ -67,6 +67,18 @@ def test_llm_foundrys_attention_and_loss_are_its_own(rows):
     assert torch.allclose(logits.grad.float(), expected / 6, atol=1e-3)
 
 
+def test_nemo_automodel_rows_are_priced_for_its_trainer_not_megatron():
+    """NeMo AutoModel (NeMo's PyTorch backend) is not NeMo's Megatron one: its rows are priced for
+    --trainer automodel (bf16 parameters and optimizer state: 2 + 2 + 4 bytes a parameter), the
+    Megatron-Bridge and NeMo rows for megatron (an fp32 master copy: 2 + 2 + 12)."""
+    rows = load_rows(REFERENCE.parent / "held_out_runs.yaml")
+    trainers = {r.source: r.trainer for r in rows}
+    assert trainers["automodel_moe"] == "automodel" and trainers["megatron_bridge"] == trainers["nemo"] == "megatron"
+    auto = next(r for r in rows if r.source == "automodel_moe")
+    bridge = next(r for r in rows if r.source == "megatron_bridge")
+    assert auto.training().bytes_per_param() == (2, 2, 4) and bridge.training().bytes_per_param() == (2, 2, 12)
+
+
 def test_a_gpt_with_grouped_query_attention_or_another_mlp_width_is_built_at_its_widths(tmp_path):
     """A row whose MLP is not gated (GELU: GPT, BLOOM, Falcon, StarCoder) keeps the GPT model file
     with its own key/value heads, head width and MLP width (not a Llama's SwiGLU of that width, not
