@@ -242,7 +242,13 @@ def _model_fields(e: dict) -> dict:
 # An MLP of two matrices and an activation between (GPT's, BLOOM's, Falcon's, StarCoder's), said in a
 # row's arch: the GPT model file, with the row's attention heads and MLP width; else with kv_heads, a
 # Llama's gated MLP
-NOT_GATED = re.compile(r"(?!.*(?:swiglu|geglu|gated|\bglu\b))(?=.*(?:\b(?:gelu|relu)\b|falcon|starcoder|neox|bloom|\bopt\b|\bgpt\b))", re.I)
+NOT_GATED = re.compile(r"\b(?:gelu|relu)\b|falcon|starcoder|neox|bloom|\bopt\b|\bgpt\b", re.I)
+GATED = re.compile(r"swiglu|geglu|gated|\bglu\b", re.I)
+
+
+def _not_gated(arch_text: str) -> bool:
+    """The arch names an ungated MLP (NOT_GATED) and no gated one anywhere (GATED)."""
+    return bool(NOT_GATED.search(arch_text)) and not GATED.search(arch_text)
 
 
 def _shape(e: dict) -> Shape:
@@ -254,7 +260,7 @@ def _shape(e: dict) -> Shape:
     mla = _mla(m, arch_text)
     if "MPT" in arch_text:
         arch = "mpt"
-    elif experts or mla or "llama" in arch_text.lower() or m.get("kv_heads") is not None and not NOT_GATED.search(arch_text):
+    elif experts or mla or "llama" in arch_text.lower() or m.get("kv_heads") is not None and not _not_gated(arch_text):
         arch = "llama"  # a gated (SwiGLU) MLP
     else:
         arch = "gpt"
@@ -438,14 +444,12 @@ def measured_step(e: dict, shape: Shape, global_batch: int, gpus: int, full_reco
     if step:
         return step
     tokens = global_batch * shape.seq_len
-    tps = _published(e, "tokens_per_s_per_gpu")
-    if tps:
-        return tokens / (tps * gpus)
-    for key, seconds in (("tokens_per_s", lambda x: tokens / x), ("samples_per_s", lambda x: global_batch / x),
-                         ("sequences_per_s", lambda x: global_batch / x),
+    for key, seconds in (("tokens_per_s_per_gpu", lambda x: tokens / (x * gpus)), ("tokens_per_s", lambda x: tokens / x),
+                         ("samples_per_s", lambda x: global_batch / x), ("sequences_per_s", lambda x: global_batch / x),
                          ("training_days_300B_tokens", lambda x: x * 86400 * tokens / 300e9)):
-        if _published(e, key):
-            return seconds(_published(e, key))
+        rate = _published(e, key)
+        if rate:
+            return seconds(rate)
     m = e.get("measured") or {}
     kind = str(value(m.get("tflops_kind")) or "").lower()
     hardware = "model" not in kind and bool(re.search(r"hardware|recompute", kind))

@@ -105,6 +105,10 @@ def test_a_gpt_with_grouped_query_attention_or_another_mlp_width_is_built_at_its
     tokens, targets = namespace["sample_batch"](2)
     namespace["torch"].nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
     assert attn.k.weight.grad is not None
+    # a gated MLP said anywhere in the arch is a Llama's, whatever else the text names
+    gated = {**entry, "id": "gated", "model": {**entry["model"], "arch": "Mistral-style (SwiGLU; a GELU in its vision tower)"}}
+    path.write_text(yaml.safe_dump({"entries": [gated]}))
+    assert load_rows(path)[0].shape.arch == "llama"
 
 
 def test_the_trainers_fused_kernels_are_known(rows):
