@@ -121,6 +121,14 @@ def _plan_parser() -> argparse.ArgumentParser:
                    help="plan for a trainer that runs the expert all-to-alls beside another micro-batch's compute "
                         "(Megatron-Core --overlap-moe-expert-parallel-comm, DeepSeek's DualPipe; default off: plan run "
                         "does not)")
+    p.add_argument("--ep-dispatch", choices=("all-to-all", "deepep"),
+                   help="how expert-parallel tokens cross nodes: all-to-all (a row for each of a token's experts on "
+                        "another node; plan run, torchtitan, Megatron's alltoall dispatcher) or deepep (DeepEP: once "
+                        "to each node of its experts, forwarded over NVLink; Megatron's flex dispatcher, NeMo "
+                        "AutoModel) (default: the trainer's)")
+    p.add_argument("--expert-node-limit", type=_positive_int, metavar="M",
+                   help="a token's experts come from at most M nodes of its expert-parallel group (DeepSeek-V3's "
+                        "node-limited routing: 4) (default: any)")
     p.add_argument("--hsdp", choices=("on", "off"),
                    help="with ZeRO-2/3 over several nodes: shard inside each node, replicate across nodes (default: searched)")
     p.add_argument("--schedule", choices=SCHEDULES, help="fix the pipeline schedule")
@@ -160,6 +168,8 @@ def cmd_plan(argv: Sequence[str]) -> int:
         inter_node_gbps=args.inter_node_gbps,
         trainer=args.trainer,
         compile=args.compile,
+        ep_dispatch=None if args.ep_dispatch is None else args.ep_dispatch.replace("-", "_"),
+        expert_node_limit=args.expert_node_limit,
         fixed=Fixed(
             tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep, micro_batch=args.micro_batch, zero=args.zero,
             schedule=args.schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,

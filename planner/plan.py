@@ -183,6 +183,10 @@ class TrainingInfo:
     """The trainer the plan was made for (plan --trainer; planner.cost.setup.TRAINERS)."""
     compile: bool = False
     """It runs the model and its loss under torch.compile (plan --compile)."""
+    ep_dispatch: str = "all_to_all"
+    """How the expert-parallel tokens cross nodes (plan --ep-dispatch; Training.ep_dispatch)."""
+    expert_node_limit: Optional[int] = None
+    """The most nodes a token's experts come from (plan --expert-node-limit; Training.expert_node_limit)."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Callable
 
 from planner import default_batch
 from planner.cost import constants
-from planner.cost.setup import LOW_PRECISIONS, TRAINER_NOTES, TRAINERS, Training, tensor_dtype
+from planner.cost.setup import EP_DISPATCHES, LOW_PRECISIONS, TRAINER_NOTES, TRAINERS, Training, tensor_dtype
 from planner.errors import BadInput, Infeasible
 from planner.hardware import Cluster, load_catalogue, make_cluster
 from planner.model_file import ModelHandle
@@ -42,6 +42,10 @@ class PlanRequest:
     """The trainer that will run the plan (planner.cost.setup.TRAINERS): its kernels and overlaps."""
     compile: bool = False
     """The trainer runs the model and its loss under torch.compile (torchtitan's --compile)."""
+    ep_dispatch: str | None = None
+    """How expert-parallel tokens cross nodes (Training.ep_dispatch); None: the trainer's."""
+    expert_node_limit: int | None = None
+    """The most nodes a token's experts come from (Training.expert_node_limit); None: any."""
     fixed: Fixed = Fixed()
     top_k: int = 3
 
@@ -123,8 +127,15 @@ def _training(request: PlanRequest, cluster: Cluster, global_batch: int) -> Trai
     check_compile(request.trainer, request.compile)
     # inductor's fused memory-bound kernels, what its partitioner keeps, and the loss compiled with the model
     compiled = {"fused_kernels": True, "compiled": True, "compiled_loss": True} if request.compile else {}
+    if request.ep_dispatch is not None and request.ep_dispatch not in EP_DISPATCHES:
+        raise BadInput(f"--ep-dispatch must be one of {', '.join(EP_DISPATCHES)}, got {request.ep_dispatch!r}")
+    if request.expert_node_limit is not None and request.expert_node_limit < 1:
+        raise BadInput(f"--expert-node-limit must be at least 1, got {request.expert_node_limit}")
+    moe = {"expert_node_limit": request.expert_node_limit}
+    if request.ep_dispatch is not None:
+        moe["ep_dispatch"] = request.ep_dispatch
     return Training.for_trainer(request.trainer, request.precision, request.optimizer, global_batch, limit,
-                                sdpa_cudnn=torch_release() >= constants.SDPA_CUDNN_FROM_TORCH, **compiled)
+                                sdpa_cudnn=torch_release() >= constants.SDPA_CUDNN_FROM_TORCH, **compiled, **moe)
 
 
 def torch_release() -> tuple[int, int]:
@@ -272,8 +283,12 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
     if any(l.moe_experts for l in profile.layers):
         overlap = ("beside another micro-batch's compute (--ep-overlap on)" if best.ep_overlap else
                    "not overlapped with compute (--ep-overlap on: a trainer that overlaps them)")
+        across = ("; between nodes as DeepEP sends them (--ep-dispatch deepep): a token crosses the network once to "
+                  "each other node of its experts, forwarded there over NVLink" if training.ep_dispatch == "deepep" else "")
+        limit = (f"; a token's experts on at most {training.expert_node_limit} node(s) of its group (--expert-node-limit)"
+                 if training.expert_node_limit is not None else "")
         assumptions.append("mixture-of-experts routing balanced (every expert gets its share of the tokens x top-k, "
-                           f"what a load-balancing loss aims at); expert-parallel all-to-alls {overlap}")
+                           f"what a load-balancing loss aims at){limit}; expert-parallel all-to-alls {overlap}{across}")
     if request.fixed.ep_overlap and best.ep > 1 and not best.ep_overlap:
         warnings.append("--ep-overlap on: this plan runs one micro-batch a step, with no other to pair it with, "
                         "so its all-to-alls are priced without the overlap")
@@ -286,7 +301,7 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
     return build_plan(
         result, profile, cluster, request.precision, request.optimizer, training.global_batch,
         training.memory_limit_bytes, str(handle.path), assumptions, warnings + list(profile.warnings), training.trainer,
-        request.compile,
+        request.compile, training.ep_dispatch, training.expert_node_limit,
     )
 
 

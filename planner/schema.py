@@ -148,7 +148,7 @@ def check_plan(plan: Any) -> None:
     plan it cannot launch: positive degrees that multiply to the GPU count, one stage per pipeline
     rank, micro-batches that make up the global batch, known schedule, recompute, ZeRO stage,
     precision and optimizer. _Malformed names the field or the constraint."""
-    from planner.cost.setup import OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES, TRAINERS
+    from planner.cost.setup import EP_DISPATCHES, OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES, TRAINERS
 
     p, cluster, training = plan.parallel, plan.cluster, plan.training
     for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "num_microbatches", "virtual_stages", "dp_replicate"):
@@ -162,6 +162,9 @@ def check_plan(plan: Any) -> None:
     _one_of("training.precision", training.precision, PRECISIONS)
     _one_of("training.optimizer", training.optimizer, OPTIMIZERS)
     _one_of("training.trainer", training.trainer, tuple(TRAINERS))
+    _one_of("training.ep_dispatch", training.ep_dispatch, EP_DISPATCHES)
+    if training.expert_node_limit is not None:
+        _at_least("training.expert_node_limit", training.expert_node_limit)
     if p.world_size != cluster.num_gpus:
         cp = f" x cp {p.cp}" if p.cp > 1 else ""
         raise _Malformed(

@@ -295,6 +295,9 @@ def runtime_warnings(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
             "so activations exceed the plan's 16-bit figure (about 1.4x on examples/gpt.py); ZeRO-2/3 casts "
             "the parameters instead (FSDP2 MixedPrecisionPolicy)"
         )
+    if plan.training.ep_dispatch == "deepep" and p.ep > 1:
+        out.append("the plan was made for DeepEP's dispatch (--ep-dispatch deepep); this runtime sends the expert "
+                   "tokens with torch's all_to_all_single, a row for every expert on another node")
     if plan.training.trainer != "this":
         out.append(
             f"the plan was made for --trainer {plan.training.trainer}; this runtime runs its own kernels "

@@ -20,6 +20,7 @@ is left out and named, never predicted as a dense model.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, replace
@@ -662,6 +663,31 @@ def _names(trainer_text: str, trainers: tuple[str, ...]) -> bool:
     return any(t in trainer_text for t in trainers)
 
 
+# Expert parallelism's dispatch across nodes (Training.ep_dispatch): DeepEP's kernels (DeepSeek-V3's,
+# arXiv 2412.19437 Sec. 3.2.2: "first transmitted via IB to the GPUs with the same in-node index
+# on their target nodes ... forwarded via NVLink"), named as such or as Megatron-Core's flex
+# dispatcher and HybridEP that run them.
+DEEPEP = r"deepep|hybridep|flex[-_ ]dispatcher|forwarded (?:via|over) nvlink"
+
+
+def _expert_routing(e: dict, model: dict, text: str) -> dict[str, Any]:
+    """The Training settings of a mixture-of-experts row's routing and dispatch: DeepEP's dispatch
+    where the row names it (anywhere, its trainer's sources included); the most nodes a token's
+    experts span: Hugging Face's topk_group (DeepSeek-V3's node-limited routing: its n_group 8
+    groups are the 8 nodes of its EP 64), 1 for NeMo AutoModel's FakeBalancedGate (token i to
+    experts i k ... i k + k - 1: one node's when k divides the experts a node holds)."""
+    out: dict[str, Any] = {}
+    said = f"{text} {json.dumps(e, default=str)}".lower()
+    if re.search(DEEPEP, said):
+        out["ep_dispatch"] = "deepep"
+    groups = num(_first(model, ("topk_group",)))
+    if groups:
+        out["expert_node_limit"] = int(groups)
+    elif re.search(r"fake[-_ ]balanced[-_ ]gate", said):
+        out["expert_node_limit"] = 1
+    return out
+
+
 def _trainer(trainer_text: str) -> str:
     if _names(trainer_text, AUTOMODEL):  # NeMo's PyTorch backend, not its Megatron one
         return "automodel"
@@ -784,6 +810,8 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
         # Transformer Engine's FP8, whoever drives it; its NVFP4 (no other has one); a block-wise
         # recipe of one's own (DeepSeek-V3's), which like it runs every GEMM in FP8, the experts' too
         settings["fp8_recipe"] = "te"
+    if shape.experts:
+        settings.update(_expert_routing(e, model, f"{overlap_text} {trainer_text}"))
     zero, hsdp = _zero(p)
     if zero == 3 and "deepspeed" in f"{value(p.get('zero'))} {trainer_text}".lower():
         settings["zero3_gathers"] = "tensor" if (publication_year(e) or 9999) < DEEPSPEED_MODULE_GATHERS else "module"

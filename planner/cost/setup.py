@@ -8,6 +8,7 @@ from planner.cost.constants import ASYNC_TP_OVERLAP
 
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "fp4")
 LOW_PRECISIONS = ("fp8", "fp4")
+EP_DISPATCHES = ("all_to_all", "deepep")
 """Training precisions that run the Linear matmuls (and grouped GEMMs, under Transformer Engine)
 below 16 bits, over bf16 tensors: FP8 (torchao's Float8 or Transformer Engine's), NVFP4
 (Transformer Engine's only)."""
@@ -41,8 +42,11 @@ TRAINERS: dict[str, dict] = {
     # NeMo AutoModel (NVIDIA's PyTorch backend: FSDP2, torch pipelining, expert parallelism with
     # DeepEP) on Transformer Engine's kernels (its BackendConfig: TE Linear, RMSNorm and attention,
     # fused RoPE); the Hugging Face model's 16-bit parameters are what FSDP2 shards and
-    # torch.optim.Adam steps, with its state in their dtype (no fp32 master copy)
-    "automodel": {"master_weights": False, "fused_kernels": True, "attention_kernel": "te", "fp8_recipe": "te"},
+    # torch.optim.Adam steps, with its state in their dtype (no fp32 master copy); DeepEP's
+    # dispatch; the loss on the bf16 logits (every config of its published benchmarks,
+    # examples/benchmark/configs, sets MaskedCrossEntropy's fp32_upcast to false)
+    "automodel": {"master_weights": False, "fused_kernels": True, "attention_kernel": "te", "fp8_recipe": "te",
+                  "ep_dispatch": "deepep", "loss_upcast": False},
 }
 """The trainers a plan can be made for (`plan --trainer`): the Training fields each sets."""
 TRAINER_NOTES = {
@@ -57,7 +61,8 @@ TRAINER_NOTES = {
     "deepspeed": "DeepSpeed (eager PyTorch kernels): ZeRO-3 gathers each module's parameters with a collective of "
                  "its own, reentrant activation checkpointing",
     "automodel": "NeMo AutoModel (PyTorch FSDP2, torch pipelining, DeepEP) on Transformer Engine's kernels: fused "
-                 "norms, cuDNN attention, TE's FP8 casts; 16-bit parameters with the optimizer state in their dtype "
+                 "norms, cuDNN attention, TE's FP8 casts, DeepEP's dispatch (a token crosses the network once to "
+                 "each node of its experts); 16-bit parameters with the optimizer state in their dtype "
                  "(no fp32 master copy)",
 }
 
@@ -174,6 +179,27 @@ class Training:
     (PyTorch AMP, FSDP2's MixedPrecisionPolicy over fp32 parameters, Megatron's and DeepSpeed's
     optimizers). False: the 16-bit parameters are stepped in place and the optimizer's state is
     in their dtype (a model loaded in bf16, as NeMo AutoModel trains it)."""
+    loss_upcast: bool = True
+    """The default loss (cross-entropy on the logits) runs on the logits cast to fp32, as
+    F.cross_entropy(logits.float()) does and the profile measures it. False: on the 16-bit logits
+    themselves (NeMo AutoModel's benchmark configs: MaskedCrossEntropy with fp32_upcast false):
+    its log-softmax saved in their dtype (the logits' size, as a compiled loss keeps), and two
+    gradients of the logits in it in backward (nll_loss's and log_softmax's)."""
+    ep_dispatch: str = "all_to_all"
+    """How expert parallelism moves tokens between nodes. "all_to_all": one all-to-all that sends each
+    of a token's top-k rows to its expert's GPU, a row for every expert on another node crossing the
+    network (torch's all_to_all_single: this runtime, torchtitan; Megatron-Core's alltoall
+    dispatcher). "deepep": DeepSeek's dispatch and combine kernels (DeepSeek-V3, arXiv 2412.19437,
+    Sec. 3.2.2; DeepEP; Megatron-Core's flex dispatcher; NeMo AutoModel): a token crosses the network
+    once to each other node that holds any of its experts, to the GPU of its own in-node index,
+    which forwards it over NVLink to the experts' GPUs, the network and NVLink traffic running at
+    once (planner.cost.topology.deepep_all_to_all). Inside one node the two are the same."""
+    expert_node_limit: int | None = None
+    """The most nodes of its expert-parallel group a token's experts are chosen from: DeepSeek-V3's
+    node-limited routing (at most 4 nodes, its Sec. 2.1.2; Hugging Face's topk_group), 1 for a router
+    that picks k consecutive experts (NeMo AutoModel's FakeBalancedGate: expert i k + j for token
+    i). None: a router's choice spread evenly over all the experts. What a "deepep" dispatch sends
+    over the network depends on it."""
     trainer: str = "this"
     """The trainer the plan is for (TRAINERS: what it set above); "this": plan run's runtime."""
 

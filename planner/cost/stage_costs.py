@@ -46,7 +46,7 @@ from planner.cost.constants import (
 from planner.cost.memo import cache_of
 from planner.cost.pipeline import inflight_per_device, inflight_per_stage
 from planner.cost.setup import LOW_PRECISIONS, RECOMPUTE, Candidate, Training
-from planner.cost.topology import Links, links
+from planner.cost.topology import Links, deepep_all_to_all, links
 from planner.hardware import Cluster
 from planner.profile.types import LayerProfile, ModelProfile
 
@@ -352,24 +352,28 @@ def fused_loss(profile: ModelProfile, training: Training, tp: int) -> bool:
     softmax), and in backward one gradient of the logits in their dtype where the eager one holds
     two more fp32 copies. Not for a model file's own loss_fn (measured as written), nor for a
     head TP splits over the vocabulary (torch's loss_parallel: `loss_working_bytes`)."""
-    return ((training.fused_loss or training.compiled_loss) and not profile.own_loss and profile.output_bytes is not None
-            and not _vocab_split(profile, profile.layers[-1], tp))
+    return ((training.fused_loss or training.compiled_loss or not training.loss_upcast) and not profile.own_loss
+            and profile.output_bytes is not None and not _vocab_split(profile, profile.layers[-1], tp))
 
 
 def compiled_loss_saving(profile: ModelProfile, training: Training, tp: int) -> float:
-    """What a compiled default loss (Training.compiled_loss) saves for backward less than the
-    eager one the profile measured, at the profile's batch: the logits in their dtype instead of
-    the fp32 log-probabilities (`loss_saved_bytes` less `output_bytes`). 0 where the loss is not
-    compiled, is the model file's own, or runs on vocabulary shards (`fused_loss`)."""
-    if not (training.compiled_loss and fused_loss(profile, training, tp) and profile.loss_saved_bytes is not None):
+    """What a compiled default loss (Training.compiled_loss), or one on the 16-bit logits
+    (Training.loss_upcast False), saves for backward less than the eager one the profile measured,
+    at the profile's batch: the logits' size in their dtype instead of the fp32 log-probabilities
+    (`loss_saved_bytes` less `output_bytes`). 0 where the loss is neither, is the model file's own,
+    or runs on vocabulary shards (`fused_loss`)."""
+    if not ((training.compiled_loss or not training.loss_upcast) and fused_loss(profile, training, tp)
+            and profile.loss_saved_bytes is not None):
         return 0.0
     return max(0.0, profile.loss_saved_bytes - profile.output_bytes)
 
 
-def loss_working_bytes(profile: ModelProfile, tp: int, micro_batch: int, cp: int = 1, fused: bool = False) -> float:
+def loss_working_bytes(profile: ModelProfile, tp: int, micro_batch: int, cp: int = 1, fused: bool = False,
+                       copies: int = 1) -> float:
     """The loss's working set in backward (on one rank, per micro-batch): what the profile measured
     (ModelProfile.loss_working_bytes: the gradient of the model's output and the loss's
-    temporaries), the model's output once for a fused loss (`fused_loss`), or, when TP splits the
+    temporaries), `copies` of the model's output for a fused loss (`fused_loss`: one; two for an
+    eager one on the 16-bit logits, Training.loss_upcast), or, when TP splits the
     head over the vocabulary, the default loss run as torch's loss_parallel (max, shift, exp, sum,
     subtract as separate ops), which holds LOSS_PARALLEL_EXTRA more fp32 copies of the logits
     shard (which the head's activations are: its saved log-probabilities) than the two of
@@ -380,8 +384,14 @@ def loss_working_bytes(profile: ModelProfile, tp: int, micro_batch: int, cp: int
     if _vocab_split(profile, head, tp):
         return (2 + LOSS_PARALLEL_EXTRA) * head.activation_bytes * scale / tp
     if fused:
-        return (profile.output_bytes or 0) * scale
+        return (profile.output_bytes or 0) * scale * copies
     return (profile.loss_working_bytes or 0) * scale
+
+
+def _loss_gradients(training: Training) -> int:
+    """Gradients of the logits a fused loss holds at once in backward: one (a fused or compiled
+    kernel writes it in place), two for F.cross_entropy on the 16-bit logits (Training.loss_upcast)."""
+    return 1 if training.fused_loss or training.compiled_loss or training.loss_upcast else 2
 
 
 FP8_CAST_PASSES = 2.5
@@ -624,8 +634,11 @@ def _layer_costs(
         # and brings their outputs back (two all-to-alls); backward the same for their gradients.
         # Not overlapped with compute (the experts wait for their tokens), as torchtitan runs it.
         # With TP (and its sequence parallelism) a rank sends the rows of its 1/tp of the tokens.
+        # DeepEP's kernels send a token over the network once to each node of its experts (Training.ep_dispatch).
         routed = cand.tp if cand.tp > 1 and cand.sequence_parallel else 1
-        ep_fwd = ep_bwd = 2 * comm.all_to_all(cand.ep, lk.ep)(layer.moe_dispatch_bytes * scale / routed)
+        a2a = (deepep_all_to_all(cluster, cand, layer.moe_experts, layer.moe_top_k, training.expert_node_limit, lk.ep)
+               if training.ep_dispatch == "deepep" else comm.all_to_all(cand.ep, lk.ep))
+        ep_fwd = ep_bwd = 2 * a2a(layer.moe_dispatch_bytes * scale / routed)
     cp_fwd, cp_bwd = cp_fwd * gpu.factor("comm"), cp_bwd * gpu.factor("comm")
     ep_fwd, ep_bwd = ep_fwd * gpu.factor("comm"), ep_bwd * gpu.factor("comm")
     rerun_ep = ep_fwd  # a fully recomputed layer reruns its forward alone (Megatron refuses the overlap with it)
@@ -870,7 +883,7 @@ def stage_costs(
         # a block's backward (with its context-parallel ring) and the loss's do not run at once
         working_bytes=max(atom_working + _ring_working_bytes(profile, cand, training),
                           loss_working_bytes(profile, cand.tp, cand.micro_batch, cand.cp,
-                                             fused_loss(profile, training, cand.tp))),
+                                             fused_loss(profile, training, cand.tp), _loss_gradients(training))),
         zero3_gather_bytes=sum(max_params) * w if cand.zero == 3 and not in_pipeline else 0.0,
         grads_freed=(cand.num_microbatches == 1 and cand.pp == 1 and training.trainer != "megatron"
                      and (zero >= 2 or ranks == 1)),

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.cost.comm import Link, ring_step_s
+import math
+
+from planner.cost.comm import Affine, Link, all_to_all, ring_step_s
+from planner.cost.constants import LINK_EFFICIENCY
 from planner.cost.memo import cache_of
 from planner.cost.setup import Candidate
 from planner.hardware import Cluster
@@ -63,6 +66,40 @@ def _all_to_all_link(cluster: Cluster, n: int, spans: bool, members_per_node: in
     m = members_per_node
     per_byte = (m - 1) / n / cluster.gpu.intra_node_bandwidth_Bps + (n - m) / n / cluster.gpu.inter_node_bandwidth_Bps
     return Link((n - 1) / n / per_byte, cluster.latency_s(n, True), 0.0)
+
+
+def remote_nodes_per_token(experts: int, top_k: int, nodes: int, node_limit: int | None = None) -> float:
+    """How many nodes other than its own hold at least one of a token's top_k experts, on average:
+    the experts spread evenly over `nodes` nodes, the k chosen (distinct) with equal chances among
+    those of `node_limit` nodes (all of them when None; at least the nodes k experts need), and
+    the token's own node as likely to be one of them as any other."""
+    if nodes <= 1 or top_k <= 0:
+        return 0.0
+    per_node = experts / nodes
+    limit = nodes if node_limit is None else min(nodes, max(node_limit, math.ceil(top_k / per_node)))
+    pool = limit * per_node
+    # chance that one of the `limit` nodes holds none of the k: k draws without replacement
+    p_none = 1.0
+    for i in range(min(top_k, int(pool))):
+        p_none *= max(0.0, (pool - per_node - i) / (pool - i))
+    return limit * (1 - p_none) * (nodes - 1) / nodes
+
+
+def deepep_all_to_all(cluster: Cluster, cand: Candidate, experts: int, top_k: int, node_limit: int | None,
+                      link: Link) -> Affine:
+    """DeepEP's dispatch (or combine) over an expert-parallel group (Training.ep_dispatch): per byte
+    of a rank's rows (its tokens x top_k), the seconds to send each token once to every other node
+    that holds one of its experts (`remote_nodes_per_token`), through the rank's own network port,
+    while the rows that stay in the node, or arrive from the network for another GPU of it, cross
+    NVLink at the same time: the longer of the two. A group inside one node is a plain all-to-all."""
+    per_node = cluster.gpus_per_node
+    members = min(cand.ep, max(1, per_node // (cand.tp * cand.cp)))
+    if cand.ep <= members or link.measured:  # inside a node, or this cluster's all-to-all measured
+        return all_to_all(cand.ep, link)
+    nodes = cand.ep // members
+    network = remote_nodes_per_token(experts, top_k, nodes, node_limit) / top_k / cluster.gpu.inter_node_bandwidth_Bps
+    nvlink = (members - 1) / members / cluster.gpu.intra_node_bandwidth_Bps
+    return Affine(link.latency_s * math.ceil(math.log2(cand.ep)), max(network, nvlink) / LINK_EFFICIENCY)
 
 
 def links(cluster: Cluster, cand: Candidate) -> Links:

@@ -333,6 +333,8 @@ def build_plan(
     warnings: list[str],
     trainer: str = "this",
     compiled: bool = False,
+    ep_dispatch: str = "all_to_all",
+    expert_node_limit: int | None = None,
 ) -> Plan:
     best = result.best
     assert best is not None, "build_plan needs a feasible search result"
@@ -358,7 +360,7 @@ def build_plan(
             cp_blocker=profile.cp_blocker,
         ),
         training=TrainingInfo(precision=precision, optimizer=optimizer, global_batch=global_batch, trainer=trainer,
-                              compile=compiled),
+                              compile=compiled, ep_dispatch=ep_dispatch, expert_node_limit=expert_node_limit),
         solver=SolverInfo(
             status=result.status, seconds=round(result.seconds, 3), candidates=result.stats.enumerated,
             pruned=result.pruned_memory + result.pruned_time, ilps_solved=result.ilps,

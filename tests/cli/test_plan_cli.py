@@ -305,6 +305,33 @@ def test_ep_overlap_is_planned_when_asked_and_refused_by_the_runtime(capsys, tmp
                  "expert all-to-alls beside another micro-batch's compute")
 
 
+def test_deepep_dispatch_and_a_node_limit_are_planned_and_stated(capsys, tmp_path):
+    """--ep-dispatch deepep (NeMo AutoModel's by default) prices the expert all-to-alls across nodes
+    as DeepEP sends them: less than the plain all-to-all's, less again when a token's experts come
+    from one node (--expert-node-limit 1); the plan records and states both, and plan run says it
+    sends the tokens its own way."""
+    from planner.plan import Plan
+    from runtime.layout import runtime_warnings
+
+    args = [str(EXAMPLES / "moe.py"), "--gpus", "4", "--gpus-per-node", "2", "--global-batch", "16", "--ep", "4",
+            "--micro-batch", "1"]
+    plain = _plan_json(capsys, *args)
+    deepep = _plan_json(capsys, *args, "--ep-dispatch", "deepep")
+    one = _plan_json(capsys, *args, "--ep-dispatch", "deepep", "--expert-node-limit", "1")
+    ep = [p["predicted"]["breakdown_s"]["ep_comm"] for p in (plain, deepep, one)]
+    assert ep[0] > ep[1] > ep[2] > 0
+    assert (plain["training"]["ep_dispatch"], deepep["training"]["ep_dispatch"]) == ("all_to_all", "deepep")
+    assert (deepep["training"]["expert_node_limit"], one["training"]["expert_node_limit"]) == (None, 1)
+    assert any("as DeepEP sends them" in line for line in deepep["assumptions"])
+    assert any("at most 1 node(s)" in line for line in one["assumptions"])
+    assert _plan_json(capsys, *args, "--trainer", "automodel")["training"]["ep_dispatch"] == "deepep"
+    out = tmp_path / "deepep.json"
+    assert main([*args, "--ep-dispatch", "deepep", "-o", str(out)]) == 0
+    assert any("all_to_all_single" in w for w in runtime_warnings(Plan.load(out), ()))
+    assert main([*args, "--expert-node-limit", "0"]) == EXIT_BAD_INPUT
+    assert "--expert-node-limit" in capsys.readouterr().err
+
+
 def test_hsdp_shards_inside_nodes_when_asked(capsys):
     """--hsdp on: ZeRO-3 over 16 GPUs in 2 nodes as 2 replicas of 8 shards, state sharded over 8,
     said in the plan; with ZeRO-1, exit 2."""

@@ -69,14 +69,28 @@ def test_llm_foundrys_attention_and_loss_are_its_own(rows):
 
 def test_nemo_automodel_rows_are_priced_for_its_trainer_not_megatron():
     """NeMo AutoModel (NeMo's PyTorch backend) is not NeMo's Megatron one: its rows are priced for
-    --trainer automodel (bf16 parameters and optimizer state: 2 + 2 + 4 bytes a parameter), the
-    Megatron-Bridge and NeMo rows for megatron (an fp32 master copy: 2 + 2 + 12)."""
+    --trainer automodel (bf16 parameters and optimizer state: 2 + 2 + 4 bytes a parameter, the loss
+    on the bf16 logits), the Megatron-Bridge and NeMo rows for megatron (an fp32 master copy: 2 + 2 + 12)."""
     rows = load_rows(REFERENCE.parent / "held_out_runs.yaml")
     trainers = {r.source: r.trainer for r in rows}
     assert trainers["automodel_moe"] == "automodel" and trainers["megatron_bridge"] == trainers["nemo"] == "megatron"
     auto = next(r for r in rows if r.source == "automodel_moe")
     bridge = next(r for r in rows if r.source == "megatron_bridge")
     assert auto.training().bytes_per_param() == (2, 2, 4) and bridge.training().bytes_per_param() == (2, 2, 12)
+    # its benchmarks' loss runs on the bf16 logits (MaskedCrossEntropy, fp32_upcast false)
+    assert not auto.training().loss_upcast and bridge.training().loss_upcast
+
+
+def test_expert_dispatch_and_node_limited_routing_are_read_from_the_row():
+    """DeepEP's dispatch where a row names it (NeMo AutoModel's "TE + DeepEP") or describes it
+    (DeepSeek-V3's own kernels: "forwarded via NVLink"); the most nodes a token's experts span from
+    Hugging Face's topk_group (DeepSeek-V3: 4) or AutoModel's fake balanced gate (k consecutive
+    experts: 1); Megatron-Bridge's rows name neither (its alltoall dispatcher, routing forced even)."""
+    rows = load_rows(REFERENCE.parent / "held_out_runs.yaml")
+    routing = {r.id: (r.training().ep_dispatch, r.training().expert_node_limit) for r in rows if r.shape.experts}
+    assert routing["deepseek_v3_2048gpu"] == ("deepep", 4)
+    assert all(v == ("deepep", 1) for k, v in routing.items() if k.startswith("automodel"))
+    assert all(v == ("all_to_all", None) for k, v in routing.items() if k.startswith("megatron_bridge"))
 
 
 def test_a_gpt_with_grouped_query_attention_or_another_mlp_width_is_built_at_its_widths(tmp_path):

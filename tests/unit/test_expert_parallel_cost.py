@@ -504,3 +504,48 @@ def test_the_experts_replicas_use_the_ports_they_have():
     moe_profile = profile_model(load_model_file(EXAMPLES / "moe.py"), batch_size=4, dtype="bf16", measure=False)
     costs = stage_costs(moe_profile, cluster, Training("bf16", "adamw", 256, 180 * GIB), Candidate(1, 1, 64, 4, 1, 1, "1f1b", ep=8))
     assert costs.expert_grad_sync_per_byte_s == pytest.approx(comm.allreduce(8, eight.expert_dp).per_byte_s)
+
+
+@pytest.mark.parametrize("experts, top_k, nodes, limit, remote", [
+    # 2 of 4 experts, 2 a node: both on the token's node (1/6), both on the other (1/6), one each (4/6)
+    (4, 2, 2, None, 1 / 6 + 4 / 6),
+    # k consecutive experts of one node (a router limited to 1): that node is another one 7 times in 8
+    (256, 8, 8, 1, 7 / 8),
+    # a limit of 1 cannot hold 4 experts of 2 a node: both nodes it needs are used
+    (16, 4, 8, 1, 2 * 7 / 8),
+    # inside one node nothing crosses the network
+    (8, 2, 1, None, 0.0),
+])
+def test_remote_nodes_per_token(experts, top_k, nodes, limit, remote):
+    from planner.cost.topology import remote_nodes_per_token
+
+    assert remote_nodes_per_token(experts, top_k, nodes, limit) == pytest.approx(remote)
+
+
+def test_deepep_sends_a_token_over_the_network_once_a_node(moe):
+    """--ep-dispatch deepep, ep = 8 over 2 nodes of 4 (examples/moe.py: 8 experts, top 2): a rank
+    sends each token over the network once to the other node if one of its experts is there
+    (1 - C(4,2)/C(8,2) = 22/28 of them), while its rows for its own node's GPUs, and those that
+    arrive for them, cross NVLink at the same time: the longer of the two.
+    The plain all-to-all sends each row of an expert on the other node (1/2 of them) through the
+    port, and 3/8 over NVLink, one after the other."""
+    cluster = make_cluster("h100-sxm-80gb", 8, gpus_per_node=4)
+    gpu, eff = cluster.gpu, comm.LINK_EFFICIENCY
+    plain = atom_table(moe, cluster, Training("bf16", "adamw", 16, 80 * GIB), 1, 2, ep=8)
+    deepep = atom_table(moe, cluster, Training("bf16", "adamw", 16, 80 * GIB, ep_dispatch="deepep"), 1, 2, ep=8)
+    remote = 1 - 6 / 28  # the other node holds one of the token's 2 experts
+    per_byte_deepep = max(remote / 2 / gpu.inter_node_bandwidth_Bps, 3 / 4 / gpu.intra_node_bandwidth_Bps) / eff
+    per_byte_plain = (3 / 8 / gpu.intra_node_bandwidth_Bps + 4 / 8 / gpu.inter_node_bandwidth_Bps) / eff
+    for a, b in zip(plain, deepep):
+        layer = moe.layers[a.first]
+        if not layer.moe_experts:
+            assert b.ep_comm_s == a.ep_comm_s == 0.0
+            continue
+        rows = layer.moe_dispatch_bytes * 2 / moe.batch_size
+        fixed = a.ep_comm_s / 4 - per_byte_plain * rows  # each all-to-all's startup, the same for both
+        assert b.ep_comm_s == pytest.approx(4 * (fixed + per_byte_deepep * rows))
+        assert b.ep_comm_s < a.ep_comm_s
+    # inside one node DeepEP's is the plain all-to-all
+    node = make_cluster("h100-sxm-80gb", 4)
+    assert [a.ep_comm_s for a in atom_table(moe, node, Training("bf16", "adamw", 16, 80 * GIB), 1, 2, ep=4)] == \
+        [a.ep_comm_s for a in atom_table(moe, node, Training("bf16", "adamw", 16, 80 * GIB, ep_dispatch="deepep"), 1, 2, ep=4)]

@@ -34,7 +34,7 @@ mesh = init_device_mesh("cpu", (1,))
 B, T, V, H = 2, 1024, 8000, 32
 targets = torch.randint(0, V, (B, T))
 out = {}
-for kind in ("whole", "sharded"):
+for kind in ("whole", "sharded", "16-bit"):
     x = torch.randn(B, T, H, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(V, H, dtype=torch.bfloat16, requires_grad=True)
     if kind == "sharded":
@@ -44,7 +44,10 @@ for kind in ("whole", "sharded"):
     tracker.track_external(x, w)
     with tracker:
         logits = torch.nn.functional.linear(x, w)
-        default_loss(logits, targets).backward()
+        if kind == "16-bit":  # no fp32 upcast (NeMo AutoModel's MaskedCrossEntropy, fp32_upcast false)
+            torch.nn.functional.cross_entropy(logits.view(-1, V), targets.view(-1)).backward()
+        else:
+            default_loss(logits, targets).backward()
     peaks = tracker.get_tracker_snapshot("peak")
     out[kind] = max(d.get("Total", 0) for d in peaks.values()) / (B * T * V * 4)
 dist.destroy_process_group()
@@ -60,6 +63,9 @@ def test_the_loss_holds_what_the_cost_model_counts():
     # head's activations in the profile), and the working set: two copies, or loss_parallel's more
     assert peak["whole"] == pytest.approx(0.5 + 1 + 2, rel=0.05)
     assert peak["sharded"] == pytest.approx(0.5 + 1 + 2 + LOSS_PARALLEL_EXTRA, rel=0.05)
+    # on the 16-bit logits (Training.loss_upcast False): the logits, their log-softmax saved in
+    # 16 bits, and two 16-bit gradients of them (nll_loss's, log_softmax's)
+    assert peak["16-bit"] == pytest.approx(0.5 + 0.5 + 2 * 0.5, rel=0.05)
 
 
 def test_the_profile_measures_the_losss_working_set(gpt_bf16):  # noqa: F811
@@ -95,6 +101,22 @@ def test_a_vocabulary_parallel_head_adds_the_losss_working_set(gpt_bf16):  # noq
     blocks = max(2 * a.act_bytes[NONE] for a in fused.atoms[:-1])
     assert fused.working_bytes == pytest.approx(max(blocks, head.activation_bytes * 4), rel=0.01)
     assert fused.working_bytes < 2 * head.activation_bytes * 4
+
+
+def test_a_loss_on_the_16_bit_logits_keeps_them_in_their_dtype(gpt_bf16):  # noqa: F811
+    """Training.loss_upcast False (NeMo AutoModel's benchmarks): the head keeps the logits' size in
+    bf16 where the profile measured fp32 log-probabilities (half of them), and backward holds two
+    bf16 gradients of the logits, where the fp32 loss holds two fp32 copies (as measured above)."""
+    head = gpt_bf16.layers[-1]
+    cluster, cand = make_cluster("a100-80gb", 2), Candidate(1, 1, 2, 4, 1, 0, "1f1b")
+    upcast = stage_costs(gpt_bf16, cluster, Training("bf16", "adamw", 8, 80 * 2**30), cand)
+    own = stage_costs(gpt_bf16, cluster, Training("bf16", "adamw", 8, 80 * 2**30, loss_upcast=False), cand)
+    assert upcast.atoms[-1].act_bytes[NONE] - own.atoms[-1].act_bytes[NONE] == pytest.approx(
+        (gpt_bf16.loss_saved_bytes - gpt_bf16.output_bytes) * 4)
+    assert gpt_bf16.output_bytes == pytest.approx(head.activation_bytes / 2, rel=0.01)
+    assert upcast.working_bytes == pytest.approx(2 * head.activation_bytes * 4, rel=0.01)
+    blocks = max(2 * a.act_bytes[NONE] for a in own.atoms[:-1])
+    assert own.working_bytes == pytest.approx(max(blocks, 2 * gpt_bf16.output_bytes * 4), rel=0.01)
 
 
 def test_recomputing_the_last_atom_lowers_no_peak(gpt_bf16):  # noqa: F811
