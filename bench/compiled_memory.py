@@ -46,8 +46,10 @@ def loss_saved(device: str = "cpu", B: int = 2, T: int = 256, V: int = 4096) -> 
     return out
 
 
-def block_saved(device: str = "cpu", D: int = 256, S: int = 512, heads: int = 8, kv_heads: int = 2, ffn: int = 896) -> tuple[int, int]:
-    """(bytes a compiled Llama block under save-matmuls recompute keeps, one hidden-size tensor's)."""
+def block_saved(device: str = "cpu", D: int = 256, S: int = 512, heads: int = 8, kv_heads: int = 2, ffn: int = 896,
+                recompute: bool = True) -> tuple[int, int]:
+    """(bytes a compiled Llama block keeps, under save-matmuls recompute or without any, one
+    hidden-size tensor's)."""
     from llama import LlamaConfig, build_llama
     from planner.profile.flops import kept_by_selective
 
@@ -64,7 +66,7 @@ def block_saved(device: str = "cpu", D: int = 256, S: int = 512, heads: int = 8,
     def run(x):
         return checkpoint(layer, x, use_reentrant=False, context_fn=context)
 
-    compiled = torch.compile(run)
+    compiled = torch.compile(run if recompute else layer)
     x = torch.randn(1, S, D, dtype=torch.bfloat16, device=device, requires_grad=True)
     saved_bytes(compiled, x, fixed)  # warm-up (compiles)
     return saved_bytes(compiled, x, fixed), x.nbytes
@@ -80,6 +82,9 @@ def main() -> None:
     expected = 1 + 1 + 2 * kv_heads / heads + 1 + 1 + 2 * ffn / D
     print(f"compiled block, save-matmuls recompute: {saved / hidden:.2f} hidden-size tensors "
           f"(the profile's count: {expected:.2f}, and a log-sum-exp per head and token) on {device}")
+    saved, hidden = block_saved(device, D=D, S=4096, heads=heads, kv_heads=kv_heads, ffn=ffn, recompute=False)
+    print(f"compiled block, no recompute: {saved / hidden:.2f} hidden-size tensors (the profile's "
+          "activation_fused_bytes, printed by tests/unit/test_compiled_memory.py for a smaller block)")
 
 
 if __name__ == "__main__":

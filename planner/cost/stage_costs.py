@@ -660,6 +660,10 @@ def _layer_costs(
         return total * scale / shard if split_all else (tp_part / shard + total - tp_part) * scale
 
     act = split(layer.activation_bytes, layer.activation_tp_bytes)
+    if training.fused_kernels and layer.activation_fused_bytes is not None and layer.index < len(profile.layers) - 1:
+        # fused kernels save what they read, not what they make and read themselves (the head's
+        # activations are the loss's, which `fused_loss` and `compiled_loss_saving` price)
+        act = split(layer.activation_fused_bytes, layer.activation_fused_tp_bytes or 0)
     kept_inputs = input_bytes * scale / (shard if split_all else 1)  # the block input: whole without SP
     # compiled (Training.compiled), selective checkpointing keeps no output that backward never reads
     sel_tail, alt_tail = ((layer.activation_matmul_tail_bytes, layer.activation_alternate_tail_bytes)

@@ -401,6 +401,8 @@ def _assemble(
         "fwd_fused_io_bytes": per_layer(trace.fwd.fused_io_bytes),
         "bwd_fused_io_bytes": per_layer(trace.bwd.fused_io_bytes),
         "activation_tp_bytes": per_layer(trace.saved_tp_bytes),
+        "activation_fused_bytes": per_layer(trace.saved_fused_bytes),
+        "activation_fused_tp_bytes": per_layer(trace.saved_fused_tp_bytes),
         "activation_matmul_tp_bytes": matmul_out_tp,
         "fwd_other_io_tp_bytes": per_layer(trace.fwd_other_io_tp_bytes),
         "fwd_linear_flops": per_layer(trace.fwd.linear_flops),

@@ -378,6 +378,8 @@ def grow(trace: TraceResult, grows: list[_Grow], units: list[Unit]) -> TraceResu
         returned=returned,
         io_bytes=_grow_io(trace.io_bytes, grows, units),
         saved_tp_bytes=_grow_counter(trace.saved_tp_bytes, grows),
+        saved_fused_bytes=_grow_counter(trace.saved_fused_bytes, grows),
+        saved_fused_tp_bytes=_grow_counter(trace.saved_fused_tp_bytes, grows),
         matmul_out_tp_bytes=_grow_counter(trace.matmul_out_tp_bytes, grows),
         fwd_other_io_tp_bytes=_grow_counter(trace.fwd_other_io_tp_bytes, grows),
         tail=_grow_costs(trace.tail, grows),

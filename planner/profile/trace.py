@@ -85,6 +85,12 @@ class TraceResult:
     saved_tp_bytes: Counter = field(default_factory=Counter)
     """Of saved_bytes, what tensor parallelism shards with or without sequence parallelism:
     tensors made inside a column-wise -> row-wise region (``tp_regions``)."""
+    saved_fused_bytes: Counter = field(default_factory=Counter)
+    """What saved_bytes comes to were each chain of memory-bound ops one fused kernel (_Fusion):
+    such a kernel saves what it read from outside it, never a tensor made and consumed inside it
+    (a norm's fp32 copy, SiLU's output before SwiGLU's product); `_fused_saved`."""
+    saved_fused_tp_bytes: Counter = field(default_factory=Counter)
+    """Of saved_fused_bytes, what tensor parallelism shards (as saved_tp_bytes)."""
     matmul_out_tp_bytes: Counter = field(default_factory=Counter)
     """Of matmul_out_bytes, the outputs made inside such a region."""
     fwd_other_io_tp_bytes: Counter = field(default_factory=Counter)
@@ -283,6 +289,16 @@ class _Made:
     consumed: bool = False
     materialized: bool = False
 
+    @property
+    def kernel(self) -> tuple[int, int, int]:
+        """The fused kernel that made it: its phase, unit and level."""
+        return id(self.phase), self.unit, self.level
+
+    @property
+    def internal(self) -> bool:
+        """Made and read inside one forward kernel only (none of its readers outside it)."""
+        return self.memory_bound and not self.materialized and not self.random
+
 
 class _Fusion:
     """The memory-bound traffic of each unit and phase were its memory-bound ops fused as trainers
@@ -301,6 +317,7 @@ class _Fusion:
     def __init__(self) -> None:
         self.made: dict[int, _Made] = {}
         self.read: dict[int, set[tuple]] = {}  # storage -> the kernels that read (a view of) it
+        self.inputs: dict[tuple, dict[int, int]] = {}  # kernel -> the storages it read from outside it: bytes
 
     def op(self, phase: PhaseCosts, unit: int, memory_bound: bool, inputs: list[torch.Tensor],
            outputs: list[torch.Tensor], random: bool = False) -> None:
@@ -313,6 +330,7 @@ class _Fusion:
                 m.consumed = True
                 m.materialized |= not inside and (m.phase is phase or m.random)
             if memory_bound and not inside:
+                self.inputs.setdefault((id(phase), unit, level), {})[storage_key(t)] = t.untyped_storage().nbytes()
                 seen = (id(phase), unit, level, t.storage_offset(), tuple(t.shape))
                 readers = self.read.setdefault(storage_key(t), set())
                 if seen not in readers:
@@ -562,6 +580,7 @@ def run_trace(
     loose = {storage_key(p) for p in model.parameters()} - owned
     saved: Counter = Counter()
     seen_storages: set[int] = set()
+    packed: list[tuple[int, int, int, _Made | None, bool]] = []  # (storage, unit, bytes, maker, TP-sharded)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         for unit in seg.stack:  # parameters too: a checkpoint waits for every tensor saved inside it
@@ -573,6 +592,7 @@ def run_trace(
             saved[unit] += t.untyped_storage().nbytes()
             if key in recorder.sharded:
                 tp_saved[unit] += t.untyped_storage().nbytes()
+            packed.append((key, unit, t.untyped_storage().nbytes(), recorder.fusion.made.get(key), key in recorder.sharded))
         return t
 
     def enter(index: int) -> None:
@@ -604,6 +624,7 @@ def run_trace(
         if loss.requires_grad:
             loss.backward()
         recorder.fusion.close()
+    fused, fused_tp = _fused_saved(packed, recorder, param_keys)
     loss_held = loss_memory(handle, outputs, targets)
     return TraceResult(
         order=order,
@@ -617,6 +638,8 @@ def run_trace(
         io_bytes=io_bytes,
         returned=returned,
         saved_tp_bytes=tp_saved,
+        saved_fused_bytes=fused,
+        saved_fused_tp_bytes=fused_tp,
         matmul_out_tp_bytes=recorder.matmul_out_tp,
         fwd_other_io_tp_bytes=recorder.other_io_tp,
         tail=recorder.tail.costs,
@@ -625,6 +648,32 @@ def run_trace(
         tail_kept_alternate=recorder.tail.kept_alternate,
         loss_memory=loss_held,
     )
+
+
+def _fused_saved(packed: list[tuple[int, int, int, _Made | None, bool]], recorder: _Recorder,
+                 param_keys: set[int]) -> tuple[Counter, Counter]:
+    """Per unit, what the forward saves for backward were each chain of its memory-bound ops one
+    fused kernel (_Fusion): the tensors autograd saved, less those made and read inside one kernel
+    of the forward (`_Made.internal`: a norm's fp32 copy, SiLU's output that SwiGLU's product
+    reads), plus, for each kernel one of those came from, what it read from outside it (its
+    inputs, not parameters), which its backward rebuilds them from; each storage once. And the
+    part of it that tensor parallelism shards."""
+    out, out_tp = Counter(), Counter()
+    counted = {key for key, _, _, made, _ in packed if not (made is not None and made.phase is recorder.fwd and made.internal)}
+    kernels: dict[tuple, int] = {}
+    for key, unit, nbytes, made, sharded in packed:
+        if key not in counted:
+            kernels.setdefault(made.kernel, unit)
+            continue
+        out[unit] += nbytes
+        out_tp[unit] += nbytes if sharded else 0
+    for kernel, unit in kernels.items():
+        for key, nbytes in recorder.fusion.inputs.get(kernel, {}).items():
+            if key not in counted and key not in param_keys:
+                counted.add(key)
+                out[unit] += nbytes
+                out_tp[unit] += nbytes if key in recorder.sharded else 0
+    return out, out_tp
 
 
 def loss_memory(handle: ModelHandle, outputs: Any, targets: Any) -> tuple[int, int, int] | None:

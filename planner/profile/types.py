@@ -107,6 +107,14 @@ class LayerProfile:
     None in a profile written before the policy existed: read as activation_matmul_bytes."""
     activation_alternate_tp_bytes: Optional[int] = None
     """Of activation_alternate_bytes, the outputs made inside a column-wise -> row-wise region."""
+    activation_fused_bytes: Optional[int] = None
+    """What activation_bytes comes to where each chain of memory-bound ops is one fused kernel
+    (Training.fused_kernels: Transformer Engine's and Megatron's kernels, torch.compile's): a
+    kernel saves the tensors it read from outside it, not those it made and read itself (a norm's
+    fp32 copy, SiLU's output inside SwiGLU). None in a profile written before it: as
+    activation_bytes."""
+    activation_fused_tp_bytes: Optional[int] = None
+    """Of activation_fused_bytes, what tensor parallelism splits (as activation_tp_bytes)."""
     fwd_alternate_flops: int = 0
     """FLOPs of the Linear matmuls the alternate policy recomputes (every second one)."""
     fwd_alternate_io_bytes: int = 0
