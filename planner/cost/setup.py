@@ -8,10 +8,11 @@ from planner.cost.constants import ASYNC_TP_OVERLAP
 
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "fp4")
 LOW_PRECISIONS = ("fp8", "fp4")
-EP_DISPATCHES = ("all_to_all", "deepep")
 """Training precisions that run the Linear matmuls (and grouped GEMMs, under Transformer Engine)
 below 16 bits, over bf16 tensors: FP8 (torchao's Float8 or Transformer Engine's), NVFP4
 (Transformer Engine's only)."""
+EP_DISPATCHES = ("all_to_all", "deepep")
+"""How expert-parallel tokens cross nodes (Training.ep_dispatch)."""
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "alternate", "full")

@@ -634,7 +634,8 @@ def _layer_costs(
         # and brings their outputs back (two all-to-alls); backward the same for their gradients.
         # Not overlapped with compute (the experts wait for their tokens), as torchtitan runs it.
         # With TP (and its sequence parallelism) a rank sends the rows of its 1/tp of the tokens.
-        # DeepEP's kernels send a token over the network once to each node of its experts (Training.ep_dispatch).
+        # DeepEP's kernels send a token over the network once to each node of its experts
+        # (Training.ep_dispatch).
         routed = cand.tp if cand.tp > 1 and cand.sequence_parallel else 1
         a2a = (deepep_all_to_all(cluster, cand, layer.moe_experts, layer.moe_top_k, training.expert_node_limit, lk.ep)
                if training.ep_dispatch == "deepep" else comm.all_to_all(cand.ep, lk.ep))

@@ -11,9 +11,8 @@ times its members per node (hardware.Cluster).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 from planner.cost.comm import Affine, Link, all_to_all, ring_step_s
 from planner.cost.constants import LINK_EFFICIENCY
