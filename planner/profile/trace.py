@@ -300,6 +300,12 @@ class _Made:
         return self.memory_bound and not self.materialized and not self.random
 
 
+def _generation(key: int, made: _Made | None) -> tuple:
+    """One generation of a storage: what made it (a storage freed and reused is made again), or
+    the storage itself where no op of the trace made it (an input, a parameter)."""
+    return ("made", id(made)) if made is not None else ("storage", key)
+
+
 class _Fusion:
     """The memory-bound traffic of each unit and phase were its memory-bound ops fused as trainers
     run them: Transformer Engine's and Megatron-LM's fused kernels (norms, activation functions,
@@ -314,10 +320,13 @@ class _Fusion:
     charged there at the saved tensor's size; but a random one (a dropout mask) is: it cannot be
     rebuilt without the generator's state (Megatron-LM and Transformer Engine keep the mask)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sharded: set[int] | None = None) -> None:
         self.made: dict[int, _Made] = {}
         self.read: dict[int, set[tuple]] = {}  # storage -> the kernels that read (a view of) it
-        self.inputs: dict[tuple, dict[int, int]] = {}  # kernel -> the storages it read from outside it: bytes
+        # kernel -> what it read from outside it: (its maker, or the storage when none made it) ->
+        # (bytes, maker, TP-sharded); the maker tells a storage's generations apart (freed, reused)
+        self.inputs: dict[tuple, dict[tuple, tuple[int, _Made | None, bool]]] = {}
+        self.sharded = sharded if sharded is not None else set()  # storages made inside a TP region
 
     def op(self, phase: PhaseCosts, unit: int, memory_bound: bool, inputs: list[torch.Tensor],
            outputs: list[torch.Tensor], random: bool = False) -> None:
@@ -330,7 +339,9 @@ class _Fusion:
                 m.consumed = True
                 m.materialized |= not inside and (m.phase is phase or m.random)
             if memory_bound and not inside:
-                self.inputs.setdefault((id(phase), unit, level), {})[storage_key(t)] = t.untyped_storage().nbytes()
+                key = storage_key(t)
+                self.inputs.setdefault((id(phase), unit, level), {})[_generation(key, m)] = (
+                    t.untyped_storage().nbytes(), m, key in self.sharded)
                 seen = (id(phase), unit, level, t.storage_offset(), tuple(t.shape))
                 readers = self.read.setdefault(storage_key(t), set())
                 if seen not in readers:
@@ -375,7 +386,7 @@ class _Recorder(TorchDispatchMode):
         self.linear_calls: Counter = Counter()  # per unit, the forward's Linear matmuls so far
         self.other_io_tp: Counter = Counter()
         self.tail = _Tail()
-        self.fusion = _Fusion()
+        self.fusion = _Fusion(self.sharded)
         self.repeated: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # tensor -> copies of each element
 
     def _track_repeats(self, func, args: tuple, kwargs: dict, out) -> None:
@@ -659,20 +670,21 @@ def _fused_saved(packed: list[tuple[int, int, int, _Made | None, bool]], recorde
     inputs, not parameters), which its backward rebuilds them from; each storage once. And the
     part of it that tensor parallelism shards."""
     out, out_tp = Counter(), Counter()
-    counted = {key for key, _, _, made, _ in packed if not (made is not None and made.phase is recorder.fwd and made.internal)}
+    counted: set[tuple] = set()
     kernels: dict[tuple, int] = {}
     for key, unit, nbytes, made, sharded in packed:
-        if key not in counted:
+        if made is not None and made.phase is recorder.fwd and made.internal:
             kernels.setdefault(made.kernel, unit)
             continue
+        counted.add(_generation(key, made))
         out[unit] += nbytes
         out_tp[unit] += nbytes if sharded else 0
     for kernel, unit in kernels.items():
-        for key, nbytes in recorder.fusion.inputs.get(kernel, {}).items():
-            if key not in counted and key not in param_keys:
-                counted.add(key)
+        for generation, (nbytes, _, sharded) in recorder.fusion.inputs.get(kernel, {}).items():
+            if generation not in counted and not (generation[0] == "storage" and generation[1] in param_keys):
+                counted.add(generation)
                 out[unit] += nbytes
-                out_tp[unit] += nbytes if key in recorder.sharded else 0
+                out_tp[unit] += nbytes if sharded else 0
     return out, out_tp
 
 
