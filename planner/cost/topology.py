@@ -84,6 +84,11 @@ def remote_nodes_per_token(experts: int, top_k: int, nodes: int, node_limit: int
     return limit * (1 - p_none) * (nodes - 1) / nodes
 
 
+def ep_members_per_node(cluster: Cluster, cand: Candidate) -> int:
+    """Members of one expert-parallel group in a node (its ranks stride by tp x cp)."""
+    return min(cand.ep, max(1, cluster.gpus_per_node // (cand.tp * cand.cp)))
+
+
 def deepep_all_to_all(cluster: Cluster, cand: Candidate, experts: int, top_k: int, node_limit: int | None,
                       link: Link) -> Affine:
     """DeepEP's dispatch (or combine) over an expert-parallel group (Training.ep_dispatch): per byte
@@ -91,8 +96,7 @@ def deepep_all_to_all(cluster: Cluster, cand: Candidate, experts: int, top_k: in
     that holds one of its experts (`remote_nodes_per_token`), through the rank's own network port,
     while the rows that stay in the node, or arrive from the network for another GPU of it, cross
     NVLink at the same time: the longer of the two. A group inside one node is a plain all-to-all."""
-    per_node = cluster.gpus_per_node
-    members = min(cand.ep, max(1, per_node // (cand.tp * cand.cp)))
+    members = ep_members_per_node(cluster, cand)
     if cand.ep <= members or link.measured:  # inside a node, or this cluster's all-to-all measured
         return all_to_all(cand.ep, link)
     nodes = cand.ep // members
@@ -139,7 +143,7 @@ def _links(cluster: Cluster, cand: Candidate) -> Links:
         dp_replicate=_link(cluster, rep, cand.tp * cand.grad_ranks > per_node) if rep > 1 else None,
         cp=_link(cluster, cand.cp, cp_spans, min(cand.cp, max(1, per_node // cand.tp))) if cand.cp > 1 else None,
         cp_spans_nodes=cp_spans,
-        ep=_all_to_all_link(cluster, cand.ep, ep_spans, min(cand.ep, max(1, per_node // (cand.tp * cand.cp))))
+        ep=_all_to_all_link(cluster, cand.ep, ep_spans, ep_members_per_node(cluster, cand))
         if cand.ep > 1 else None,
         ep_spans_nodes=ep_spans,
         expert_dp=expert_dp,
