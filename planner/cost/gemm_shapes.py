@@ -250,18 +250,22 @@ def shape_efficiency(table: dict, rows: float, n: float, k: float) -> float:
     return total / best
 
 
-def linear_factor(table: dict, linears, rows_scale: float, split: int) -> tuple[float, float]:
-    """(forward, backward) shares of the best matmul rate that a layer's Linears reach, FLOP-
-    weighted (time = FLOPs / rate, so the harmonic mean): each Linear (rows, out n, in k, "col" |
-    "row" | "") at `rows_scale` times the profiled rows, its n ("col") or k ("row") split by
-    `split` (tensor parallelism; LayerProfile.linears). Forward runs rows x n x k; backward the input gradient (rows x k,
-    inner n) and the weight gradient (n x k, inner rows)."""
+def linear_factor(table: dict, linears, rows_scale: float, split: int, grouped=(),
+                  group_rows_scale: float = 1.0) -> tuple[float, float]:
+    """(forward, backward) shares of the best matmul rate that a layer's Linears and grouped GEMMs
+    reach, FLOP-weighted (time = FLOPs / rate, so the harmonic mean): each Linear (rows, out n, in
+    k, "col" | "row" | "") at `rows_scale` times the profiled rows, its n ("col") or k ("row") split
+    by `split` (tensor parallelism; LayerProfile.linears); each grouped GEMM (rows, n, k, groups;
+    LayerProfile.grouped_gemms) as its groups' GEMMs of `group_rows_scale` x rows / groups rows
+    each (expert parallelism gathers more rows to fewer experts), weighted by the rank's rows
+    (`rows_scale` x rows). Forward runs rows x n x k; backward the input gradient (rows x k, inner
+    n) and the weight gradient (n x k, inner rows)."""
     fwd_flops = fwd_time = bwd_flops = bwd_time = 0.0
-    for rows, n, k, role in linears:
-        r = rows * rows_scale
-        n = n / split if role.endswith("col") else n
-        k = k / split if role.endswith("row") else k
-        flops = r * n * k
+    gemms = [(rows * rows_scale, rows * rows_scale, n / split if role.endswith("col") else n,
+              k / split if role.endswith("row") else k) for rows, n, k, role in linears]
+    gemms += [(rows * rows_scale, rows * group_rows_scale / groups, n, k) for rows, n, k, groups in grouped]
+    for rows, r, n, k in gemms:
+        flops = rows * n * k
         fwd_flops += flops
         fwd_time += flops / shape_efficiency(table, r, n, k)
         bwd_flops += 2 * flops

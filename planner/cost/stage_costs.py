@@ -498,10 +498,11 @@ def _layer_costs(
         gpu = replace(gpu, attention_efficiency=attention)
     gpu_bwd = gpu
     table = SHAPE_TABLES.get(gpu.matmul_shapes) if gpu.matmul_shapes and cpu_factor is None else None
-    if table is not None and layer.linears:
+    if table is not None and (layer.linears or layer.grouped_gemms):
         # its Linears' GEMMs at this micro-batch and TP degree reach a share of the best matmul rate
-        # (small and skinny ones less: planner.cost.gemm_shapes), forward and backward
-        f_fwd, f_bwd = linear_factor(table, layer.linears, scale, shard)
+        # (small and skinny ones less: planner.cost.gemm_shapes), forward and backward; an expert's
+        # GEMM runs the rows routed to it, from every rank of its EP group (balanced routing)
+        f_fwd, f_bwd = linear_factor(table, layer.linears, scale, shard, layer.grouped_gemms, scale / shard * cand.ep)
         gpu, gpu_bwd = _matmuls_at(gpu, f_fwd), _matmuls_at(gpu, f_bwd)
     # Without sequence parallelism a block's work and tensors outside its column-wise -> row-wise
     # regions (norms, residuals, dropout) are whole on every TP rank: `whole` is that share of the

@@ -15,6 +15,7 @@ import math
 import os
 import time
 import traceback
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -415,6 +416,7 @@ def _assemble(
         "bwd_grouped_flops": per_layer(trace.bwd.grouped_flops),
         "fwd_grouped_operand_bytes": per_layer(trace.fwd.grouped_operand_bytes),
         "bwd_grouped_operand_bytes": per_layer(trace.bwd.grouped_operand_bytes),
+        "grouped_gemms": _by_shape(trace.fwd.grouped_shapes, layer_of, num_layers),
         "fwd_ops": per_layer(trace.fwd.ops),
         "bwd_ops": per_layer(trace.bwd.ops),
         "fwd_attention_flops": per_layer(trace.fwd.attention_flops),
@@ -490,6 +492,16 @@ def _assemble(
         layers[li] = replace(layers[li], tp=tp, linears=_linears(model, ordered[pos].name, layers[li].modules, tp,
                                                                  trace.io_bytes))
     return layers, edges
+
+
+def _by_shape(shapes: Counter, layer_of: dict, num_layers: int) -> list[tuple]:
+    """LayerProfile.grouped_gemms per layer: each unit's calls (trace.PhaseCosts.grouped_shapes)
+    with the same n, k and groups summed into one (rows over the calls)."""
+    out: list[Counter] = [Counter() for _ in range(num_layers)]
+    for unit, calls in shapes.items():
+        for rows, n, k, groups in calls:
+            out[layer_of.get(unit, num_layers - 1)][n, k, groups] += rows
+    return [tuple((rows, n, k, g) for (n, k, g), rows in sorted(c.items())) for c in out]
 
 
 def _linears(model: torch.nn.Module, main: str, modules: tuple[str, ...], tp: TPInfo | None,

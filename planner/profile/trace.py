@@ -159,6 +159,9 @@ class PhaseCosts:
     grouped_operand_bytes: Counter = field(default_factory=Counter)
     """Bytes of those GEMMs' operands other than parameters (the rows routed to the experts and
     their gradients: what that FP8 casts every micro-batch)."""
+    grouped_shapes: Counter = field(default_factory=Counter)
+    """Per unit, a tuple of the forward's grouped GEMMs of rows x (k -> n) per group: (rows of all
+    groups, n, k, groups), one per call (a tuple, not a count: repeats.py copies it as the rest)."""
     # What the alternate recompute policy (torchtitan's per-op selective checkpointing: keep every
     # other Linear matmul's output) recomputes beyond selective's memory-bound ops: the forward's
     # second, fourth, ... Linear matmul of each unit (runtime/recompute.py counts the same way).
@@ -436,6 +439,11 @@ class _Recorder(TorchDispatchMode):
                 costs.grouped_flops[seg] += flops
                 costs.grouped_operand_bytes[seg] += sum(
                     _nbytes(t) for t in tensors_in((args, kwargs)) if t.is_floating_point() and storage_key(t) not in self.param_keys)
+                rows, weights = args[0], args[1]
+                if not self.seg.backward and rows.dim() == 2 and weights.dim() == 3:
+                    # (rows, k) @ (groups, k, n): every group's rows in one operand, split by offsets
+                    shape = (rows.shape[0], weights.shape[2], rows.shape[1], weights.shape[0])
+                    costs.grouped_shapes[seg] = costs.grouped_shapes.get(seg, ()) + (tuple(map(int, shape)),)
             if is_attention(func):
                 costs.attention_flops[seg] += flops
                 if _arg(func, args, kwargs, "is_causal"):

@@ -100,6 +100,10 @@ class LayerProfile:
     fwd_grouped_operand_bytes: int = 0
     """Bytes of those GEMMs' operands other than the experts' weights, what that FP8 casts."""
     bwd_grouped_operand_bytes: int = 0
+    grouped_gemms: tuple[tuple[int, int, int, int], ...] = ()
+    """Its grouped GEMMs by shape: (rows of all groups over the forward's calls at the profiled
+    batch, out features n, in features k, groups), each group's rows x k @ k x n; the cost model
+    reads a group's GEMM speed from the measured table as the Linears' (planner.cost.gemm_shapes)."""
     # -- what the alternate recompute policy keeps and recomputes ---------------------------------
     activation_alternate_bytes: Optional[int] = None
     """Of activation_matmul_bytes, what the alternate policy (torchtitan's per-op selective

@@ -477,6 +477,8 @@ def test_grouped_gemms_run_in_fp8_under_transformer_engine_only(model_file):
     assert layer.bwd_grouped_flops == 2 * layer.fwd_grouped_flops
     assert layer.fwd_grouped_operand_bytes == 2 * rows * (4096 + 8192)  # the routed rows and the activation, bf16
     assert layer.fwd_linear_flops == 2 * 4 * 1024 * 4096 * 4  # the router (the head is another layer)
+    # their shapes, for the table of GEMM speeds: rows of the 4 groups, out n, in k (fc2, fc1)
+    assert layer.grouped_gemms == ((rows, 4096, 8192, 4), (rows, 8192, 4096, 4))
     cluster = make_cluster("h100-sxm-80gb", 1)
     seconds = {}
     for recipe in ("torchao", "te"):
