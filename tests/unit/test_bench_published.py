@@ -656,3 +656,35 @@ def test_numbers_written_as_text_are_read_as_numbers(tmp_path):
     plain, texted = load_rows(path)
     assert (texted.shape, texted.fixed, texted.global_batch) == (plain.shape, plain.fixed, plain.global_batch)
     assert texted.measured_step_s == pytest.approx(plain.measured_step_s)
+
+
+def test_a_free_plan_slower_than_the_published_one_says_why():
+    """The free search ranks by step time plus each plan's margin (search.margin): a plan 1% slower
+    without ZeRO-1 and with two chunks fewer beats one that must save 2% more (the bench says so);
+    one that also scores worse would be a search that missed the faster plan."""
+    from dataclasses import dataclass
+
+    from bench.published.predict import Result
+    from bench.published.report import _simpler
+    from planner.cost.setup import Candidate
+    from planner.search.search import margin
+
+    @dataclass
+    class Plan:
+        cand: Candidate
+        step_time_s: float
+
+        @property
+        def score(self):
+            return self.step_time_s * (1 + margin(self.cand))
+
+    published = Plan(Candidate(4, 8, 8, 1, 32, 1, "interleaved", 4), 50.0)
+    simpler = Plan(Candidate(8, 8, 4, 1, 64, 0, "interleaved", 2), 50.5)
+    assert margin(published.cand) - margin(simpler.cand) == pytest.approx(0.02)
+    row = object()
+    r = Result(row, published, None, 0.0, free=simpler, free_s=1.0)
+    assert "must save 2.0% more" in _simpler(r)
+    r = Result(row, published, None, 0.0, free=Plan(simpler.cand, 52.0), free_s=1.0)
+    assert "missed a faster plan" in _simpler(r)
+    r = Result(row, published, None, 0.0, free=Plan(simpler.cand, 49.0), free_s=1.0)
+    assert _simpler(r) == ""
