@@ -57,23 +57,23 @@ def print_table(results: list[Result]) -> None:
                 ratio = r.free.step_time_s / r.step_s
                 print(
                     f"{'':44s}   free search: {plan_label(r.free)}  {r.free.step_time_s:.2f} s "
-                    f"({ratio:.2f}x the published config's prediction) in {r.free_s:.1f} s{_simpler(r)}"
+                    f"({ratio:.2f}x the published config's prediction) in {r.free_s:.1f} s{_simpler(r, r.free)}"
                 )
                 if r.free_same_recompute is not None:
                     same = r.free_same_recompute.step_time_s / r.step_s
                     flag = "  <- over 1.3x faster than the published config: a symptom" if same < 1 / 1.3 else ""
                     print(f"{'':44s}   ... with its recompute: {plan_label(r.free_same_recompute)}  "
-                          f"{r.free_same_recompute.step_time_s:.2f} s ({same:.2f}x){flag}")
+                          f"{r.free_same_recompute.step_time_s:.2f} s ({same:.2f}x){flag}{_simpler(r, r.free_same_recompute)}")
 
 
-def _simpler(r: Result) -> str:
-    """Why a free plan predicted slower than the published one was chosen: the search ranks plans
-    by step time plus the margin each split, ZeRO stage and pipeline chunk must save (search.margin),
-    and the published configuration's margin is the larger."""
-    if r.free.step_time_s <= r.step_s:
+def _simpler(r: Result, found) -> str:
+    """Why a plan the free search `found`, predicted slower than the published one, was chosen:
+    the search ranks plans by step time plus the margin each split, ZeRO stage and pipeline chunk
+    must save (search.margin), and the published configuration's margin is the larger."""
+    if found.step_time_s <= r.step_s:
         return ""
-    more = margin(r.scored.cand) - margin(r.free.cand)
-    if r.free.score > r.scored.score or more <= 0:
+    more = margin(r.scored.cand) - margin(found.cand)
+    if found.score > r.scored.score or more <= 0:
         return "  <- the search missed a faster plan"
     return f"  (simpler: the published config's splits, ZeRO stage and chunks must save {more:.1%} more)"
 

@@ -3,9 +3,11 @@
 Candidates: tp x cp x pp x dp = GPUs, tp a degree every tensor-parallel block accepts (head counts,
 feature sizes) and at most a node (TP's all-reduces want NVLink: Narayanan et al. 2021, Sec. 3.2;
 a user may force more), pp at most the number of atoms, micro-batch b a power of two dividing
-the per-replica batch, m = global batch / (dp b) micro-batches, ZeRO 0-3 (0 only without data
-parallelism), the schedule (GPipe, 1F1B with m >= pp as torch runs it, interleaved 1F1B with
-v = 2-4 chunks when m comes in whole rounds of pp, as torch's ScheduleInterleaved1F1B requires:
+the per-replica batch or that batch over one (the largest that fit where a trainer sets its own:
+llm-foundry ran MPT-30B at 14 a GPU, which powers of two alone miss), m = global batch / (dp b)
+micro-batches, ZeRO 0-3 (0 only without data parallelism), the schedule
+(GPipe, 1F1B with m >= pp as torch runs it, interleaved 1F1B with v = 2-4 chunks when m comes in
+whole rounds of pp, as torch's ScheduleInterleaved1F1B requires:
 m % max(1, m // pp) == 0), with tp > 1 sequence parallelism on
 or off (on only where tp divides the sequence, as the runtime needs), and for ZeRO-2/3 over dp ranks in several nodes, HSDP (one
 shard group per node, replicas across nodes) or not; cp a degree whose 2 cp load-balanced shards
@@ -144,7 +146,8 @@ def _enumerate(
                     stats.reject(f"global batch not divisible by dp={dp}")
                     continue
                 per_replica = global_batch // dp
-                sizes = [b for b in (2**k for k in range(per_replica.bit_length())) if per_replica % b == 0]
+                twos = [2**k for k in range(per_replica.bit_length()) if per_replica % 2**k == 0]
+                sizes = sorted(set(twos) | {per_replica // t for t in twos})
                 if fixed.micro_batch is not None:  # a non-power-of-two the user asked for, too
                     sizes = [fixed.micro_batch] if per_replica % fixed.micro_batch == 0 else []
                 replicas = _hsdp_replicas(tp, dp, cp, gpus_per_node, fixed, stats)

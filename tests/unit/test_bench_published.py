@@ -683,8 +683,8 @@ def test_a_free_plan_slower_than_the_published_one_says_why():
     assert margin(published.cand) - margin(simpler.cand) == pytest.approx(0.02)
     row = object()
     r = Result(row, published, None, 0.0, free=simpler, free_s=1.0)
-    assert "must save 2.0% more" in _simpler(r)
+    assert "must save 2.0% more" in _simpler(r, r.free)
     r = Result(row, published, None, 0.0, free=Plan(simpler.cand, 52.0), free_s=1.0)
-    assert "missed a faster plan" in _simpler(r)
+    assert "missed a faster plan" in _simpler(r, r.free)
     r = Result(row, published, None, 0.0, free=Plan(simpler.cand, 49.0), free_s=1.0)
-    assert _simpler(r) == ""
+    assert _simpler(r, r.free) == ""
