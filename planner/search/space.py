@@ -3,8 +3,8 @@
 Candidates: tp x cp x pp x dp = GPUs, tp a degree every tensor-parallel block accepts (head counts,
 feature sizes) and at most a node (TP's all-reduces want NVLink: Narayanan et al. 2021, Sec. 3.2;
 a user may force more), pp at most the number of atoms, micro-batch b a power of two dividing
-the per-replica batch or that batch over one (the largest that fit where a trainer sets its own:
-llm-foundry ran MPT-30B at 14 a GPU, which powers of two alone miss), m = global batch / (dp b)
+the per-replica batch or that batch over one (llm-foundry's MPT-30B runs take 42 samples a GPU a
+step: powers of two alone offer 1 and 2, this 21 and 42 too), m = global batch / (dp b)
 micro-batches, ZeRO 0-3 (0 only without data parallelism), the schedule
 (GPipe, 1F1B with m >= pp as torch runs it, interleaved 1F1B with v = 2-4 chunks when m comes in
 whole rounds of pp, as torch's ScheduleInterleaved1F1B requires:
