@@ -72,9 +72,9 @@ def _simpler(r: Result, found) -> str:
     must save (search.margin), and the published configuration's margin is the larger."""
     if found.step_time_s <= r.step_s:
         return ""
-    more = margin(r.scored.cand) - margin(found.cand)
-    if found.score > r.scored.score or more <= 0:
+    if found.score > r.scored.score:  # otherwise its margin is the smaller: slower, yet ranked first
         return "  <- the search missed a faster plan"
+    more = margin(r.scored.cand) - margin(found.cand)
     return f"  (simpler: the published config's splits, ZeRO stage and chunks must save {more:.1%} more)"
 
 

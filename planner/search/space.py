@@ -148,7 +148,7 @@ def _enumerate(
                 per_replica = global_batch // dp
                 twos = [2**k for k in range(per_replica.bit_length()) if per_replica % 2**k == 0]
                 sizes = sorted(set(twos) | {per_replica // t for t in twos})
-                if fixed.micro_batch is not None:  # a non-power-of-two the user asked for, too
+                if fixed.micro_batch is not None:  # any size the user asked for that divides it
                     sizes = [fixed.micro_batch] if per_replica % fixed.micro_batch == 0 else []
                 replicas = _hsdp_replicas(tp, dp, cp, gpus_per_node, fixed, stats)
                 eps = _expert_parallel(profile, tp, cp, dp, pp, fixed, stats)
