@@ -136,7 +136,9 @@ def _enumerate(
                     stats.reject("context parallelism on pipeline stages split by the tracer (the runtime does not run it)")
                     continue
                 if pp > 1 and num_cuts < pp - 1:
-                    stats.reject(f"pp={pp} needs more pipeline cuts than the model's {num_cuts}"
+                    # one reason per tp, whatever the depth, so that the skipped list reads once per cause
+                    stats.reject(f"pipelines of more than {num_cuts + 1} stage{'s' if num_cuts else ''}: the model has "
+                                 f"{num_cuts} pipeline cut{'' if num_cuts == 1 else 's'}"
                                  + (f" with tp={tp}" if tp > 1 and profile.pipeline_split == "traced" else ""))
                     continue
                 dp = num_gpus // (tp * cp * pp)
