@@ -405,6 +405,24 @@ output gradient's transposed copies): a 16 x 16 random Hadamard transform, read 
 bits before the 4-bit cast (NVIDIA, "Pretraining Large Language Models with NVFP4", arXiv
 2509.25149: random Hadamard transforms on the Wgrad inputs; Transformer Engine's NVFP4BlockScaling)."""
 
+TE_SAVED_INPUT_BYTES = {"fp8": 1.0, "fp4": 0.5 + 1 / 16}
+"""Bytes per element of the input copy a Transformer Engine Linear caches for its weight gradient
+under FP8 and NVFP4 training: the quantized input, its row-wise data discarded and the column-wise
+data kept (transformer_engine/pytorch/module/linear.py, _Linear.forward: "Discard row-wise data
+since it is not needed in backward pass", saved_inputmat = the quantized inputmat), in place of
+the 16-bit input autograd would keep. FP8: one byte (a tensor's scale or MXFP8's one byte per 32
+elements aside); NVFP4: four bits and one E4M3 scale per 16 elements."""
+
+
+def te_saved_inputs_bytes(layer: LayerProfile, whole: float, precision: str, dtype_bytes: int) -> float:
+    """What a layer's Linear inputs that only Linears save (`whole`: their bytes on one rank at this
+    micro-batch, of LayerProfile.activation_linear_input_bytes) come to as Transformer Engine keeps
+    them: one low-precision copy per Linear that reads each (TE_SAVED_INPUT_BYTES)."""
+    if not layer.activation_linear_input_bytes:
+        return whole
+    copies = (layer.activation_linear_input_copies or layer.activation_linear_input_bytes) / layer.activation_linear_input_bytes
+    return whole * copies * TE_SAVED_INPUT_BYTES[precision] / dtype_bytes
+
 
 def fp8_cast_bytes(layer: LayerProfile, scale: float, shard: int, recipe: str = "torchao", fp4: bool = False) -> tuple[float, float]:
     """(forward, backward) memory-bound bytes of a layer's FP8 casts per micro-batch on one rank,
@@ -666,6 +684,11 @@ def _layer_costs(
         # fused kernels save what they read, not what they make and read themselves (the head's
         # activations are the loss's, which `fused_loss` and `compiled_loss_saving` price)
         act = split(layer.activation_fused_bytes, layer.activation_fused_tp_bytes or 0)
+    if fp8 and training.fp8_recipe == "te" and layer.activation_linear_input_bytes:
+        # Transformer Engine's Linears cache their inputs quantized for the weight gradient, not in
+        # 16 bits (torchao's Float8Linear keeps the 16-bit input: no change there)
+        whole = split(layer.activation_linear_input_bytes, layer.activation_linear_input_tp_bytes or 0)
+        act = max(0.0, act - whole + te_saved_inputs_bytes(layer, whole, training.precision, _dtype_bytes(profile)))
     kept_inputs = input_bytes * scale / (shard if split_all else 1)  # the block input: whole without SP
     # compiled (Training.compiled), selective checkpointing keeps no output that backward never reads
     sel_tail, alt_tail = ((layer.activation_matmul_tail_bytes, layer.activation_alternate_tail_bytes)

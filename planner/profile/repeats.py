@@ -380,6 +380,9 @@ def grow(trace: TraceResult, grows: list[_Grow], units: list[Unit]) -> TraceResu
         saved_tp_bytes=_grow_counter(trace.saved_tp_bytes, grows),
         saved_fused_bytes=_grow_counter(trace.saved_fused_bytes, grows),
         saved_fused_tp_bytes=_grow_counter(trace.saved_fused_tp_bytes, grows),
+        saved_linear_in_bytes=_grow_counter(trace.saved_linear_in_bytes, grows),
+        saved_linear_in_tp_bytes=_grow_counter(trace.saved_linear_in_tp_bytes, grows),
+        saved_linear_in_copies=_grow_counter(trace.saved_linear_in_copies, grows),
         matmul_out_tp_bytes=_grow_counter(trace.matmul_out_tp_bytes, grows),
         fwd_other_io_tp_bytes=_grow_counter(trace.fwd_other_io_tp_bytes, grows),
         tail=_grow_costs(trace.tail, grows),
@@ -409,13 +412,14 @@ def trace_key(trace: TraceResult) -> tuple:
         Counter(_flow_key(f) for f in trace.flows), returned, dict(trace.loose_param_use),
         _nonzero(trace.uncounted_by_unit), dict(trace.io_bytes),
         (_nonzero(trace.saved_tp_bytes), _nonzero(trace.matmul_out_tp_bytes), _nonzero(trace.fwd_other_io_tp_bytes)),
+        (_nonzero(trace.saved_linear_in_bytes), _nonzero(trace.saved_linear_in_copies)),
     )
 
 
 def _first_difference(a: tuple, b: tuple) -> str:
     names = ("call order", "costs", "saved bytes", "matmul outputs", "tensors between units",
              "returned tensors", "loose parameters", "uncounted ops", "Linear inputs and outputs",
-             "tensor-parallel shares")
+             "tensor-parallel shares", "Linear inputs saved")
     return next((n for n, x, y in zip(names, a, b) if x != y), "nothing")
 
 

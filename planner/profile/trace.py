@@ -91,6 +91,14 @@ class TraceResult:
     (a norm's fp32 copy, SiLU's output before SwiGLU's product); `_fused_saved`."""
     saved_fused_tp_bytes: Counter = field(default_factory=Counter)
     """Of saved_fused_bytes, what tensor parallelism shards (as saved_tp_bytes)."""
+    saved_linear_in_bytes: Counter = field(default_factory=Counter)
+    """Of saved_bytes, the inputs of Linear (and grouped) matmuls that only those matmuls save
+    for backward (every op that saved the storage a matmul with a weight operand): what
+    Transformer Engine keeps in FP8 instead (`_linear_saved`)."""
+    saved_linear_in_tp_bytes: Counter = field(default_factory=Counter)
+    """Of saved_linear_in_bytes, what tensor parallelism shards (as saved_tp_bytes)."""
+    saved_linear_in_copies: Counter = field(default_factory=Counter)
+    """saved_linear_in_bytes counted once per matmul that saved it (one low-precision copy each)."""
     matmul_out_tp_bytes: Counter = field(default_factory=Counter)
     """Of matmul_out_bytes, the outputs made inside such a region."""
     fwd_other_io_tp_bytes: Counter = field(default_factory=Counter)
@@ -381,6 +389,7 @@ class _Recorder(TorchDispatchMode):
         self.loose_use: dict[int, int] = {}
         self.storage_creator: dict[int, int] = {}
         self.matmul_out: Counter = Counter()
+        self.linear_inputs: Counter = Counter()  # storage -> the forward's matmuls with a weight that read it
         # tensor-parallel regions: storages made inside one, and the column/row-wise module depth
         self.sharded: set[int] = set()
         self.in_colwise = 0
@@ -435,6 +444,12 @@ class _Recorder(TorchDispatchMode):
                 operands = tensors_in((args, kwargs))
                 costs.linear_operand_bytes[seg] += sum(map(_nbytes, operands))
                 costs.linear_weight_bytes[seg] += sum(_nbytes(t) for t in operands if storage_key(t) in self.param_keys)
+            if (is_linear_matmul(func) or is_grouped_matmul(func)) and not self.seg.backward and torch.is_grad_enabled():
+                operands = tensors_in((args, kwargs))
+                if any(storage_key(t) in self.param_keys for t in operands):
+                    for t in operands:
+                        if storage_key(t) not in self.param_keys and t.is_floating_point():
+                            self.linear_inputs[storage_key(t)] += 1
             if is_grouped_matmul(func):
                 costs.grouped_flops[seg] += flops
                 costs.grouped_operand_bytes[seg] += sum(
@@ -480,6 +495,8 @@ class _Recorder(TorchDispatchMode):
                 self.sharded.update(new)
             else:  # a new storage at a freed one's address is not the old one
                 self.sharded.difference_update(new)
+            for key in new:  # nor has it been read by the old one's matmuls
+                self.linear_inputs.pop(key, None)
             if formula is not None and not kept_by_selective(func) and torch.is_grad_enabled():
                 costs.selective_flops[seg] += flops  # rerun by selective recompute
                 costs.selective_io_bytes[seg] += matmul_io
@@ -600,11 +617,13 @@ def run_trace(
     saved: Counter = Counter()
     seen_storages: set[int] = set()
     packed: list[tuple[int, int, int, _Made | None, bool]] = []  # (storage, unit, bytes, maker, TP-sharded)
+    packs: Counter = Counter()  # storage -> tensors of it saved (one per saving op and operand)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         for unit in seg.stack:  # parameters too: a checkpoint waits for every tensor saved inside it
             recorder.tail.saved(unit)
         key = storage_key(t)
+        packs[key] += 1
         if key not in param_keys and key not in seen_storages:
             seen_storages.add(key)
             unit = recorder.storage_creator.get(key, seg.current())
@@ -644,6 +663,7 @@ def run_trace(
             loss.backward()
         recorder.fusion.close()
     fused, fused_tp = _fused_saved(packed, recorder, param_keys)
+    linear_in, linear_in_tp, linear_copies = _linear_saved(packed, packs, recorder.linear_inputs)
     loss_held = loss_memory(handle, outputs, targets)
     return TraceResult(
         order=order,
@@ -659,6 +679,9 @@ def run_trace(
         saved_tp_bytes=tp_saved,
         saved_fused_bytes=fused,
         saved_fused_tp_bytes=fused_tp,
+        saved_linear_in_bytes=linear_in,
+        saved_linear_in_tp_bytes=linear_in_tp,
+        saved_linear_in_copies=linear_copies,
         matmul_out_tp_bytes=recorder.matmul_out_tp,
         fwd_other_io_tp_bytes=recorder.other_io_tp,
         tail=recorder.tail.costs,
@@ -667,6 +690,22 @@ def run_trace(
         tail_kept_alternate=recorder.tail.kept_alternate,
         loss_memory=loss_held,
     )
+
+
+def _linear_saved(packed: list[tuple[int, int, int, _Made | None, bool]], packs: Counter,
+                  linear_inputs: Counter) -> tuple[Counter, Counter, Counter]:
+    """Per unit, the saved storages that only Linear (and grouped) matmuls saved: each such
+    matmul saved it once (a matmul with a weight saves its input for the weight gradient), and
+    nothing else did (an attention output that its kernel saves too stays whole). Their bytes,
+    the part tensor parallelism shards, and the bytes once per matmul that saved them."""
+    out, out_tp, copies = Counter(), Counter(), Counter()
+    for key, unit, nbytes, _, sharded in packed:
+        uses = linear_inputs.get(key, 0)
+        if uses and packs[key] == uses:
+            out[unit] += nbytes
+            out_tp[unit] += nbytes if sharded else 0
+            copies[unit] += nbytes * uses
+    return out, out_tp, copies
 
 
 def _fused_saved(packed: list[tuple[int, int, int, _Made | None, bool]], recorder: _Recorder,

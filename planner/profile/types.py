@@ -119,6 +119,16 @@ class LayerProfile:
     activation_bytes."""
     activation_fused_tp_bytes: Optional[int] = None
     """Of activation_fused_bytes, what tensor parallelism splits (as activation_tp_bytes)."""
+    activation_linear_input_bytes: Optional[int] = None
+    """Of activation_bytes, the inputs of Linear (and grouped) matmuls that only those matmuls
+    save for backward: what Transformer Engine's FP8 and NVFP4 Linears keep quantized instead
+    (each caches its own low-precision copy of its input for the weight gradient, the 16-bit one
+    freed). None in a profile written before it: nothing replaced."""
+    activation_linear_input_tp_bytes: Optional[int] = None
+    """Of activation_linear_input_bytes, what tensor parallelism splits (as activation_tp_bytes)."""
+    activation_linear_input_copies: Optional[int] = None
+    """activation_linear_input_bytes counted once per matmul that saved it: the inputs several
+    Linears read (a model's separate q, k and v projections) are cached once by each."""
     fwd_alternate_flops: int = 0
     """FLOPs of the Linear matmuls the alternate policy recomputes (every second one)."""
     fwd_alternate_io_bytes: int = 0

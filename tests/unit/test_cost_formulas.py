@@ -532,6 +532,28 @@ def test_transformer_engine_fp8_casts_each_input_and_output_gradient_once(gpt_bf
     assert te.optimizer_traffic_per_param() == torchao.optimizer_traffic_per_param() + 6
 
 
+def test_transformer_engine_keeps_the_inputs_only_linears_save_in_fp8(gpt_bf16):
+    """gpt.py's block (s=256, h=384): autograd keeps, for its Linears alone, ln_1's output (q, k and
+    v read it: 3 matmuls), ln_2's (up) and GELU's (down, 4h): 6h bf16 values per token, 12h bytes;
+    the attention's output, which proj reads, SDPA keeps too (its 16-bit copy stays). Transformer
+    Engine's Linears cache their input quantized instead, one copy each: 3h + h + 4h values, 8h
+    bytes in FP8 (4h less per token), 4.5h in NVFP4 (half a byte and a scale per 16). torchao's
+    Float8Linear keeps the 16-bit input: no change."""
+    from planner.cost.stage_costs import atom_table
+
+    block = next(l for l in gpt_bf16.layers if l.name == "blocks.0")
+    h, s = 384, 256
+    assert (block.activation_linear_input_bytes, block.activation_linear_input_copies) == (6 * h * s * 2, 8 * h * s * 2)
+    cluster = make_cluster("b200", 1)
+    act = {}
+    for precision, recipe in (("bf16", "torchao"), ("fp8", "torchao"), ("fp8", "te"), ("fp4", "te")):
+        table = atom_table(gpt_bf16, cluster, Training(precision, "adamw", 8, 80 * 2**30, fp8_recipe=recipe), tp=1, micro_batch=2)
+        act[precision, recipe] = next(a for a in table if gpt_bf16.layers[a.first].name == "blocks.0").act_bytes[NONE]
+    assert act["fp8", "torchao"] == act["bf16", "torchao"]
+    assert act["bf16", "torchao"] - act["fp8", "te"] == pytest.approx(2 * 4 * h * s)
+    assert act["bf16", "torchao"] - act["fp4", "te"] == pytest.approx(2 * (12 - 4.5) * h * s)
+
+
 def test_nvfp4_runs_the_linear_matmuls_at_the_fp4_peak_and_transforms_the_weight_gradient_operands(gpt_bf16):
     """--precision fp4 (NVFP4, Transformer Engine's recipe): the Linear matmuls at the GPU's FP4 peak
     (at FP8's measured share: no FP4 ceiling is published), the rest at bf16's; its casts are TE's
