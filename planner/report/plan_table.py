@@ -32,6 +32,9 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
         f"  step {fmt_seconds(pr.step_time_s)} · {_rate(pr.samples_per_s, 'samples/s')}"
         + (f" · {_rate(pr.tokens_per_s, 'tokens/s')}" if pr.tokens_per_s else "")
         + f" · {pr.model_tflops_per_gpu:,.1f} model TFLOP/s per GPU · MFU {pr.mfu:.1%}"
+        # FP8 and NVFP4 plans quote it against the bf16 peak (ClusterInfo.peak_flops), as torchtitan
+        # does: their Linear matmuls run at 2-6x it, so it can pass 100%
+        + (" of the bf16 peak" if t.precision in ("fp8", "fp4") else "")
     )
     console.print(f"  binds: {escape(plan.binding)}")
 
