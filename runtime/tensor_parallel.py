@@ -37,8 +37,8 @@ no TP collective. Its gradients (experts' and router's) are partial sums over th
 summed over tp once a step by ``ExpertParallel.sync_grads``.
 
 Not as Megatron-LM: the all-gathered input of the column-wise Linears (and of the head) is saved
-whole for their backward (Megatron saves the sequence shard and gathers it again in backward), so
-those activations are not divided by tp as the cost model divides them.
+whole for their backward (Megatron saves the sequence shard and gathers it again in backward); the
+cost model counts it whole for this runtime and torchtitan (Training.tp_saves_gathered).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ Step = pipeline(T) + max_i (exposed gradient sync_i + parameter all-gather_i + o
     micro-batch's backward of rank i
     (stage_costs.StageCosts documents which collectives each ZeRO stage runs, and when)
 Memory_i = (1 + fragmentation) x (weights + grads + optimizer state (each / dp per ZeRO stage)
-           + in-flight_i x kept activations + working set [+ ZeRO-3 gathered layers]) + reserve,
+           + each stage's in-flight count x its kept activations + working set [+ ZeRO-3
+           gathered layers]) + reserve,
     with max(grads, activations and working set) for their sum where the gradients are freed
     between steps and made as backward frees the activations (StageCosts.grads_freed).
 """
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 from planner.cost.comm import exposed_after_s, overlapped_s
 from planner.cost.pipeline import pipeline_s
-from planner.cost.stage_costs import NONE, StageCosts
+from planner.cost.stage_costs import StageCosts
 
 
 @dataclass(frozen=True)
@@ -99,12 +100,11 @@ def evaluate(costs: StageCosts, bounds: list[int], choice: list[int]) -> Evaluat
         sync = exposed + costs.after_step_s(params, experts) + costs.after_step_atom_s * len(atoms)
         weights, grads, optim = costs.state_bytes(params, experts)
         weights += costs.zero3_gather_bytes
-        # each stage's activations kept whole as many times as it holds micro-batches, less what
-        # recompute saves at the rank's in-flight count (the solver's figure, partition.py)
-        whole = sum(costs.inflight_stage[s] * costs.atoms[a].act_bytes[NONE]
-                    for s in range(i, cand.num_stages, p) for a in range(bounds[s], bounds[s + 1]))
-        saved = sum(a.act_bytes[NONE] - a.act_bytes[choice[k]] for a, k in zip(atoms, atom_ids))
-        activations = whole - costs.inflight[i] * saved + costs.working_bytes
+        # each stage's activations, with their recompute choices, kept as many times as the stage
+        # holds micro-batches (the solver's figure, partition.py)
+        kept = sum(costs.inflight_stage[s] * costs.atoms[a].act_bytes[choice[a]]
+                   for s in range(i, cand.num_stages, p) for a in range(bounds[s], bounds[s + 1]))
+        activations = kept + costs.working_bytes
         if costs.grads_freed:  # made as backward frees the activations: what they add to its peak
             grads = max(0.0, grads - activations)
         reserve = costs.reserve_fixed_bytes + costs.fragmentation * (weights + grads + optim + activations)

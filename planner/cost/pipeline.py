@@ -53,19 +53,6 @@ def _inflight(schedule: str, p: int, m: int, v: int, num_stages: int) -> tuple[f
     return tuple(max(1.0, x) for x in out)
 
 
-def inflight_per_device(cand: Candidate) -> tuple[float, ...]:
-    """Each rank's in-flight micro-batches over its stages (inflight_per_stage), per stage on
-    average: what its activations are held at taken together (the search's bounds, and what
-    recompute saves on the rank, whose stages' choices the solver takes together)."""
-    return _per_device(cand.schedule, cand.pp, cand.num_microbatches, cand.virtual_stages, cand.num_stages)
-
-
-@functools.lru_cache(maxsize=4096)
-def _per_device(schedule: str, p: int, m: int, v: int, num_stages: int) -> tuple[float, ...]:
-    stages = _inflight(schedule, p, m, v, num_stages)
-    return tuple(sum(stages[s] for s in range(i, num_stages, p)) / (num_stages // p) for i in range(p))
-
-
 def pipeline_s(stage_s: list[float], cand: Candidate) -> float:
     """Time for all micro-batches to pass forward and backward through the pipeline."""
     m, v = cand.num_microbatches, cand.virtual_stages if cand.schedule == "interleaved" else 1

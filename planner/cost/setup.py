@@ -36,10 +36,12 @@ TRAINERS: dict[str, dict] = {
     # Megatron-LM, NeMo and Megatron-Bridge on Transformer Engine, with the overlaps their
     # performance recipes turn on (--overlap-grad-reduce)
     "megatron": {"recompute_whole_forward": True, "fused_kernels": True, "attention_kernel": "te", "fp8_recipe": "te",
-                 "recompute_collectives": "none", "dp_overlap": 1.0, "fused_loss": True, "p2p_overlap": True},
+                 "recompute_collectives": "none", "dp_overlap": 1.0, "fused_loss": True, "p2p_overlap": True,
+                 "tp_saves_gathered": False},
     # DeepSpeed's ZeRO (eager PyTorch kernels): ZeRO-3 gathers module by module, and its
-    # activation checkpointing is reentrant (reruns a layer's whole forward)
-    "deepspeed": {"zero3_gathers": "module", "recompute_whole_forward": True},
+    # activation checkpointing is reentrant (reruns a layer's whole forward); its tensor
+    # parallelism Megatron-LM's (Megatron-DeepSpeed)
+    "deepspeed": {"zero3_gathers": "module", "recompute_whole_forward": True, "tp_saves_gathered": False},
     # NeMo AutoModel (NVIDIA's PyTorch backend: FSDP2, torch pipelining, expert parallelism with
     # DeepEP) on Transformer Engine's kernels (its BackendConfig: TE Linear, RMSNorm and attention,
     # fused RoPE); the Hugging Face model's 16-bit parameters are what FSDP2 shards and
@@ -85,6 +87,13 @@ class Training:
     non-reentrant checkpoint with early stop, which this runtime and torchtitan run; a compiled
     recompute likewise): a block's last matmul is not rerun (LayerProfile.fwd_tail_*)."""
 
+    tp_saves_gathered: bool = True
+    """With sequence parallelism, what a block's column-wise Linears save of the input they share
+    (the attention's, the MLP's, gathered from the sequence shards): DTensor's tensor parallelism
+    (this runtime, runtime/tensor_parallel.py; torchtitan) keeps the all-gathered input whole, as
+    autograd saves any matmul input; Megatron-LM's (Transformer Engine's Linears with
+    sequence_parallel) keeps the rank's shard and gathers it again in backward (Korthikanti et al.
+    2022, Sec. 4.2.2): False."""
     dp_overlap: float | None = None
     """The share of the data-parallel traffic that the trainer hides behind compute (the shorter of
     the two, as comm.overlapped_s has it); None: the cost model's OVERLAP_EFFICIENCY, fitted on the

@@ -44,7 +44,7 @@ from planner.cost.constants import (
     RESERVE_GPU_BYTES,
 )
 from planner.cost.memo import cache_of
-from planner.cost.pipeline import inflight_per_device, inflight_per_stage
+from planner.cost.pipeline import inflight_per_stage
 from planner.cost.setup import LOW_PRECISIONS, RECOMPUTE, Candidate, Training
 from planner.cost.topology import Links, deepep_all_to_all, links
 from planner.hardware import Cluster
@@ -117,12 +117,9 @@ class StageCosts:
 
     cand: Candidate
     atoms: tuple[AtomCost, ...]
-    inflight: tuple[float, ...]
-    """Per pipeline rank: the micro-batches' activations its stages hold at peak, on average
-    (pipeline.inflight_per_device: the search's bounds, and what recompute saves)."""
     inflight_stage: tuple[float, ...]
     """Per stage (s on rank s % pp): the micro-batches' activations it holds at peak (what its
-    activations kept whole cost; held_bytes)."""
+    activations, with their recompute choices, cost: evaluate.py and the partitioner)."""
     weight_bytes: int
     grad_bytes: int
     optim_bytes: int
@@ -499,7 +496,8 @@ def _layer_costs(
 ) -> tuple:
     """(fwd_s, bwd_s, tp_comm_s, cp_comm_s, ep_comm_s, extra_s, act_bytes, params, expert params)
     of one layer, per micro-batch."""
-    if cand.ep > 1 and layer.tp is not None and layer.tp.moe:
+    under_ep = cand.ep > 1 and layer.tp is not None and layer.tp.moe
+    if under_ep:
         # Expert parallelism leaves the mixture-of-experts blocks whole (torchtitan's ETP = 1): their
         # Linears are not split by TP, nor counted in its parameters, collectives and host overhead
         # below; with sequence parallelism (which EP with TP needs) each tp rank runs the block on
@@ -689,6 +687,12 @@ def _layer_costs(
         # 16 bits (torchao's Float8Linear keeps the 16-bit input: no change there)
         whole = split(layer.activation_linear_input_bytes, layer.activation_linear_input_tp_bytes or 0)
         act = max(0.0, act - whole + te_saved_inputs_bytes(layer, whole, training.precision, _dtype_bytes(profile)))
+    if split_all and shard > 1 and training.tp_saves_gathered and layer.activation_linear_input_bytes and not under_ep:
+        # with sequence parallelism DTensor's TP saves what it gathers for the column-wise Linears
+        # whole (Training.tp_saves_gathered): their inputs outside the TP regions (the norms'
+        # outputs), divided by tp above with the rest. Not under EP, whose blocks take the shards.
+        gathered = layer.activation_linear_input_bytes - (layer.activation_linear_input_tp_bytes or 0)
+        act += gathered * scale * (1 - 1 / shard)
     kept_inputs = input_bytes * scale / (shard if split_all else 1)  # the block input: whole without SP
     # compiled (Training.compiled), selective checkpointing keeps no output that backward never reads
     sel_tail, alt_tail = ((layer.activation_matmul_tail_bytes, layer.activation_alternate_tail_bytes)
@@ -904,7 +908,6 @@ def stage_costs(
     return StageCosts(
         cand=cand,
         atoms=atoms,
-        inflight=inflight_per_device(cand),
         inflight_stage=inflight_per_stage(cand),
         weight_bytes=w,
         grad_bytes=g,

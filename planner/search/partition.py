@@ -11,8 +11,9 @@ Variables
     o_sg in Z, [u, n_g u]     ... at this offset:  E_s = sum_g (a_g u_sg + o_sg)
     w_gs = n_g sum_{h>g} u_sh + o_sg     atoms of segment g in stages <= s (w_{g,S-1} = n_g)
     c_gs = w_gs - w_g,s-1     atoms of segment g in stage s
-    r_kgi in Z>=0             atoms of segment g on rank i with recompute choice k (selective,
-                              alternate, full; sum_k r_kgi <= sum of c_gs over the rank's stages s)
+    r_kgs in Z>=0             atoms of segment g in stage s with recompute choice k (selective,
+                              alternate, full; sum_k r_kgs <= c_gs; none where an interleaved
+                              schedule's fixed chunk s holds none of g)
     T_i >= 0                  time per micro-batch of rank i;  M >= T_i
     X_i >= 0                  exposed gradient sync of rank i;  U >= sync_i
 Constraints
@@ -20,14 +21,17 @@ Constraints
                  least atoms (StageCosts.min_first_atoms: where the layers run in sequence)
     [Order]      E_s >= E_{s-1} + 1                           every stage non-empty
     [Chunks]     interleaved schedules only: E_s fixed to the balanced split of the atoms
-    [Recompute]  sum_k r_kgi <= sum_{s on i} c_gs   (or r_kgi = that for a fixed choice k)
+    [Recompute]  sum_k r_kgs <= c_gs   (or r_kgs = c_gs for a fixed choice k)
     [Time]       T_i >= B_i + (1 - e) D_i,  T_i >= D_i + (1 - e) B_i   (comm.overlapped_s)
-                 B_i = sum_g (sum_{s on i} c_gs t_g + sum_k r_kgi d_kg) + p2p  (t = fwd + bwd),
+                 B_i = sum_{s on i} sum_g (c_gs t_g + sum_k r_kgs d_kg) + p2p  (t = fwd + bwd),
                  D_i = ZeRO-2/3's bytes per micro-batch (0 otherwise); both rows carry the
                  collectives' latency per atom (per gather under ZeRO-3: AtomCost.gathers)
                  M >= T_i
-    [Memory]     (1 + frag)(params_i (w/z3 + g/z2 + o/z1) + infl_i (sum c act0 - sum_k r_k (act0 - act_k))
+    [Memory]     (1 + frag)(params_i (w/z3 + g/z2 + o/z1)
+                 + sum_{s on i} infl_s sum_g (c_gs act0_g - sum_k r_kgs (act0_g - act_kg))
                  + working + gathered) + reserve <= limit        for each rank i
+                 (each stage's activations at its own in-flight count: interleaved chunks hold
+                 different counts)
     [Sync]       X_i >= tail,  X_i >= grad_sync(params_i) - e backward_i,
                  X_i >= (1 - e) grad_sync(params_i)   (comm.exposed_after_s);
                  U >= X_i + param_gather(params_i, atoms_i) + optimizer(params_i)
@@ -149,31 +153,43 @@ def solve_partition(
                 expr[o[s, g]] = 1.0
             w[g, s] = expr
         w[g, S - 1] = {None: float(seg.count)}
-    # atoms of segment g on rank i: its stages' counts, w_gs - w_g,s-1 summed over s on rank i
+    # atoms of segment g in stage s (w_gs - w_g,s-1), and on rank i (its stages' counts)
+    cnt_stage: dict[tuple[int, int], dict] = {}
+    for g in range(len(segs)):
+        for s in range(S):
+            expr: dict = {}
+            _add(expr, w[g, s], 1.0)
+            if s > 0:
+                _add(expr, w[g, s - 1], -1.0)
+            cnt_stage[g, s] = expr
     cnt: dict[tuple[int, int], dict] = {}
     for g in range(len(segs)):
         for i in range(p):
-            expr: dict = {}
+            expr = {}
             for s in range(i, S, p):
-                _add(expr, w[g, s], 1.0)
-                if s > 0:
-                    _add(expr, w[g, s - 1], -1.0)
+                _add(expr, cnt_stage[g, s], 1.0)
             cnt[g, i] = expr
 
-    # -- [Recompute]: counts per rank (its chunks' atoms of a segment are interchangeable) ----
-    # r[k, g, i]: atoms of segment g on rank i with recompute choice k (NONE: the rest)
+    # -- [Recompute]: counts per stage (its atoms of a segment are interchangeable) -----------
+    # r[k, g, s]: atoms of segment g in stage s with recompute choice k (NONE: the rest); a stage
+    # apart from the rank's others, since its activations are held at its own in-flight count
+    # (interleaved chunks hold different counts). Without interleaving a stage is its rank.
     fixed_kind = None if recompute is None else KIND_OF[recompute]
     r: dict[tuple[int, int, int], dict] = {}
     for g, seg in enumerate(segs):
-        for i in range(p):
+        for s in range(S):
             if fixed_kind is not None:
                 for k in RECOMPUTING:
-                    r[k, g, i] = cnt[g, i] if k == fixed_kind else {}
+                    r[k, g, s] = cnt_stage[g, s] if k == fixed_kind else {}
                 continue
-            chosen = [_var(prob, f"r{k}_{g}_{i}", 0, seg.count, cat="Integer") for k in RECOMPUTING]
+            if v > 1 and not _overlap(chunks[s], chunks[s + 1], seg):
+                for k in RECOMPUTING:  # the fixed chunk holds none of the segment
+                    r[k, g, s] = {}
+                continue
+            chosen = [_var(prob, f"r{k}_{g}_{s}", 0, seg.count, cat="Integer") for k in RECOMPUTING]
             for k, var in zip(RECOMPUTING, chosen):
-                r[k, g, i] = {var: 1.0}
-            prob += pulp.lpSum(chosen) <= _expr(cnt[g, i]), f"recompute_{g}_{i}"
+                r[k, g, s] = {var: 1.0}
+            prob += pulp.lpSum(chosen) <= _expr(cnt_stage[g, s]), f"recompute_{g}_{s}"
 
     # -- per-rank sums ----------------------------------------------------------------------
     def rank_sum(i: int, per_atom) -> pulp.LpAffineExpression:
@@ -183,25 +199,21 @@ def solve_partition(
             base = per_atom(atom, NONE)
             _add(expr, cnt[g, i], base)
             for k in RECOMPUTING:
-                _add(expr, r[k, g, i], per_atom(atom, k) - base)
+                for s in range(i, S, p):
+                    _add(expr, r[k, g, s], per_atom(atom, k) - base)
         return _expr(expr)
 
     def held_activations(i: int) -> pulp.LpAffineExpression:
-        """Rank i's activations at the schedule's peak: each stage's activations kept whole times
-        its in-flight micro-batches (StageCosts.inflight_stage), less what recompute saves at the
-        rank's in-flight count (StageCosts.inflight): the rank's stages take their recompute
-        choices together (their atoms of a segment are interchangeable); evaluate.py counts the same."""
+        """Rank i's activations at the schedule's peak: each stage's activations kept times its
+        in-flight micro-batches (StageCosts.inflight_stage), with its recompute choices; evaluate.py
+        counts the same."""
         expr: dict = {}
         for s in range(i, S, p):
             for g, seg in enumerate(segs):
-                kept_none = costs.atoms[seg.start].act_bytes[NONE]
-                _add(expr, w[g, s], costs.inflight_stage[s] * kept_none)
-                if s > 0:
-                    _add(expr, w[g, s - 1], -costs.inflight_stage[s] * kept_none)
-        for g, seg in enumerate(segs):
-            atom = costs.atoms[seg.start]
-            for k in RECOMPUTING:
-                _add(expr, r[k, g, i], costs.inflight[i] * (atom.act_bytes[k] - atom.act_bytes[NONE]))
+                atom = costs.atoms[seg.start]
+                _add(expr, cnt_stage[g, s], costs.inflight_stage[s] * atom.act_bytes[NONE])
+                for k in RECOMPUTING:
+                    _add(expr, r[k, g, s], costs.inflight_stage[s] * (atom.act_bytes[k] - atom.act_bytes[NONE]))
         return _expr(expr)
 
     # Time rows are in units of `unit` (one micro-batch through the whole model), so that every
@@ -288,17 +300,18 @@ def solve_partition(
     bounds = [0] + [int(round(pulp.value(E[s]))) for s in range(S - 1)] + [A]
     choice = [NONE] * A
     for g, seg in enumerate(segs):
-        for i in range(p):
-            ids = [
-                a
-                for s in range(i, S, p)
-                for a in range(max(bounds[s], seg.start), min(bounds[s + 1], seg.start + seg.count))
-            ]
-            # the rank's atoms of the segment are interchangeable: the leanest choices first
-            kinds = [k for k in reversed(RECOMPUTING) for _ in range(int(round(pulp.value(_expr(r[k, g, i])) or 0)))]
+        for s in range(S):
+            ids = range(max(bounds[s], seg.start), min(bounds[s + 1], seg.start + seg.count))
+            # the stage's atoms of the segment are interchangeable: the leanest choices first
+            kinds = [k for k in reversed(RECOMPUTING) for _ in range(int(round(pulp.value(_expr(r[k, g, s])) or 0)))]
             for atom, k in zip(ids, kinds):
                 choice[atom] = k
     return PartitionResult(status, tuple(bounds), tuple(choice), pulp.value(prob.objective) * unit, elapsed)
+
+
+def _overlap(first: int, end: int, seg) -> bool:
+    """Whether atoms first:end hold any of segment `seg`'s."""
+    return max(first, seg.start) < min(end, seg.start + seg.count)
 
 
 def _var(prob: pulp.LpProblem, name: str, low=None, up=None, cat: str = "Continuous") -> pulp.LpVariable:

@@ -444,8 +444,9 @@ def _interleaved_ranks(costs: StageCosts, kind: int, free: bool) -> list[float]:
     """Each rank's least seconds per micro-batch over its interleaved chunks (rank i holds chunks
     i, i + pp, ...: the balanced split the partitioner fixes), with recompute `kind` everywhere.
     With recompute `free` (kind none), a rank over the memory limit must recompute at least the
-    bytes it is over (at its in-flight count and the fragmentation on top, as evaluate counts
-    them), at no better than the least seconds per byte its atoms offer (inf: none can save)."""
+    bytes it is over (at its stages' largest in-flight count, which no recomputed byte saves more
+    than, and the fragmentation on top, as evaluate counts them), at no better than the least
+    seconds per byte its atoms offer (inf: none can save)."""
     cand = costs.cand
     S, p = cand.num_stages, cand.pp
     ranks, stage_act = costs.atoms.memo(("interleaved ranks", kind, S, p, costs.latency_key),
@@ -459,7 +460,9 @@ def _interleaved_ranks(costs: StageCosts, kind: int, free: bool) -> list[float]:
             over = costs.device_bytes(held) - costs.limit_bytes
             if over > 0:
                 offers = costs.atoms.memo(("recompute offers", kind, S, p, i), lambda: _recompute_offers(costs, atoms, kind))
-                t += _least_recompute_on(offers, over / ((1 + costs.fragmentation) * costs.inflight[i]))
+                # a byte recomputed saves its stage's in-flight count of bytes: at most the rank's largest
+                most = max(costs.inflight_stage[s] for s in range(i, S, p))
+                t += _least_recompute_on(offers, over / ((1 + costs.fragmentation) * most))
         out.append(t)
     return out
 

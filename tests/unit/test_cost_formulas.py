@@ -13,7 +13,7 @@ import pytest
 from planner.cost import comm
 from planner.cost.constants import ASYNC_TP_OVERLAP, DDP_BUCKET_BYTES, LINK_EFFICIENCY, MEMORY_EFFICIENCY, OVERLAP_EFFICIENCY
 from planner.cost.evaluate import evaluate
-from planner.cost.pipeline import inflight_per_device, inflight_per_stage, pipeline_s
+from planner.cost.pipeline import inflight_per_stage, pipeline_s
 from planner.cost.setup import Candidate, Training
 from planner.cost.stage_costs import NONE, stage_costs, tp_collectives_s
 from planner.hardware import make_cluster
@@ -55,8 +55,6 @@ def test_pipeline_schedules(schedule, v, expect_s, per_stage):
     cand = Candidate(tp=1, pp=4, dp=1, micro_batch=1, num_microbatches=8, zero=0, schedule=schedule, virtual_stages=v)
     assert pipeline_s([1.0] * 4, cand) == pytest.approx(expect_s)
     assert inflight_per_stage(cand) == pytest.approx(per_stage)
-    # per rank, its stages' on average (what the search's bounds and recompute's savings use)
-    assert inflight_per_device(cand) == pytest.approx([sum(per_stage[i::4]) / v for i in range(4)])
     # the slowest stage sets the pace: (m - 1) max + sum for one chunk per rank
     if v == 1:
         assert pipeline_s([1.0, 2.0, 1.0, 1.0], cand) == pytest.approx(7 * 2 + 5)
@@ -68,6 +66,29 @@ def _costs(zero: int, dp: int = 4, m: int = 4, gpus_per_node: int | None = None,
     training = Training("bf16", "adamw", dp * m, 80 * 2**30, dp_overlap=dp_overlap)
     cand = Candidate(tp=1, pp=1, dp=dp, micro_batch=1, num_microbatches=m, zero=zero, schedule="1f1b")
     return profile, stage_costs(profile, cluster, training, cand)
+
+
+def test_each_stage_holds_its_activations_at_its_own_in_flight_count():
+    """Interleaved 1F1B, 2 ranks x 2 chunks, 4 micro-batches in rounds of 2: rank 0 runs 2(p-1) +
+    p + 1 = 5 forwards before its first backward (chunk 0, 0, 1, 1, 0: stages 0 and 2 hold 3 and
+    2), rank 1 three (stages 1 and 3 hold 2 and 1). With every atom recomputed, a rank keeps each
+    stage's recomputed activations at that stage's count: rank 1, 2 x stage 1's + 1 x stage 3's
+    (the head's, which recompute does not lower), not its mean 1.5 x both."""
+    from planner.cost.stage_costs import FULL
+    from planner.search.partition import balanced_split
+
+    profile = synthetic_profile(n_blocks=6)
+    cand = Candidate(tp=1, pp=2, dp=1, micro_batch=1, num_microbatches=4, zero=0, schedule="interleaved", virtual_stages=2)
+    costs = stage_costs(profile, make_cluster("a100-80gb", 2), Training("bf16", "adamw", 4, 80 * 2**30), cand)
+    assert costs.inflight_stage == (3, 2, 2, 1)
+    bounds = balanced_split(costs, FULL, 4, 2)
+    ev = evaluate(costs, bounds, [FULL] * len(costs.atoms))
+
+    def kept(s):
+        return sum(costs.atoms[a].act_bytes[FULL] for a in range(bounds[s], bounds[s + 1]))
+
+    assert ev.devices[0].activations_bytes == pytest.approx(3 * kept(0) + 2 * kept(2) + costs.working_bytes)
+    assert ev.devices[1].activations_bytes == pytest.approx(2 * kept(1) + 1 * kept(3) + costs.working_bytes)
 
 
 @pytest.mark.parametrize("zero,per_param", [
@@ -348,15 +369,24 @@ def test_profile_splits_what_tp_shards_without_sequence_parallelism(gpt_bf16):
 
 
 def test_sequence_parallelism_splits_the_rest(gpt_bf16):
+    """With sequence parallelism every tensor the block saves is split over the tp ranks but the
+    input its column-wise Linears share, gathered from the sequence shards: DTensor's TP (this
+    runtime, torchtitan) saves that whole, gpt.py's two norm outputs (q, k, v read ln_1's, up
+    ln_2's: 2 sbh bytes); Megatron-LM's keeps the shard and gathers it again in backward."""
     from planner.cost.stage_costs import atom_table
 
     cluster, training = make_cluster("a100-80gb", 2), Training("bf16", "adamw", 8, 80 * 2**30)
     on = atom_table(gpt_bf16, cluster, training, tp=2, micro_batch=256, sequence_parallel=True)
     off = atom_table(gpt_bf16, cluster, training, tp=2, micro_batch=256, sequence_parallel=False)
+    megatron = atom_table(gpt_bf16, cluster, replace(training, tp_saves_gathered=False), tp=2, micro_batch=256,
+                          sequence_parallel=True)
     i = next(k for k, a in enumerate(on) if gpt_bf16.layers[a.first].name == "blocks.0")
     block = gpt_bf16.layers[on[i].first]
     scale = 256 / gpt_bf16.batch_size
-    assert on[i].act_bytes[NONE] == pytest.approx(block.activation_bytes * scale / 2)
+    sbh = 256 * 384 * 2
+    assert block.activation_linear_input_bytes - block.activation_linear_input_tp_bytes == 2 * sbh
+    assert megatron[i].act_bytes[NONE] == pytest.approx(block.activation_bytes * scale / 2)
+    assert on[i].act_bytes[NONE] == pytest.approx((block.activation_bytes / 2 + 2 * sbh / 2) * scale)
     tp_part = block.activation_tp_bytes
     assert off[i].act_bytes[NONE] == pytest.approx((tp_part / 2 + block.activation_bytes - tp_part) * scale)
     assert off[i].fwd_s > on[i].fwd_s  # norms and residuals run whole on both ranks (memory-bound at 256 x 256 tokens)
