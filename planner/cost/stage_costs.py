@@ -496,8 +496,7 @@ def _layer_costs(
 ) -> tuple:
     """(fwd_s, bwd_s, tp_comm_s, cp_comm_s, ep_comm_s, extra_s, act_bytes, params, expert params)
     of one layer, per micro-batch."""
-    under_ep = cand.ep > 1 and layer.tp is not None and layer.tp.moe
-    if under_ep:
+    if cand.ep > 1 and layer.tp is not None and layer.tp.moe:
         # Expert parallelism leaves the mixture-of-experts blocks whole (torchtitan's ETP = 1): their
         # Linears are not split by TP, nor counted in its parameters, collectives and host overhead
         # below; with sequence parallelism (which EP with TP needs) each tp rank runs the block on
@@ -687,10 +686,11 @@ def _layer_costs(
         # 16 bits (torchao's Float8Linear keeps the 16-bit input: no change there)
         whole = split(layer.activation_linear_input_bytes, layer.activation_linear_input_tp_bytes or 0)
         act = max(0.0, act - whole + te_saved_inputs_bytes(layer, whole, training.precision, _dtype_bytes(profile)))
-    if split_all and shard > 1 and training.tp_saves_gathered and layer.activation_linear_input_bytes and not under_ep:
+    if split_all and shard > 1 and training.tp_saves_gathered and layer.activation_linear_input_bytes:
         # with sequence parallelism DTensor's TP saves what it gathers for the column-wise Linears
         # whole (Training.tp_saves_gathered): their inputs outside the TP regions (the norms'
-        # outputs), divided by tp above with the rest. Not under EP, whose blocks take the shards.
+        # outputs), divided by tp above with the rest. Under EP a mixture-of-experts block takes
+        # the shard, not gathered: its input is counted as without EP (whole), the same figure.
         gathered = layer.activation_linear_input_bytes - (layer.activation_linear_input_tp_bytes or 0)
         act += gathered * scale * (1 - 1 / shard)
     kept_inputs = input_bytes * scale / (shard if split_all else 1)  # the block input: whole without SP
