@@ -413,11 +413,10 @@ elements aside); NVFP4: four bits and one E4M3 scale per 16 elements."""
 
 def te_saved_inputs_bytes(layer: LayerProfile, whole: float, precision: str, dtype_bytes: int) -> float:
     """What a layer's Linear inputs that only Linears save (`whole`: their bytes on one rank at this
-    micro-batch, of LayerProfile.activation_linear_input_bytes) come to as Transformer Engine keeps
-    them: one low-precision copy per Linear that reads each (TE_SAVED_INPUT_BYTES)."""
-    if not layer.activation_linear_input_bytes:
-        return whole
-    copies = (layer.activation_linear_input_copies or layer.activation_linear_input_bytes) / layer.activation_linear_input_bytes
+    micro-batch, of LayerProfile.activation_linear_input_bytes, which is not 0) come to as
+    Transformer Engine keeps them: one low-precision copy per Linear that reads each
+    (TE_SAVED_INPUT_BYTES)."""
+    copies = layer.activation_linear_input_copies / layer.activation_linear_input_bytes
     return whole * copies * TE_SAVED_INPUT_BYTES[precision] / dtype_bytes
 
 

@@ -445,11 +445,11 @@ class _Recorder(TorchDispatchMode):
                 costs.linear_operand_bytes[seg] += sum(map(_nbytes, operands))
                 costs.linear_weight_bytes[seg] += sum(_nbytes(t) for t in operands if storage_key(t) in self.param_keys)
             if (is_linear_matmul(func) or is_grouped_matmul(func)) and not self.seg.backward and torch.is_grad_enabled():
-                operands = tensors_in((args, kwargs))
-                if any(storage_key(t) in self.param_keys for t in operands):
-                    for t in operands:
-                        if storage_key(t) not in self.param_keys and t.is_floating_point():
-                            self.linear_inputs[storage_key(t)] += 1
+                keyed = [(storage_key(t), t) for t in tensors_in((args, kwargs))]
+                if any(key in self.param_keys for key, _ in keyed):  # a matmul with a weight: its other operands
+                    for key, t in keyed:
+                        if key not in self.param_keys and t.is_floating_point():
+                            self.linear_inputs[key] += 1
             if is_grouped_matmul(func):
                 costs.grouped_flops[seg] += flops
                 costs.grouped_operand_bytes[seg] += sum(

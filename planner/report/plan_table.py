@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from planner.cost.setup import LOW_PRECISIONS
 from planner.plan import Plan
 from planner.report.units import fmt_bytes, fmt_count, fmt_seconds, make_console
 
@@ -34,7 +35,7 @@ def render_plan(plan: Plan, console: Console | None = None) -> None:
         + f" · {pr.model_tflops_per_gpu:,.1f} model TFLOP/s per GPU · MFU {pr.mfu:.1%}"
         # FP8 and NVFP4 plans quote it against the bf16 peak (ClusterInfo.peak_flops), as torchtitan
         # does: their Linear matmuls run at 2-6x it, so it can pass 100%
-        + (" of the bf16 peak" if t.precision in ("fp8", "fp4") else "")
+        + (" of the bf16 peak" if t.precision in LOW_PRECISIONS else "")
     )
     console.print(f"  binds: {escape(plan.binding)}")
 
