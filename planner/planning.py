@@ -239,8 +239,9 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
         f"across nodes per GPU" + (" (--inter-node-gbps)" if request.inter_node_gbps else "") + " (plan gpus: sources)",
         f"efficiencies: matmuls {constants.MATMUL_EFFICIENCY:.0%} of this GPU's best measured matmul rate "
         f"({cluster.gpu.matmul_efficiency:.1%} of peak: {cluster.gpu.matmul_efficiency * constants.MATMUL_EFFICIENCY:.0%} in all"
-        + (f"; {request.precision.upper()} ones {low_share:.1%} of the {request.precision.upper()} peak: "
-           f"{low_share * constants.MATMUL_EFFICIENCY:.0%}" if request.precision in LOW_PRECISIONS else "") + "), "
+        + (f"; {request.precision.upper()} ones {low_share:.1%} of the {request.precision.upper()} peak"
+           + (" (what its bf16 and FP8 ceilings give)" if request.precision == "fp4" else "")
+           + f": {low_share * constants.MATMUL_EFFICIENCY:.0%}" if request.precision in LOW_PRECISIONS else "") + "), "
         + (f"fused attention {attention:.0%} of peak at long sequences ("
            + (f"torch {'.'.join(map(str, torch_release()))}'s SDPA runs cuDNN's kernels on this GPU; " if sdpa_cudnn else "")
            + f"causal: half its FLOPs; each query row's fixed work: {constants.ATTENTION_ROW_KEYS} keys' worth), "

@@ -586,7 +586,7 @@ def test_transformer_engine_keeps_the_inputs_only_linears_save_in_fp8(gpt_bf16):
 
 def test_nvfp4_runs_the_linear_matmuls_at_the_fp4_peak_and_transforms_the_weight_gradient_operands(gpt_bf16):
     """--precision fp4 (NVFP4, Transformer Engine's recipe): the Linear matmuls at the GPU's FP4 peak
-    (at FP8's measured share: no FP4 ceiling is published), the rest at bf16's; its casts are TE's
+    (at the share its bf16 and FP8 ceilings give: GPUSpec.matmul_share), the rest at bf16's; its casts are TE's
     FP8 ones plus a Hadamard transform (read and written) of both weight-gradient operands; its
     weights cast once a step to half a byte and its transpose."""
     from planner.cost.compute import Work, roofline_s
@@ -598,7 +598,7 @@ def test_nvfp4_runs_the_linear_matmuls_at_the_fp4_peak_and_transforms_the_weight
     gb300 = get_gpu("gb300")
     rate = gb300.matmul_efficiency * MATMUL_EFFICIENCY
     work = Work(flops=3e15, matmul_bytes=0.0, other_bytes=0.0, ops=1, fp8_flops=2e15)
-    fp4 = 2e15 / (15000e12 * gb300.fp8_matmul_efficiency * MATMUL_EFFICIENCY)
+    fp4 = 2e15 / (15000e12 * gb300.matmul_share("fp4") * MATMUL_EFFICIENCY)
     assert roofline_s(work, gb300, "fp4") == pytest.approx(1e15 / (2500e12 * rate) + fp4)
     assert roofline_s(work, gb300, "fp4") < roofline_s(work, gb300, "fp8")
     block = next(l for l in gpt_bf16.layers if l.name == "blocks.0")
@@ -610,6 +610,24 @@ def test_nvfp4_runs_the_linear_matmuls_at_the_fp4_peak_and_transforms_the_weight
     assert nvfp4.optimizer_traffic_per_param() == fp8.optimizer_traffic_per_param() - 1
     with pytest.raises(BadInput, match="no fp4 peak"):
         roofline_s(work, get_gpu("h100-sxm-80gb"), "fp4")
+
+
+def test_the_fp4_ceiling_follows_from_the_bf16_and_fp8_ones():
+    """1 / ceiling = a / peak + c: a matmul's time per FLOP runs at the tensor cores' rate but for a
+    part that does not speed up with the precision. Hand case: bf16 1,000 of 2,000, FP8 1,600 of
+    4,000: 1/1000 - 1/1600 = a (1/2000 - 1/4000), a = 1.5, c = 1/1000 - 1.5/2000 = 1/4000; FP4 at
+    8,000: 1 / (1.5/8000 + 1/4000) = 2,285.7, 28.6% of its peak. FP8 at bf16's share: no fixed
+    part, FP4 at that share too. The B200's MAMF figures give the NVFP4 ceiling measured on it (6,624)."""
+    from planner.gpu_spec import low_precision_share
+    from planner.hardware import get_gpu
+
+    assert low_precision_share(((2000, 0.5), (4000, 0.4)), 8000) == pytest.approx(2285.714 / 8000, rel=1e-5)
+    assert low_precision_share(((2000, 0.7), (4000, 0.7)), 8000) == pytest.approx(0.7)
+    b200 = low_precision_share(((2250, 1745 / 2250), (4500, 3432.5 / 4500)), 9000)
+    assert b200 * 9000 == pytest.approx(6624, rel=0.005)
+    gb300 = get_gpu("gb300")  # its FP8 share 4 points under its bf16 one: NVFP4 at about 62% of its peak
+    assert gb300.matmul_share("fp4") == pytest.approx(0.616, abs=0.002) and gb300.matmul_share("fp8") == 0.745
+    assert get_gpu("h100-sxm-80gb").matmul_share("fp4") == get_gpu("h100-sxm-80gb").matmul_share("fp8")
 
 
 def _pipelined(zero: int, m: int = 4):
