@@ -51,24 +51,26 @@ def _at_nearest(steps: tuple[tuple[int, str, float], ...], processes: int, name:
     return next(s for n, k, s in steps if n == nearest and k == name)
 
 
-
 def low_precision_share(ceilings: tuple[tuple[float, float], tuple[float, float]], peak: float) -> float:
     """The share of `peak` (a lower precision's dense peak) that its best matmul reaches, from the
     (dense peak, measured share) of two higher precisions (16-bit and FP8). A matmul's time per
-    FLOP is a part that runs at the tensor cores' rate, a / peak (a >= 1: clocks under the power
-    limit, waves), and a part that does not speed up with the precision, c (its loads and epilogue):
+    FLOP is a part that runs at the tensor cores' rate, a / peak (a: clocks under the power limit,
+    partial waves), and a part that does not speed up with the precision, c (its loads and epilogue):
     1 / ceiling = a / peak + c, two equations for a and c. A part whose FP8 matmuls reach the same
     share as its 16-bit ones has no such fixed part (c = 0): the lower precision reaches that share
-    too. The B200 (bf16 1,745 of 2,250 and FP8 3,432.5 of 4,500 TFLOP/s, the MAMF table) gives 6,649
+    too. The B200 (bf16 1,745 of 2,250 and FP8 3,432.5 of 4,500 TFLOP/s, the MAMF table) gives 6,646
     TFLOP/s in NVFP4 against the 6,624 S. Bekman measured (ml-engineering, training/dtype.md, "FP4
     formats": NVFP4 MAMF on a B200 with torch 2.14); the B300 and GB300, whose FP8 matmuls reach 4
     points less of their peak than their bf16 ones, about 62% of their NVFP4 peak."""
     (p1, s1), (p2, s2) = ceilings
+    if p1 == p2:  # one rate for both (a catalogue file's choice): nothing to tell the parts apart
+        return s2
     a = (1 / (s1 * p1) - 1 / (s2 * p2)) / (1 / p1 - 1 / p2)
     c = 1 / (s1 * p1) - a / p1
     if c <= 0:
         return s2
     return 1 / (a + c * peak)
+
 
 @dataclass(frozen=True)
 class GPUSpec:
