@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, as one prepared script. First what this GPU's kernels reach against the
 # cost model's figures for it (bench/gpu_kernels.py: bf16 and FP8 matmuls by shape, fused attention
-# by back end and sequence length, grouped GEMMs, HBM), then plan a GPT of about 1B parameters for
+# by back end and sequence length, grouped GEMMs, HBM, and a grid of GEMM shapes in bf16 and FP8
+# for a Hopper FP8 shape table), then plan a GPT of about 1B parameters for
 # one H200 (`--gpu h200 --gpus 1`) and others, run them on CUDA, and print predicted against measured step time
 # and peak memory (the allocator's reserved and allocated peaks), and each run's phases (its last
 # step under torch.profiler: kernel time per phase) beside the prediction's. Run it once on a

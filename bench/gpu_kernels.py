@@ -17,6 +17,8 @@ Prints, and writes to DIR/gpu_kernels.json:
   per sequence, forward and backward: the catalogue's
   `attention_efficiency` (FlashAttention-2, which the runtime and torchtitan run) and
   `cudnn_attention_efficiency` (Transformer Engine's);
+- a grid of GEMM shapes (rows 256 to 16,384, n and k 256 to 4,096) in bf16 and FP8: this GPU's own
+  table of what a GEMM's shape costs (planner/cost/gemm_shapes.py's grid), beside the planner's share;
 - grouped GEMMs (torch._grouped_mm, the runtime's experts) against one GEMM per expert, for 1 to
   128 experts sharing the same rows: what a local expert costs beyond its FLOPs;
 - HBM bandwidth (a device-to-device copy) against the catalogue's.
@@ -189,12 +191,47 @@ def hbm(gpu, results: list) -> None:
           f"{gpu.hbm_bandwidth_Bps / 1e9:.0f}", flush=True)
 
 
+GRID_ROWS = (256, 512, 1024, 2048, 4096, 8192, 16384)
+GRID_SIDES = (256, 512, 1024, 2048, 4096)
+
+
+def shape_grid(gpu, results: list) -> None:
+    """bf16 and FP8 GEMMs of rows x k @ k x n over planner/cost/gemm_shapes.py's grid (rows 256 to
+    16,384, n and k 256 to 4,096), one GEMM each: this GPU's own table of what a GEMM's shape costs,
+    in 16 bits and in 8, each entry beside the planner's share for it (the FP8 grid is what the
+    cost model has no table of on Hopper: OpenXLA's sm_90 FP8 entries exceed the H100's FP8 peak)."""
+    table = TABLES.get(gpu.matmul_shapes)
+    fp8 = hasattr(torch, "float8_e4m3fn") and "fp8" in gpu.peak_flops
+    one = torch.ones((), device="cuda")
+    print("GEMM grid (rows x n x k, TF/s: bf16, fp8 with one scale per tensor):")
+    for rows in GRID_ROWS:
+        for n in GRID_SIDES:
+            for k in GRID_SIDES:
+                flops = 2 * rows * n * k
+                a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+                bf16 = flops / timed_s(lambda: a @ b, repeats_for(flops)) / 1e12
+                entry = {"kind": "gemm grid", "rows": rows, "n": n, "k": k, "bf16_tflops": bf16,
+                         "planned_share": shape_efficiency(table, rows, n, k) if table else None}
+                if fp8:
+                    a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn)
+                    try:
+                        s8 = timed_s(lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16),
+                                     repeats_for(flops, 1e15))
+                        entry["fp8_tflops"] = flops / s8 / 1e12
+                    except RuntimeError as e:  # a shape the FP8 kernels refuse: the rest still measured
+                        entry["fp8_error"] = str(e).splitlines()[0]
+                results.append(entry)
+                print(f"  {rows:6}x{n:5}x{k:5} {bf16:7.1f} {entry.get('fp8_tflops', float('nan')):7.1f}", flush=True)
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpu", default="h200", help="catalogue name of this GPU (default h200)")
     p.add_argument("--out", type=Path, default=Path("/tmp/gpu_check"))
     p.add_argument("--seqs", default="2048,8192,32768,131072")
-    p.add_argument("--only", default="hbm,matmul,fp8,grouped,attention")
+    p.add_argument("--only", default="hbm,matmul,fp8,grouped,attention,grid")
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_kernels.py: no CUDA GPU here")
@@ -203,6 +240,7 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     results: list = []
     steps = {"hbm": lambda: hbm(gpu, results), "matmul": lambda: matmuls(gpu, results), "fp8": lambda: fp8_matmuls(gpu, results),
+             "grid": lambda: shape_grid(gpu, results),
              "attention": lambda: attention(gpu, results, tuple(int(s) for s in a.seqs.split(","))),
              "grouped": lambda: grouped(gpu, results)}
     for name in a.only.split(","):
