@@ -22,7 +22,8 @@ A GPU file (packaged ones live in ``profiles/``; ``profiles/README.md`` shows a 
     tdp_w: 700                        # optional
     matmul_efficiency: 0.80           # optional (default 0.82): best measured matmul / dense peak
     fp8_matmul_efficiency: 0.71       # optional: the same for FP8 matmuls / the FP8 dense peak;
-                                      #   default: the 16-bit share
+                                      #   default: the 16-bit share (FP4's share follows from
+                                      #   the two: gpu_spec.low_precision_share)
     attention_efficiency: 0.35        # optional: fused attention (SDPA, fwd + bwd) / dense peak;
                                       #   default: the matmul rate
     cudnn_attention_efficiency: 0.54  # optional: the same for cuDNN's fused attention (Transformer

@@ -13,7 +13,8 @@ GEMM-heavy transformers and bandwidth-heavy CNNs, and the balance of each GPU (F
 bandwidth) shows.
 `gpu.matmul_efficiency` is the GPU's own measured ceiling (best matmul / peak, a catalogue field
 with its source: newer GPUs reach a smaller share of their peak; FP8 matmuls have their own,
-`gpu.fp8_matmul_efficiency`, where measured); MATMUL_EFFICIENCY is the share
+`gpu.fp8_matmul_efficiency`, where measured, and NVFP4's follows from the two,
+`GPUSpec.matmul_share`); MATMUL_EFFICIENCY is the share
 of that ceiling a model's GEMMs reach, one figure for every GPU. Fused attention (SDPA) is not a
 GEMM: its kernels reach a share of the peak published per GPU generation
 (`gpu.attention_efficiency`: FlashAttention-2, which SDPA runs, was written for Ampere and reaches
