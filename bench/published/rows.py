@@ -813,6 +813,10 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     if shape.experts:
         settings.update(_expert_routing(e, model, f"{overlap_text} {trainer_text}"))
     zero, hsdp = _zero(p)
+    if pp > 1 and "deepspeed" in f"{json.dumps(p, default=str)} {trainer_text}".lower():
+        # DeepSpeed's PipelineEngine (Megatron-DeepSpeed's pipeline: BLOOM, MT-NLG) partitions what
+        # crosses a cut over the TP ranks (Training.p2p_scatter_gather), as Megatron-LM does
+        settings["p2p_scatter_gather"] = True
     if zero == 3 and "deepspeed" in f"{value(p.get('zero'))} {trainer_text}".lower():
         settings["zero3_gathers"] = "tensor" if (publication_year(e) or 9999) < DEEPSPEED_MODULE_GATHERS else "module"
     if zero == 3 and pp > 1 and source == "torchtitan":

@@ -37,11 +37,12 @@ TRAINERS: dict[str, dict] = {
     # performance recipes turn on (--overlap-grad-reduce)
     "megatron": {"recompute_whole_forward": True, "fused_kernels": True, "attention_kernel": "te", "fp8_recipe": "te",
                  "recompute_collectives": "none", "dp_overlap": 1.0, "fused_loss": True, "p2p_overlap": True,
-                 "tp_saves_gathered": False},
+                 "p2p_scatter_gather": True, "tp_saves_gathered": False},
     # DeepSpeed's ZeRO (eager PyTorch kernels): ZeRO-3 gathers module by module, and its
     # activation checkpointing is reentrant (reruns a layer's whole forward); its tensor
     # parallelism Megatron-LM's (Megatron-DeepSpeed)
-    "deepspeed": {"zero3_gathers": "module", "recompute_whole_forward": True, "tp_saves_gathered": False},
+    "deepspeed": {"zero3_gathers": "module", "recompute_whole_forward": True, "tp_saves_gathered": False,
+                  "p2p_scatter_gather": True},
     # NeMo AutoModel (NVIDIA's PyTorch backend: FSDP2, torch pipelining, expert parallelism with
     # DeepEP) on Transformer Engine's kernels (its BackendConfig: TE Linear, RMSNorm and attention,
     # fused RoPE); the Hugging Face model's 16-bit parameters are what FSDP2 shards and
@@ -181,6 +182,14 @@ class Training:
     otherwise): exposed only past that compute (stage_costs._exposed_sends). False: sent between
     the compute, as torch's pipeline schedules (this runtime's, torchtitan's) and Megatron-LM
     before it (SC'21, Korthikanti et al. 2022) run them."""
+    p2p_scatter_gather: bool = False
+    """With tensor parallelism and no sequence parallelism, each TP rank sends 1/tp of the tensor
+    that crosses a pipeline cut (replicated on the TP ranks) and the receiving ranks all-gather it:
+    Megatron-LM's scatter/gather optimisation (Narayanan et al. 2021, sec. 4.1; on by default) and
+    DeepSpeed's PipelineEngine, which partitions its first output and its gradient over the
+    model-parallel group (is_pipe_partitioned, is_grad_partitioned). False: each rank sends what its
+    stage returns, the whole tensor, as torch.distributed.pipelining (this runtime, torchtitan)
+    does. With sequence parallelism every trainer's cut tensor is already the rank's 1/tp."""
     zero3_gathers: str = "layer"
     """What ZeRO-3 gathers (and reduce-scatters) with one collective, each paying its startup
     latency every micro-batch (AtomCost.gathers). "layer": a layer's parameters together (FSDP

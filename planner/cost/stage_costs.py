@@ -784,11 +784,12 @@ def atom_table(
             act = (act[NONE] - compiled_loss_saving(profile, training, tp) * scale,) * len(KINDS)
         last_layer = layers[last]
         # What crosses a pipeline cut, per rank: a TP layer's output, or the final norm's, is sent
-        # 1/tp by each tp rank (its sequence shard with sequence parallelism; Megatron-LM's
-        # scatter/gather of the boundary tensor without it, Narayanan et al. 2021 sec. 4.1). The cut
+        # 1/tp by each tp rank with sequence parallelism (its sequence shard) or where the trainer
+        # scatters the replicated tensor (Training.p2p_scatter_gather); whole otherwise. The cut
         # after the final norm counted whole made every boundary of a tp x pp plan tp times its size.
         sharded = last_layer.tp is not None or (last_layer.tp_role is not None and last_layer.tp_role.kind == "norm")
-        out_shard = tp if tp > 1 and sharded else 1
+        split = sequence_parallel or training.p2p_scatter_gather
+        out_shard = tp if tp > 1 and sharded and split else 1
         atoms.append(
             AtomCost(
                 first=first,

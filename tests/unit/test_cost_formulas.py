@@ -419,23 +419,33 @@ def test_selective_recompute_gathers_again_what_its_policy_does_not_keep(gpt_bf1
 
 
 def test_a_pipeline_cut_sends_each_tp_rank_its_shard(gpt_bf16):
-    """gpt.py under tp=2: what crosses a pipeline cut is half a block's output per rank, after a
-    block or after the final norm (its sequence shard), so a tp x pp plan's sends are that size:
-    the cut after ln_f, counted whole, had made every boundary's send twice as large."""
+    """gpt.py under tp=2: what crosses a pipeline cut is half a block's output per rank with
+    sequence parallelism, after a block or after the final norm (its sequence shard), so a tp x pp
+    plan's sends are that size (the cut after ln_f, counted whole, had made every boundary's send
+    twice as large). Without it the tensor is replicated on the TP ranks: torch's pipelining (this
+    runtime) sends it whole from each, Megatron-LM and DeepSpeed's engine scatter it
+    (Training.p2p_scatter_gather), half per rank."""
     from planner.cost.stage_costs import atom_table
     from planner.cost.topology import links
 
-    cluster, training = make_cluster("a100-80gb", 4), Training("bf16", "adamw", 8, 80 * 2**30)
+    cluster, this = make_cluster("a100-80gb", 4), Training("bf16", "adamw", 8, 80 * 2**30)
     scale = 256 / gpt_bf16.batch_size
     block = next(l for l in gpt_bf16.layers if l.name == "blocks.0")
-    for sp in (True, False):
-        atoms = atom_table(gpt_bf16, cluster, training, tp=2, micro_batch=256, sequence_parallel=sp)
-        norm = next(a for a in atoms if gpt_bf16.layers[a.last].name == "ln_f")
-        assert norm.cut_ok and norm.out_bytes == pytest.approx(block.output_bytes * scale / 2)
-        assert max(a.out_bytes for a in atoms if a.cut_ok) == pytest.approx(block.output_bytes * scale / 2)
-    cand = Candidate(tp=2, pp=2, dp=1, micro_batch=256, num_microbatches=4, zero=0, schedule="1f1b")
-    costs = stage_costs(gpt_bf16, cluster, training, cand)
+    for trainer in ("this", "megatron", "deepspeed"):
+        training = Training.for_trainer(trainer, "bf16", "adamw", 8, 80 * 2**30)
+        for sp in (True, False):
+            whole = trainer == "this" and not sp
+            atoms = atom_table(gpt_bf16, cluster, training, tp=2, micro_batch=256, sequence_parallel=sp)
+            norm = next(a for a in atoms if gpt_bf16.layers[a.last].name == "ln_f")
+            per_rank = block.output_bytes * scale / (1 if whole else 2)
+            assert norm.cut_ok and norm.out_bytes == pytest.approx(per_rank)
+            assert max(a.out_bytes for a in atoms if a.cut_ok) == pytest.approx(per_rank)
+    cand = Candidate(tp=2, pp=2, dp=1, micro_batch=256, num_microbatches=4, zero=0, schedule="1f1b",
+                     sequence_parallel=True)
+    costs = stage_costs(gpt_bf16, cluster, this, cand)
     assert costs.p2p_s == pytest.approx(2 * comm.p2p(links(cluster, cand).pp)(block.output_bytes * scale / 2))
+    unsplit = stage_costs(gpt_bf16, cluster, this, replace(cand, sequence_parallel=False))
+    assert unsplit.p2p_s == pytest.approx(2 * comm.p2p(links(cluster, cand).pp)(block.output_bytes * scale))
 
 
 def test_an_interleaved_schedule_hides_its_sends_where_the_trainer_overlaps_them(gpt_bf16):
