@@ -629,8 +629,17 @@ TORCHTITAN_SDPA_CUDNN = (2026, 4)
 MEGATRON_P2P_OVERLAP = 2023
 # - DeepSpeed's ZeRO-3 gathers each module's parameters with one coalesced all-gather since
 #   v0.5 (PR 1188, September 2021); before, one per parameter (issue 1069, June 2021)
-#   (Training.zero3_gathers). A row published before 2022 is taken to run the earlier.
+#   (Training.zero3_gathers). A row published before 2022 is taken to run the earlier, whose
+#   gathers hid nothing: each called torch.cuda.synchronize() before the next ("the async version
+#   is not async at all", PR 1188), so its data-parallel traffic is taken as exposed
+#   (Training.dp_overlap 0).
 DEEPSPEED_MODULE_GATHERS = 2022
+# - Megatron-LM's data parallelism (its default LocalDDP) all-reduced the gradients once the
+#   backward had ended (training.py: the model's allreduce_gradients() after forward_backward_func)
+#   until --overlap-grad-reduce (Megatron-Core's DistributedDataParallel, 2023) hid them behind it:
+#   a Megatron row published before 2023 that states no overlap has its gradient sync exposed
+#   (Training.dp_overlap 0). The year is the paper's (`publication_year`).
+MEGATRON_GRAD_OVERLAP = 2023
 _MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
 
 
@@ -815,10 +824,18 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     zero, hsdp = _zero(p)
     if pp > 1 and "deepspeed" in f"{json.dumps(p, default=str)} {trainer_text}".lower():
         # DeepSpeed's PipelineEngine (Megatron-DeepSpeed's pipeline: BLOOM, MT-NLG) partitions what
-        # crosses a cut over the TP ranks (Training.p2p_scatter_gather), as Megatron-LM does
+        # crosses a cut over the TP ranks (Training.p2p_scatter_gather), as Megatron-LM does, and
+        # reduces the gradients after the last micro-batch's backward (its TrainSchedule's
+        # ReduceGrads step, before OptimizerStep): nothing hides them
         settings["p2p_scatter_gather"] = True
+        if dp_overlap is None:
+            settings["dp_overlap"] = 0.0
     if zero == 3 and "deepspeed" in f"{value(p.get('zero'))} {trainer_text}".lower():
         settings["zero3_gathers"] = "tensor" if (publication_year(e) or 9999) < DEEPSPEED_MODULE_GATHERS else "module"
+        if settings["zero3_gathers"] == "tensor" and dp_overlap is None:
+            settings["dp_overlap"] = 0.0  # each of those gathers synchronised the device (PR 1188)
+    elif trainer == "megatron" and dp_overlap is None and (publication_year(e) or 9999) < MEGATRON_GRAD_OVERLAP:
+        settings["dp_overlap"] = 0.0  # Megatron-LM's DDP then: the gradients all-reduced after the backward
     if zero == 3 and pp > 1 and source == "torchtitan":
         # torchtitan's FSDP2 does not reshard after forward under a pipeline (to avoid a gather
         # per micro-batch): ZeRO-2 in the plan's terms (runtime/README.md, data parallel)

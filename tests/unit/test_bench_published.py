@@ -211,6 +211,25 @@ def test_deepspeed_zero3_rows_gather_as_deepspeed_did_then(tmp_path):
     assert row.training().zero3_gathers == "module"
 
 
+def test_a_rows_data_parallel_overlap_is_its_trainers():
+    """What hides a row's data-parallel traffic is what its trainer did: Megatron-LM before
+    --overlap-grad-reduce (SC'21, Korthikanti et al.) all-reduced the gradients after the
+    backward, and so did DeepSpeed's pipeline engine (BLOOM); DeepSpeed's ZeRO-3 of 2021 synchronised
+    the device at every gather: nothing hidden (0). Megatron with --overlap-grad-reduce: all of it
+    (1). PyTorch's FSDP and DDP (torchtitan, llm-foundry, fms-fsdp): the fitted OVERLAP_EFFICIENCY
+    (None). DeepSpeed's pipeline engine scatters what crosses a cut over the TP ranks, as
+    Megatron-LM does; torch's pipelining does not."""
+    overlap = {r.id: r.training().dp_overlap for r in load_rows(REFERENCE)}
+    held = {r.id: r.training() for r in load_rows(REFERENCE.parent / "held_out_runs.yaml")}
+    assert {overlap[i] for i in overlap if i.startswith(("megatron_sc21", "korthikanti"))} == {0.0}
+    assert {overlap[i] for i in overlap if i.startswith("megatron_h100_weak")} == {1.0}
+    assert {overlap[i] for i in overlap if i.startswith(("torchtitan", "llmfoundry"))} == {None}
+    assert held["bloom_176b_384gpu"].dp_overlap == 0.0 and held["bloom_176b_384gpu"].p2p_scatter_gather
+    assert held["mtnlg_530b_2240gpu"].dp_overlap == 0.0 and held["mtnlg_530b_2240gpu"].p2p_scatter_gather
+    assert held["ibm_fsdp_llama2_70b_a100_128gpu"].dp_overlap is None
+    assert not held["torchtitan_T5_405B_512gpu_13"].p2p_scatter_gather
+
+
 def test_rows_whose_trainer_overlaps_the_expert_all_to_alls_are_predicted_with_it():
     """Megatron-Bridge's Qwen3 235B H100 runs (its perf config: moe_a2a_overlap) and DeepSeek-V3's
     DualPipe run the expert all-to-alls beside another micro-batch's compute (--ep-overlap);

@@ -78,15 +78,17 @@ def test_unfused_attention_blocks_context_parallelism(model_file):
     assert "computes attention scores with matmuls" in profile.cp_blocker
 
 
-def test_cp_splits_the_tokens_and_adds_the_ring(llama7b):
+def test_cp_splits_the_tokens_and_adds_the_ring(llama7b, monkeypatch):
     """cp = 2 inside an H100 node: every token-proportional figure halves (attention's too: each
     rank's queries meet all keys), the parameters do not, and each attention layer pays the
     ring: forward all-gathers K and V, backward gathers them again and reduce-scatters their fp32
-    gradients (twice the bytes), none of it hidden (OVERLAP_EFFICIENCY 0); and merges its partial
+    gradients (twice the bytes), none of it hidden here (OVERLAP_EFFICIENCY set to 0, so that the
+    ring's whole volume shows; the share it hides is comm.exposed_after_s's); and merges its partial
     outputs (4 fp32 passes over the whole sequence's queries) and sums the query gradients (2);
     its attention calls, over half the keys each, pay their rows' fixed work twice as often.
     (At every GEMM's best-shape share: with the H100's shape table, half the rows run a little
     slower, tests/unit/test_gemm_shapes.py.)"""
+    monkeypatch.setattr(comm, "OVERLAP_EFFICIENCY", 0.0)
     cluster = make_cluster("h100-sxm-80gb", 2)
     cluster = replace(cluster, gpu=replace(cluster.gpu, matmul_shapes=None))
     training = Training("bf16", "adamw", 4, 80 * GIB)
@@ -119,10 +121,12 @@ def test_cp_splits_the_tokens_and_adds_the_ring(llama7b):
 
 
 @pytest.mark.parametrize("kernel, heads", [("sdpa", 8), ("te", 2)])
-def test_a_ring_moves_the_key_value_heads_the_attention_kernel_reads(llama, kernel, heads):
+def test_a_ring_moves_the_key_value_heads_the_attention_kernel_reads(llama, kernel, heads, monkeypatch):
     """examples/llama.py repeats its 2 key/value heads to the 8 query heads before SDPA: torch's
     ring moves the 8 repeated; Transformer Engine's attention takes the 2 as they are, and so does
-    its ring (Training.attention_kernel "te"): a quarter of the bytes."""
+    its ring (Training.attention_kernel "te"): a quarter of the bytes (none of them hidden here:
+    OVERLAP_EFFICIENCY set to 0)."""
+    monkeypatch.setattr(comm, "OVERLAP_EFFICIENCY", 0.0)
     cluster = make_cluster("h100-sxm-80gb", 2)
     training = Training("bf16", "adamw", 4, 80 * GIB, attention_kernel=kernel)
     link = links(cluster, Candidate(1, 1, 1, 1, 1, 0, "1f1b", cp=2)).cp
