@@ -2,9 +2,9 @@
 
 Candidates: tp x cp x pp x dp = GPUs, tp a degree every tensor-parallel block accepts (head counts,
 feature sizes) and at most a node (TP's all-reduces want NVLink: Narayanan et al. 2021, Sec. 3.2;
-a user may force more), pp at most the number of atoms, micro-batch b a power of two dividing
-the per-replica batch or that batch over one (llm-foundry's MPT-30B runs take 42 samples a GPU a
-step: powers of two alone offer 1 and 2, this 21 and 42 too), m = global batch / (dp b)
+a user may force more), pp at most the number of atoms, micro-batch b any divisor of the
+per-replica batch (llm-foundry's MPT-30B runs take 63 samples a GPU a step in micro-batches of 3:
+powers of two and their cofactors alone offer 1 and 63), m = global batch / (dp b)
 micro-batches, ZeRO 0-3 (0 only without data parallelism), the schedule
 (GPipe, 1F1B with m >= pp as torch runs it, interleaved 1F1B with v = 2-4 chunks when m comes in
 whole rounds of pp, as torch's ScheduleInterleaved1F1B requires:
@@ -66,7 +66,8 @@ INTERLEAVE = (2, 3, 4)
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small) | {n // d for d in small})
 
 
 def legal_tp(profile: ModelProfile, tp: int) -> bool:
@@ -148,8 +149,7 @@ def _enumerate(
                     stats.reject(f"global batch not divisible by dp={dp}")
                     continue
                 per_replica = global_batch // dp
-                twos = [2**k for k in range(per_replica.bit_length()) if per_replica % 2**k == 0]
-                sizes = sorted(set(twos) | {per_replica // t for t in twos})
+                sizes = divisors(per_replica)
                 if fixed.micro_batch is not None:  # any size the user asked for that divides it
                     sizes = [fixed.micro_batch] if per_replica % fixed.micro_batch == 0 else []
                 replicas = _hsdp_replicas(tp, dp, cp, gpus_per_node, fixed, stats)

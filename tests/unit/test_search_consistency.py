@@ -144,15 +144,16 @@ def test_1f1b_is_planned_only_with_at_least_pp_microbatches():
         check_pipeline(old, ())
 
 
-def test_micro_batches_are_powers_of_two_or_the_replicas_batch_over_one():
+def test_micro_batches_are_every_divisor_of_the_replicas_batch():
     """A replica's 42 samples (MPT-30B on 32 GPUs at 1,344, as llm-foundry ran it) split into
-    micro-batches of 1 and 2 (powers of two) and of 21 and 42 (42 over one), never 3, 6, 7 or 14,
-    which neither is; 28 into 1, 2, 4, 7, 14 and 28; 18 into 1, 2, 9 and 18."""
+    micro-batches of every size that divides it: 1, 2, 3, 6, 7, 14, 21 and 42 (llm-foundry's
+    MPT-30B on 8 A100 ran 63 a GPU in micro-batches of 3, which powers of two and their cofactors,
+    1 and 63, would miss); 28 into 1, 2, 4, 7, 14 and 28; 18 into 1, 2, 3, 6, 9 and 18."""
     from planner.search.space import Fixed, SpaceStats, candidates
     from tests.unit.test_partition import synthetic_profile
 
     profile = synthetic_profile()
-    for batch, sizes in ((42, {1, 2, 21, 42}), (28, {1, 2, 4, 7, 14, 28}), (18, {1, 2, 9, 18})):
+    for batch, sizes in ((42, {1, 2, 3, 6, 7, 14, 21, 42}), (28, {1, 2, 4, 7, 14, 28}), (18, {1, 2, 3, 6, 9, 18})):
         fixed = Fixed(tp=1, pp=1, dp=1, zero=0)
         found = {c.micro_batch for c in candidates(profile, 1, 1, len(profile.layers), batch, fixed, SpaceStats())}
         assert found == sizes, batch
