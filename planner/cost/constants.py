@@ -40,8 +40,8 @@ MEMORY_EFFICIENCY = 0.90
 # mean |log error| 0.087 at 0.3, 0.086 at 0.4, 0.086 at 0.5, 0.087 at 0.6 (0.80: 0.094 at 0.0,
 # 0.090 at 0.4, 0.098 at 1.0); leaving one source out (both shares fitted on the other five),
 # half the folds pick 0.4 and 0.78 (torchtitan's alone: 0.9; llm-foundry's: 0.2 and 0.74;
-# Korthikanti et al.'s: 0.6 and 0.74): every row held out, median 9.3%. While those 2021 runs took this share too, the fit put
-# it at 0.0 for their sake.
+# Korthikanti et al.'s: 0.6 and 0.74): every row held out, median 9.3%. While those 2021 runs
+# took this share too, the fit put it at 0.0 for their sake.
 OVERLAP_EFFICIENCY = 0.4
 
 # Fraction of link bandwidth a collective achieves at large messages: NCCL bus bandwidth is
