@@ -809,7 +809,8 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
             settings["compiled_loss"] = True
     if trainer == "torchtitan" and (publication_month(_source_text(e)) or (9999, 1)) >= TORCHTITAN_SDPA_CUDNN:
         settings["sdpa_cudnn"] = True
-    if trainer == "megatron" and (publication_year(e) or 9999) < MEGATRON_P2P_OVERLAP:
+    year = publication_year(e) or 9999
+    if trainer == "megatron" and year < MEGATRON_P2P_OVERLAP:
         settings["p2p_overlap"] = False
     if trainer == "this":
         settings["recompute_whole_forward"] = True  # a trainer not named: a reentrant checkpoint
@@ -822,20 +823,22 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     if shape.experts:
         settings.update(_expert_routing(e, model, f"{overlap_text} {trainer_text}"))
     zero, hsdp = _zero(p)
-    if pp > 1 and "deepspeed" in f"{json.dumps(p, default=str)} {trainer_text}".lower():
+    deepspeed_pipeline = pp > 1 and "deepspeed" in f"{json.dumps(p, default=str)} {trainer_text}".lower()
+    if deepspeed_pipeline:
         # DeepSpeed's PipelineEngine (Megatron-DeepSpeed's pipeline: BLOOM, MT-NLG) partitions what
-        # crosses a cut over the TP ranks (Training.p2p_scatter_gather), as Megatron-LM does, and
-        # reduces the gradients after the last micro-batch's backward (its TrainSchedule's
-        # ReduceGrads step, before OptimizerStep): nothing hides them
+        # crosses a cut over the TP ranks (Training.p2p_scatter_gather), as Megatron-LM does
         settings["p2p_scatter_gather"] = True
-        if dp_overlap is None:
-            settings["dp_overlap"] = 0.0
     if zero == 3 and "deepspeed" in f"{value(p.get('zero'))} {trainer_text}".lower():
-        settings["zero3_gathers"] = "tensor" if (publication_year(e) or 9999) < DEEPSPEED_MODULE_GATHERS else "module"
-        if settings["zero3_gathers"] == "tensor" and dp_overlap is None:
-            settings["dp_overlap"] = 0.0  # each of those gathers synchronised the device (PR 1188)
-    elif trainer == "megatron" and dp_overlap is None and (publication_year(e) or 9999) < MEGATRON_GRAD_OVERLAP:
-        settings["dp_overlap"] = 0.0  # Megatron-LM's DDP then: the gradients all-reduced after the backward
+        settings["zero3_gathers"] = "tensor" if year < DEEPSPEED_MODULE_GATHERS else "module"
+    # Trainers that ran their data-parallel traffic where nothing hid it (Training.dp_overlap 0),
+    # unless the row states its overlap: DeepSpeed's pipeline engine reduces the gradients after
+    # the last micro-batch's backward (its TrainSchedule's ReduceGrads step, before OptimizerStep);
+    # DeepSpeed's per-parameter ZeRO-3 gathers each synchronised the device (PR 1188); Megatron-LM's
+    # DDP before --overlap-grad-reduce all-reduced the gradients after the backward.
+    exposed = (deepspeed_pipeline or settings.get("zero3_gathers") == "tensor"
+               or trainer == "megatron" and year < MEGATRON_GRAD_OVERLAP)
+    if exposed and dp_overlap is None:
+        settings["dp_overlap"] = 0.0
     if zero == 3 and pp > 1 and source == "torchtitan":
         # torchtitan's FSDP2 does not reshard after forward under a pipeline (to avoid a gather
         # per micro-batch): ZeRO-2 in the plan's terms (runtime/README.md, data parallel)
