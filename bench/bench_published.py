@@ -9,7 +9,7 @@ rows the cost model refused ("nothing fits"), and how many rows were approximate
 
     python bench/bench_published.py             # the table (about a minute on 2 cores)
     python bench/bench_published.py --free      # + the free search's own plan for each row
-    python bench/bench_published.py --fit       # grid-search MATMUL/MEMORY/OVERLAP_EFFICIENCY on all rows
+    python bench/bench_published.py --fit       # grid-search MATMUL_/MEMORY_EFFICIENCY and OVERLAP_CONTENTION on all rows
     python bench/bench_published.py --loso      # leave one source out: fit on the others, predict it
     python bench/bench_published.py --only megatron_lm,torchtitan   # some sources (or row ids) only
 
@@ -29,7 +29,7 @@ This file is the command line; the work is in bench/published/:
   search's plan with the row's recompute kept: the trainers' full recompute is most of the gap);
 - report.py: the table and the per-source summary;
 - fit.py: --fit and --loso, the grid search of MATMUL_EFFICIENCY, MEMORY_EFFICIENCY and
-  OVERLAP_EFFICIENCY (each row's solved assignment re-evaluated under each grid point; mean
+  OVERLAP_CONTENTION (each row's solved assignment re-evaluated under each grid point; mean
   |log(predicted / measured)|).
 """
 
@@ -56,7 +56,7 @@ from bench.published.rows import REFERENCE, load_rows  # noqa: E402
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--free", action="store_true", help="also run the free search on each row's model, cluster and batch (with its trainer's TP overlap, where it has one)")
-    ap.add_argument("--fit", action="store_true", help="grid-search MATMUL_, MEMORY_ and OVERLAP_EFFICIENCY on all rows")
+    ap.add_argument("--fit", action="store_true", help="grid-search MATMUL_EFFICIENCY, MEMORY_EFFICIENCY and OVERLAP_CONTENTION on all rows")
     ap.add_argument("--loso", action="store_true", help="leave one source out: fit on the others, predict it (implies --fit)")
     ap.add_argument("--only", default=None, help="comma-separated sources (or row ids) to run")
     ap.add_argument("--jobs", type=int, default=2, help="processes that profile the models (default 2)")

@@ -248,7 +248,8 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
            if attention is not None else "") +
         f"memory-bound ops {constants.MEMORY_EFFICIENCY:.0%} of HBM bandwidth, data-parallel traffic beside compute "
         + (f"{training.dp_overlap:.0%} hidden (the trainer's), " if training.dp_overlap is not None else
-           f"{constants.OVERLAP_EFFICIENCY:.0%} hidden, ")
+           f"{result.best.costs.dp_share:.0%} hidden (the rest is its contention: {constants.OVERLAP_CONTENTION:g} x "
+           "its link's bandwidth / HBM bandwidth), ")
         + f"links {constants.LINK_EFFICIENCY:.0%} (fitted on published runs, bench/bench_published.py)",
         f"memory reserve per device: {fmt_bytes(constants.RESERVE_GPU_BYTES if cluster.gpu.origin != 'measured' else constants.RESERVE_CPU_BYTES)} "
         f"(runtime, communication buffers) + {constants.FRAGMENTATION_GPU if cluster.gpu.origin != 'measured' else constants.FRAGMENTATION_CPU:.0%} "

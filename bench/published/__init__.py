@@ -5,5 +5,5 @@
 - models.py    the model file each row's shape describes (GPT/Megatron attention, Llama, MPT)
 - predict.py   profiles per shape (fake tensors, worker processes) and the prediction of a row
 - report.py    the table and the per-source summary
-- fit.py       --fit and --loso: grid search of MATMUL_, MEMORY_ and OVERLAP_EFFICIENCY
+- fit.py       --fit and --loso: grid search of MATMUL_EFFICIENCY, MEMORY_EFFICIENCY and OVERLAP_CONTENTION
 """

@@ -1,7 +1,7 @@
 """Fitting the cost model's three shares (--fit) and leaving one source out (--loso).
 
 Each row's solved assignment (stages, recompute) is re-evaluated under each grid point of
-MATMUL_EFFICIENCY x MEMORY_EFFICIENCY x OVERLAP_EFFICIENCY, as the planner's constants are read at
+MATMUL_EFFICIENCY x MEMORY_EFFICIENCY x OVERLAP_CONTENTION, as the planner's constants are read at
 evaluation time (planner/cost/compute.py, planner/cost/comm.py); the objective is the mean
 |log(predicted / measured)| over the rows fitted.
 """
@@ -22,14 +22,16 @@ from .report import error_stats
 
 MATMUL_GRID = [round(0.70 + 0.02 * i, 2) for i in range(16)]
 MEMORY_GRID = [round(0.50 + 0.05 * i, 2) for i in range(9)]
-OVERLAP_GRID = [round(0.1 * i, 1) for i in range(11)]
+CONTENTION_GRID = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0]
 Point = tuple[float, float, float]
 
 
 def grid_errors(results: list[Result], profiles: Profiles) -> dict[Point, list[float]]:
-    """(matmul, memory, overlap) -> log(predicted / measured) per predicted row, each row's
-    assignment (stages, recompute) re-evaluated under the grid point's shares."""
-    saved = compute_mod.MATMUL_EFFICIENCY, compute_mod.MEMORY_EFFICIENCY, comm_mod.OVERLAP_EFFICIENCY
+    """(matmul, memory, contention) -> log(predicted / measured) per predicted row, each row's
+    assignment (stages, recompute) re-evaluated under the grid point's constants (the contention of
+    the data-parallel traffic; a context-parallel ring's is priced when the costs are built, at the
+    constant's value)."""
+    saved = compute_mod.MATMUL_EFFICIENCY, compute_mod.MEMORY_EFFICIENCY, comm_mod.OVERLAP_CONTENTION
     setups = [(r, r.row.cluster(), r.row.training(), profiles.get(r.row)) for r in results if r.scored]
     out = {}
     try:
@@ -37,8 +39,8 @@ def grid_errors(results: list[Result], profiles: Profiles) -> dict[Point, list[f
             for mem in MEMORY_GRID:
                 compute_mod.MATMUL_EFFICIENCY, compute_mod.MEMORY_EFFICIENCY = mm, mem
                 tables = [stage_costs(profile, cluster, training, r.scored.cand) for r, cluster, training, profile in setups]
-                for ov in OVERLAP_GRID:
-                    comm_mod.OVERLAP_EFFICIENCY = ov
+                for ov in CONTENTION_GRID:
+                    comm_mod.OVERLAP_CONTENTION = ov
                     errs = []
                     for (r, *_), costs in zip(setups, tables):
                         b = r.scored
@@ -46,7 +48,7 @@ def grid_errors(results: list[Result], profiles: Profiles) -> dict[Point, list[f
                         errs.append(math.log(ev.step_time_s / r.row.measured_step_s))
                     out[mm, mem, ov] = errs
     finally:
-        compute_mod.MATMUL_EFFICIENCY, compute_mod.MEMORY_EFFICIENCY, comm_mod.OVERLAP_EFFICIENCY = saved
+        compute_mod.MATMUL_EFFICIENCY, compute_mod.MEMORY_EFFICIENCY, comm_mod.OVERLAP_CONTENTION = saved
     return out
 
 
@@ -71,12 +73,12 @@ def fit(results: list[Result], profiles: Profiles, loso: bool) -> None:
     start = time.perf_counter()
     grid = grid_errors(predicted, profiles)
     print(f"\ngrid of {len(grid)} points x {len(predicted)} rows evaluated in {time.perf_counter() - start:.1f} s")
-    current = (compute_mod.MATMUL_EFFICIENCY, compute_mod.MEMORY_EFFICIENCY, comm_mod.OVERLAP_EFFICIENCY)
+    current = (compute_mod.MATMUL_EFFICIENCY, compute_mod.MEMORY_EFFICIENCY, comm_mod.OVERLAP_CONTENTION)
     now = [math.log(r.step_s / r.row.measured_step_s) for r in predicted]
     best = best_point(grid, [True] * len(predicted))
     exact = [not r.row.notes for r in predicted]
     print(
-        f"\n{'step time, constants':34s} {'matmul':>6s} {'memory':>6s} {'overlap':>7s} | {'all rows: n':>11s} {'median':>7s} {'worst':>7s} | "
+        f"\n{'step time, constants':34s} {'matmul':>6s} {'memory':>6s} {'contention':>10s} | {'all rows: n':>11s} {'median':>7s} {'worst':>7s} | "
         f"{'exact rows: n':>13s} {'median':>7s} {'worst':>7s}"
     )
     fits = [("current (planner/cost/constants)", current, now), ("fitted on all rows", best, grid[best])]
@@ -85,7 +87,7 @@ def fit(results: list[Result], profiles: Profiles, loso: bool) -> None:
         fits.append(("fitted on exact rows (no note)", best_exact, grid[best_exact]))
     for label, point, errs in fits:
         ex = [e for e, k in zip(errs, exact) if k]
-        print(f"{label:34s} {point[0]:6.2f} {point[1]:6.2f} {point[2]:7.2f} | {error_stats(_rel(errs)):>27s} | {error_stats(_rel(ex)):>29s}")
+        print(f"{label:34s} {point[0]:6.2f} {point[1]:6.2f} {point[2]:10.2f} | {error_stats(_rel(errs)):>27s} | {error_stats(_rel(ex)):>29s}")
     if loso:
         leave_one_source_out(predicted, grid, best)
 
@@ -94,7 +96,7 @@ def leave_one_source_out(predicted: list[Result], grid: dict, best: Point) -> No
     """For each source: fit on the other sources' rows, predict the held-out source's rows."""
     print(
         f"\nleave one source out: fit on the other sources, predict the held-out one\n"
-        f"{'held out':20s} {'matmul':>6s} {'memory':>6s} {'overlap':>7s} | {'held out: n':>11s} {'median':>7s} {'worst':>7s} | "
+        f"{'held out':20s} {'matmul':>6s} {'memory':>6s} {'contention':>10s} | {'held out: n':>11s} {'median':>7s} {'worst':>7s} | "
         f"{'in the all-rows fit: n':>22s} {'median':>7s} {'worst':>7s}"
     )
     held_all: list[float] = []
@@ -107,5 +109,5 @@ def leave_one_source_out(predicted: list[Result], grid: dict, best: Point) -> No
         held = [e for e, k in zip(grid[point], keep) if not k]
         held_all += held
         inside = [e for e, k in zip(grid[best], keep) if not k]
-        print(f"{source:20s} {point[0]:6.2f} {point[1]:6.2f} {point[2]:7.2f} | {error_stats(_rel(held)):>27s} | {error_stats(_rel(inside)):>38s}")
+        print(f"{source:20s} {point[0]:6.2f} {point[1]:6.2f} {point[2]:10.2f} | {error_stats(_rel(held)):>27s} | {error_stats(_rel(inside)):>38s}")
     print(f"{'every row held out':42s} | {error_stats(_rel(held_all)):>27s} | {error_stats(_rel(grid[best])):>38s}")

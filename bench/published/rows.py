@@ -794,7 +794,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     overlap_text = str(value(p.get("overlap"))).lower()
     named = re.search(r"tp[-_ ]comm[-_ ]overlap|async[-_ ]tp", overlap_text)
     # Megatron's --overlap-grad-reduce: the distributed optimizer's reduce-scatter hidden behind
-    # the backward (Training.dp_overlap); other trainers' overlap is the fitted OVERLAP_EFFICIENCY
+    # the backward (Training.dp_overlap); other trainers' overlap is what contention leaves (OVERLAP_CONTENTION)
     dp_overlap = 1.0 if re.search(r"overlap[-_ ]grad[-_ ]reduce", overlap_text) and dp * cp > 1 else None
     tp_overlap = tp > 1 and bool(value(p.get("async_tp")) or value(p.get("tp_comm_overlap")) or named)
     # EP overlap: Megatron-Core's combined 1F1B (--overlap-moe-expert-parallel-comm, Megatron-Bridge's

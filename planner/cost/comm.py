@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from planner.cost.constants import LINK_EFFICIENCY, OVERLAP_EFFICIENCY
+from planner.cost.constants import LINK_EFFICIENCY, OVERLAP_CONTENTION
 
 
 @dataclass(frozen=True)
@@ -110,21 +110,28 @@ def p2p(link: Link) -> Affine:
     return Affine(link.latency_s, 1 / (link.bandwidth_Bps * LINK_EFFICIENCY))
 
 
-def overlap_share(e: float | None = None) -> float:
+def link_load(link: Link, hbm_Bps: float) -> float:
+    """The rate `link` moves a GPU's bytes at against its HBM bandwidth: what its collectives take
+    from compute beside them (overlap_share)."""
+    return link.bandwidth_Bps / hbm_Bps if hbm_Bps > 0 else 0.0
+
+
+def overlap_share(e: float | None = None, load: float = 0.0) -> float:
     """The share of the shorter of two overlapped activities that the overlap hides: the
-    trainer's own (Training.dp_overlap) when given, else OVERLAP_EFFICIENCY, read at the call
-    (bench_published --fit varies it)."""
-    return OVERLAP_EFFICIENCY if e is None else e
+    trainer's own (Training.dp_overlap) when given, else what the collective's contention leaves,
+    1 - OVERLAP_CONTENTION x `load` (link_load: its link's bandwidth over the GPU's HBM
+    bandwidth), at least 0; the constant read at the call (bench_published --fit varies it)."""
+    return max(0.0, 1.0 - OVERLAP_CONTENTION * load) if e is None else e
 
 
-def overlapped_s(a_s: float, b_s: float, e: float | None = None) -> float:
+def overlapped_s(a_s: float, b_s: float, e: float) -> float:
     """Two activities run at once (compute and a collective): the longer, plus the share of the
-    shorter that contention leaves exposed (overlap_share(e)). Equals max(a + (1 - e) b,
-    b + (1 - e) a), which the ILP states as two linear rows."""
-    return max(a_s, b_s) + (1 - overlap_share(e)) * min(a_s, b_s)
+    shorter that contention leaves exposed (1 - e, e from overlap_share). Equals
+    max(a + (1 - e) b, b + (1 - e) a), which the ILP states as two linear rows."""
+    return max(a_s, b_s) + (1 - e) * min(a_s, b_s)
 
 
-def exposed_after_s(window_s: float, comm_s: float, e: float | None = None) -> float:
+def exposed_after_s(window_s: float, comm_s: float, e: float) -> float:
     """Of a collective overlapped with `window_s` of compute, the seconds it adds past the window:
     max(comm - e window, (1 - e) comm)."""
     return overlapped_s(window_s, comm_s, e) - window_s

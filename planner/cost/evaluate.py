@@ -93,9 +93,9 @@ def evaluate(costs: StageCosts, bounds: list[int], choice: list[int]) -> Evaluat
         params = sum(a.params for a in atoms)
         experts = sum(a.expert_params for a in atoms)
         # data-parallel traffic every micro-batch (ZeRO-2/3): bytes overlap compute, latency does not
-        t = overlapped_s(t, costs.mb_comm_s(params, experts), costs.dp_overlap) + costs.mb_latency_s(atoms)
+        t = overlapped_s(t, costs.mb_comm_s(params, experts), costs.dp_share) + costs.mb_latency_s(atoms)
         one_backward = sum(a.bwd_s for a in atoms)
-        exposed = (max(costs.tail_s, exposed_after_s(one_backward, costs.grad_sync_s(params, experts), costs.dp_overlap))
+        exposed = (max(costs.tail_s, exposed_after_s(one_backward, costs.grad_sync_s(params, experts), costs.dp_share))
                    if ranks > 1 else 0.0)
         sync = exposed + costs.after_step_s(params, experts) + costs.after_step_atom_s * len(atoms)
         weights, grads, optim = costs.state_bytes(params, experts)

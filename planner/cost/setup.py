@@ -97,8 +97,9 @@ class Training:
     2022, Sec. 4.2.2): False."""
     dp_overlap: float | None = None
     """The share of the data-parallel traffic that the trainer hides behind compute (the shorter of
-    the two, as comm.overlapped_s has it); None: the cost model's OVERLAP_EFFICIENCY, fitted on the
-    published runs. Megatron's distributed optimizer with --overlap-grad-reduce (the default of
+    the two, as comm.overlapped_s has it); None: what the traffic's contention leaves
+    (constants.OVERLAP_CONTENTION x its link's bandwidth over HBM's exposed), fitted on the published
+    runs. Megatron's distributed optimizer with --overlap-grad-reduce (the default of
     Megatron-Bridge and NeMo with dp > 1) hides its gradient reduce-scatter behind the backward: 1."""
     recompute_collectives: str = "all"
     """The forward TP collectives selective and alternate recompute run again: those whose outputs

@@ -185,7 +185,15 @@ class StageCosts:
     """ZeRO-1/2's all-gather after the step, plus the optimizer, per expert parameter."""
     dp_overlap: float | None = None
     """The share of the data-parallel traffic hidden behind compute (Training.dp_overlap); None:
-    OVERLAP_EFFICIENCY, read when evaluated (bench_published --fit varies it)."""
+    what its contention leaves (comm.overlap_share of dp_load), read when evaluated
+    (bench_published --fit varies OVERLAP_CONTENTION)."""
+    dp_load: float = 0.0
+    """The data-parallel group's link bandwidth over the GPU's HBM bandwidth (comm.link_load)."""
+
+    @property
+    def dp_share(self) -> float:
+        """The share of the data-parallel traffic that compute beside it hides (comm.overlap_share)."""
+        return comm.overlap_share(self.dp_overlap, self.dp_load)
 
     @property
     def param_totals(self) -> tuple[float, float]:
@@ -627,16 +635,17 @@ def _layer_costs(
             tp_bwd = max(tp_bwd / shard, comm.exposed_after_s(gemm_bwd, tp_bwd, share))
     cp_fwd = cp_bwd = 0.0
     if cand.cp > 1 and layer.attention_kv_bytes:
-        # The ring (torch's context_parallel): forward gathers every rank's keys and values, beside
-        # the attention on those already there; backward gathers them again and passes their
-        # gradients back (a reduce-scatter's volume, in fp32). Exposed past the attention's time
-        # as any overlapped collective (comm.exposed_after_s).
+        # The ring: forward gathers every rank's keys and values, beside the attention on those
+        # already there; backward gathers them again and passes their gradients back (a
+        # reduce-scatter's volume, in fp32). Exposed past the attention steps each runs beside
+        # (ring_exposed_s), with the contention of the CP link's rate (comm.overlap_share).
         kv, dkv = ring_bytes(layer, profile, cand.micro_batch, shard, training)
         ag, rs = comm.allgather(cand.cp, lk.cp), comm.reduce_scatter(cand.cp, lk.cp)
         attn_fwd = fwd * _attention_share(fwd_work, gpu, training.precision)
         attn_bwd = bwd * _attention_share(bwd_work, gpu, training.precision)
-        cp_fwd = comm.exposed_after_s(attn_fwd, ag(kv))
-        cp_bwd = comm.exposed_after_s(attn_bwd, ag(kv) + rs(dkv))
+        hidden = comm.overlap_share(None, comm.link_load(lk.cp, gpu.hbm_bandwidth_Bps))
+        cp_fwd, cp_bwd = ring_exposed_s(attn_fwd, attn_bwd, ag(kv), rs(dkv), cand.cp, hidden,
+                                        gathers_first=training.attention_kernel != "te")
         # the partial outputs merged (forward) and query gradients summed (backward) at every step:
         # the whole sequence's queries (SDPA's FLOPs are 4 x seq per query element) in fp32
         queries = layer.fwd_attention_flops * _scale(profile, cand.micro_batch) / (4 * profile.seq_len * shard)
@@ -739,6 +748,24 @@ def atoms_of(profile: ModelProfile) -> list[tuple[int, int]]:
             out.append((start, layer.index))
             start = layer.index + 1
     return out
+
+
+def ring_exposed_s(attn_fwd_s: float, attn_bwd_s: float, gather_s: float, reduce_s: float, cp: int, hidden: float,
+                   gathers_first: bool) -> tuple[float, float]:
+    """(forward, backward) seconds a context-parallel ring adds past its attention: the keys and
+    values gathered (`gather_s`, forward and again in backward) and their gradients passed back
+    (`reduce_s`, backward), each overlapped with the attention it runs beside (comm.exposed_after_s,
+    `hidden` the share contention leaves hidden). Torch's context_parallel (`gathers_first`: its
+    default rotater, _AllGatherRotater, all-gathers every rank's shard at the first step and waits
+    for it at the second) hides the gather behind the first of its cp steps alone, the gradients'
+    rotation behind the other cp - 1; Transformer Engine's ring sends each step's shard beside the
+    step before, the whole attention."""
+    if not gathers_first:
+        return (comm.exposed_after_s(attn_fwd_s, gather_s, hidden),
+                comm.exposed_after_s(attn_bwd_s, gather_s + reduce_s, hidden))
+    return (comm.exposed_after_s(attn_fwd_s / cp, gather_s, hidden),
+            comm.exposed_after_s(attn_bwd_s / cp, gather_s, hidden)
+            + comm.exposed_after_s(attn_bwd_s * (cp - 1) / cp, reduce_s, hidden))
 
 
 def atom_table(
@@ -935,6 +962,7 @@ def stage_costs(
         links=lk,
         model_flops_per_step=model_flops,
         dp_overlap=training.dp_overlap,
+        dp_load=comm.link_load(lk.dp, cluster.gpu.hbm_bandwidth_Bps),
         **experts,
     )
 

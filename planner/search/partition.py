@@ -232,7 +232,7 @@ def solve_partition(
     U = _var(prob, "U", 0)
     T = {}
     dp = cand.dp
-    e = comm.overlap_share(costs.dp_overlap)
+    e = costs.dp_share
     for i in range(p):
         T[i] = _var(prob, f"T_{i}", 0)
         params = rank_sum(i, params_of)

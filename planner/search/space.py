@@ -426,7 +426,7 @@ def time_lower_bound(costs: StageCosts, recompute: str | None = None, quick: boo
     # ZeRO-2/3's traffic every micro-batch runs beside a rank's work, hidden by the overlap share
     # (evaluate: overlapped_s(work, traffic) + latency): overlapped_s is convex, so the mean rank's
     # work and traffic bound the slowest rank's, and p of them the sum over ranks
-    mean = overlapped_s(total / p + sends, costs.mb_comm_s(params, experts), costs.dp_overlap) + latency
+    mean = overlapped_s(total / p + sends, costs.mb_comm_s(params, experts), costs.dp_share) + latency
     slowest = max(slowest + sends, mean)
     every = max(p * mean, sum(ranks) + p * sends)
     pipeline = (cand.num_microbatches - 1 / v) * slowest + every / v
@@ -435,7 +435,7 @@ def time_lower_bound(costs: StageCosts, recompute: str | None = None, quick: boo
     sync = costs.after_step_s(params, experts)
     if cand.grad_ranks > 1:
         backward = costs.atoms.memo("backward", lambda: sum(a.bwd_s for a in costs.atoms)) / p
-        sync += max(costs.tail_s, exposed_after_s(backward, costs.grad_sync_s(params, experts), costs.dp_overlap))
+        sync += max(costs.tail_s, exposed_after_s(backward, costs.grad_sync_s(params, experts), costs.dp_share))
     sync += costs.after_step_atom_s * atoms_per_rank
     return pipeline + sync
 

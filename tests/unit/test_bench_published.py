@@ -216,8 +216,8 @@ def test_a_rows_data_parallel_overlap_is_its_trainers():
     --overlap-grad-reduce (SC'21, Korthikanti et al.) all-reduced the gradients after the
     backward, and so did DeepSpeed's pipeline engine (BLOOM); DeepSpeed's ZeRO-3 of 2021 synchronised
     the device at every gather: nothing hidden (0). Megatron with --overlap-grad-reduce: all of it
-    (1). PyTorch's FSDP and DDP (torchtitan, llm-foundry, fms-fsdp): the fitted OVERLAP_EFFICIENCY
-    (None). DeepSpeed's pipeline engine scatters what crosses a cut over the TP ranks, as
+    (1). PyTorch's FSDP and DDP (torchtitan, llm-foundry, fms-fsdp): what their contention leaves (OVERLAP_CONTENTION:
+    None). DeepSpeed's pipeline engine scatters what crosses a cut over the TP ranks, as
     Megatron-LM does; torch's pipelining does not."""
     overlap = {r.id: r.training().dp_overlap for r in load_rows(REFERENCE)}
     held = {r.id: r.training() for r in load_rows(REFERENCE.parent / "held_out_runs.yaml")}

@@ -11,7 +11,7 @@ import pytest
 from planner.cost import comm
 from planner.cost.compute import memory_bound_s
 from planner.cost.setup import Candidate, Training
-from planner.cost.stage_costs import NONE, atom_table, attention_run_flops, stage_costs
+from planner.cost.stage_costs import NONE, atom_table, attention_run_flops, ring_exposed_s, stage_costs
 from planner.cost.topology import links
 from planner.errors import BadInput
 from planner.hardware import make_cluster
@@ -82,13 +82,13 @@ def test_cp_splits_the_tokens_and_adds_the_ring(llama7b, monkeypatch):
     """cp = 2 inside an H100 node: every token-proportional figure halves (attention's too: each
     rank's queries meet all keys), the parameters do not, and each attention layer pays the
     ring: forward all-gathers K and V, backward gathers them again and reduce-scatters their fp32
-    gradients (twice the bytes), none of it hidden here (OVERLAP_EFFICIENCY set to 0, so that the
-    ring's whole volume shows; the share it hides is comm.exposed_after_s's); and merges its partial
+    gradients (twice the bytes), none of it hidden here (OVERLAP_CONTENTION set past 1 / the link's
+    share of HBM, so that the ring's whole volume shows; the share it hides is comm.overlap_share's); and merges its partial
     outputs (4 fp32 passes over the whole sequence's queries) and sums the query gradients (2);
     its attention calls, over half the keys each, pay their rows' fixed work twice as often.
     (At every GEMM's best-shape share: with the H100's shape table, half the rows run a little
     slower, tests/unit/test_gemm_shapes.py.)"""
-    monkeypatch.setattr(comm, "OVERLAP_EFFICIENCY", 0.0)
+    monkeypatch.setattr(comm, "OVERLAP_CONTENTION", 1e6)
     cluster = make_cluster("h100-sxm-80gb", 2)
     cluster = replace(cluster, gpu=replace(cluster.gpu, matmul_shapes=None))
     training = Training("bf16", "adamw", 4, 80 * GIB)
@@ -125,8 +125,8 @@ def test_a_ring_moves_the_key_value_heads_the_attention_kernel_reads(llama, kern
     """examples/llama.py repeats its 2 key/value heads to the 8 query heads before SDPA: torch's
     ring moves the 8 repeated; Transformer Engine's attention takes the 2 as they are, and so does
     its ring (Training.attention_kernel "te"): a quarter of the bytes (none of them hidden here:
-    OVERLAP_EFFICIENCY set to 0)."""
-    monkeypatch.setattr(comm, "OVERLAP_EFFICIENCY", 0.0)
+    OVERLAP_CONTENTION set past what leaves any)."""
+    monkeypatch.setattr(comm, "OVERLAP_CONTENTION", 1e6)
     cluster = make_cluster("h100-sxm-80gb", 2)
     training = Training("bf16", "adamw", 4, 80 * GIB, attention_kernel=kernel)
     link = links(cluster, Candidate(1, 1, 1, 1, 1, 0, "1f1b", cp=2)).cp
@@ -135,6 +135,19 @@ def test_a_ring_moves_the_key_value_heads_the_attention_kernel_reads(llama, kern
     atom = next(a for a in atom_table(llama, cluster, training, 1, 1, cp=2) if a.first == block)
     kv = 2 * (8 * 256 * 32 * 2) * heads / 8  # micro-batch 1: the whole sequence's K and V, bf16
     assert atom.cp_comm_s == pytest.approx(ag(kv) + ag(kv) + rs(2 * kv))
+
+
+def test_torchs_ring_hides_its_gather_behind_the_first_step_alone():
+    """cp 4, attention 8 ms forward and 16 ms backward, the gather 5 ms and the gradients' 6 ms,
+    half of any overlap hidden. Torch's rotater gathers at the first step and waits at the second:
+    forward 5 - 0.5 x 2 = 4 ms past the first step's 2 ms; backward the gather past its 4 ms
+    (5 - 2 = 3) and the gradients beside the other 12 ms, half of them (3): 6 ms. Transformer
+    Engine's ring runs beside the whole attention: 2.5 ms and (11 x 0.5) 5.5 ms."""
+    assert ring_exposed_s(8e-3, 16e-3, 5e-3, 6e-3, 4, 0.5, gathers_first=True) == pytest.approx((4e-3, 6e-3))
+    assert ring_exposed_s(8e-3, 16e-3, 5e-3, 6e-3, 4, 0.5, gathers_first=False) == pytest.approx((2.5e-3, 5.5e-3))
+    # all hidden (no contention): only what outlasts its window shows
+    assert ring_exposed_s(8e-3, 16e-3, 5e-3, 6e-3, 4, 1.0, gathers_first=True) == pytest.approx((3e-3, 1e-3))
+    assert ring_exposed_s(8e-3, 16e-3, 5e-3, 6e-3, 4, 1.0, gathers_first=False) == pytest.approx((0.0, 0.0))
 
 
 def test_zero_shards_over_dp_times_cp_and_the_ranks_are_tp_cp_dp(llama):

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from planner.cost import comm
-from planner.cost.constants import ASYNC_TP_OVERLAP, DDP_BUCKET_BYTES, LINK_EFFICIENCY, MEMORY_EFFICIENCY, OVERLAP_EFFICIENCY
+from planner.cost.constants import ASYNC_TP_OVERLAP, DDP_BUCKET_BYTES, LINK_EFFICIENCY, MEMORY_EFFICIENCY, OVERLAP_CONTENTION
 from planner.cost.evaluate import evaluate
 from planner.cost.pipeline import inflight_per_stage, pipeline_s
 from planner.cost.setup import Candidate, Training
@@ -142,6 +142,35 @@ def test_freed_gradients_share_the_peak_with_the_activations(zero, dp, m, traine
         assert e.grads_bytes + e.activations_bytes == pytest.approx(grads)
 
 
+A100_HBM = 2039 * GB  # profiles/a100-80gb.yaml
+
+
+def _hidden(link_Bps: float) -> float:
+    """The share of an overlap that a collective's contention leaves hidden, by hand: 1 - the
+    constant x its link's bandwidth over the A100's HBM bandwidth."""
+    return max(0.0, 1 - OVERLAP_CONTENTION * link_Bps / A100_HBM)
+
+
+def test_contention_exposes_more_of_an_nvlink_ring_than_of_a_network_ring():
+    """A collective beside compute slows it by OVERLAP_CONTENTION x the rate its link moves bytes
+    at over HBM's: on an A100 (2,039 GB/s) an NVLink ring (300 GB/s) at 4 leaves 1 - 4 x 0.147 =
+    41% of the overlap hidden, a network ring of one GPU a node behind 200 Gb/s (25 GB/s) 95%; a
+    trainer's own share (Training.dp_overlap) overrides it."""
+    nvlink, network = comm.Link(300 * GB, 8e-6), comm.Link(25 * GB, 15e-6)
+    assert OVERLAP_CONTENTION == 4.0
+    assert comm.overlap_share(None, comm.link_load(nvlink, A100_HBM)) == pytest.approx(1 - 4 * 300 / 2039)
+    assert comm.overlap_share(None, comm.link_load(network, A100_HBM)) == pytest.approx(1 - 4 * 25 / 2039)
+    assert comm.overlap_share(None, 1.0) == 0.0  # no less than nothing hidden
+    assert comm.overlap_share(1.0, comm.link_load(nvlink, A100_HBM)) == 1.0
+    # 10 s of compute beside 4 s of gathers: the gathers' contention adds (1 - e) x 4 s
+    assert comm.overlapped_s(10.0, 4.0, comm.overlap_share(None, comm.link_load(network, A100_HBM))) == pytest.approx(
+        10 + 4 * 4 * 25 / 2039)
+    _, costs = _costs(zero=3, gpus_per_node=1)  # the plan's own data-parallel link: the network
+    assert costs.dp_share == pytest.approx(_hidden(25 * GB))
+    _, costs = _costs(zero=3)  # one node: NVLink
+    assert costs.dp_share == pytest.approx(_hidden(300 * GB))
+
+
 def test_ddp_exposes_the_last_bucket_and_the_optimizer():
     profile, costs = _costs(zero=0)
     ev = evaluate(costs, [0, len(costs.atoms)], [NONE] * len(costs.atoms))
@@ -150,7 +179,7 @@ def test_ddp_exposes_the_last_bucket_and_the_optimizer():
     tail = ar(min(DDP_BUCKET_BYTES, params * 2))
     backward = sum(a.bwd_s for a in costs.atoms)
     # overlapped with the last backward: the sync past it, or the share contention leaves exposed
-    e = OVERLAP_EFFICIENCY
+    e = _hidden(300 * GB)
     exposed = max(tail, ar(params * 2) - e * backward, (1 - e) * ar(params * 2))
     optimizer = costs.optimizer_s_per_param * params
     assert ev.devices[0].sync_s == pytest.approx(exposed + optimizer)
@@ -160,7 +189,7 @@ def test_ddp_exposes_the_last_bucket_and_the_optimizer():
 
 @pytest.mark.parametrize("e", [0.0, 1.0])
 def test_a_trainer_that_overlaps_its_data_parallel_traffic(e):
-    """Training.dp_overlap (Megatron's --overlap-grad-reduce: 1) replaces OVERLAP_EFFICIENCY for the
+    """Training.dp_overlap (Megatron's --overlap-grad-reduce: 1) replaces the contention's share for the
     plan's data-parallel traffic: the gradient sync beside the last backward, ZeRO-3's gathers
     beside each micro-batch. Fully hidden (1), only the sync past the backward and the last bucket
     are exposed, and a micro-batch takes the longer of its compute and its gathers."""
@@ -216,7 +245,7 @@ def test_zero1_all_reduces_then_gathers_layer_by_layer():
     params, atoms = profile.num_params, len(costs.atoms)
     link = comm.Link(300 * GB, 8e-6, comm.ring_step_s(4, 1))
     ar, ag = comm.allreduce(4, link), comm.allgather(4, link)
-    e, backward = OVERLAP_EFFICIENCY, sum(a.bwd_s for a in costs.atoms)
+    e, backward = _hidden(300 * GB), sum(a.bwd_s for a in costs.atoms)
     exposed = max(ar(min(DDP_BUCKET_BYTES, params * 2)), ar(params * 2) - e * backward, (1 - e) * ar(params * 2))
     gathers = ag.per_byte_s * 2 * params + ag.fixed_s * atoms  # the 16-bit weights, one collective per layer
     assert ev.devices[0].sync_s == pytest.approx(exposed + gathers + costs.optimizer_s_per_param * params)
@@ -237,7 +266,7 @@ def test_zero3_gathers_every_micro_batch_overlapped_except_latency():
     ev = evaluate(costs, [0, atoms], [NONE] * atoms)
     compute = sum(a.fwd_s + a.bwd_s for a in costs.atoms)
     # overlapped: the longer of the two, plus the share of the shorter contention leaves exposed
-    t = max(compute, per_mb_bytes_s) + (1 - OVERLAP_EFFICIENCY) * min(compute, per_mb_bytes_s) + per_mb_latency
+    t = max(compute, per_mb_bytes_s) + (1 - _hidden(25 * GB)) * min(compute, per_mb_bytes_s) + per_mb_latency
     assert ev.devices[0].time_per_microbatch_s == pytest.approx(t)
     assert per_mb_bytes_s > compute  # over a 200 Gb/s network the gathers outlast the math: exposed
     assert ev.pipeline_s == pytest.approx(4 * t)

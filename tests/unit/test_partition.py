@@ -483,7 +483,7 @@ def test_interleaved_bound_takes_the_slowest_rank_of_the_fixed_chunks():
 
 def test_time_bound_counts_the_zero3_traffic_it_cannot_hide():
     """ZeRO-3 under a pipeline gathers each rank's parameters every micro-batch; the plan hides
-    the OVERLAP_EFFICIENCY share of that traffic behind the rank's work (evaluate's overlapped_s).
+    the share of that traffic its contention leaves behind the rank's work (evaluate's overlapped_s).
     The time bound charges the average rank's work and traffic together (overlapped_s is convex),
     not the larger of the two: with no overlap a 96-layer GPT's ZeRO-3 candidates were bounded at
     half their time and each went to the solver."""
@@ -499,7 +499,7 @@ def test_time_bound_counts_the_zero3_traffic_it_cannot_hide():
     work = sum(a.fwd_s + a.bwd_s for a in costs.atoms) / p + costs.p2p_s
     traffic = costs.mb_comm_s(*(x / p for x in costs.param_totals))
     assert traffic > 0.1 * work  # the case the bound is about
-    mean_rank = overlapped_s(work, traffic, costs.dp_overlap) + costs.mb_comm_atom_s * len(costs.atoms) / p
+    mean_rank = overlapped_s(work, traffic, costs.dp_share) + costs.mb_comm_atom_s * len(costs.atoms) / p
     bound = time_lower_bound(costs, "none")
     assert bound >= (m - 1) * mean_rank + p * mean_rank
     part = solve_partition(costs, recompute="none")
@@ -522,7 +522,7 @@ def test_time_bound_counts_the_gradient_sync_after_the_last_backward():
     p = cand.pp
     params, experts = (x / p for x in costs.param_totals)
     backward = sum(a.bwd_s for a in costs.atoms) / p
-    exposed = max(costs.tail_s, exposed_after_s(backward, costs.grad_sync_s(params, experts), costs.dp_overlap))
+    exposed = max(costs.tail_s, exposed_after_s(backward, costs.grad_sync_s(params, experts), costs.dp_share))
     assert exposed > costs.tail_s  # more than a bucket is exposed: the case the bound is about
     without_sync = replace(costs, grad_sync=replace(costs.grad_sync, fixed_s=0.0, per_byte_s=0.0), tail_s=0.0)
     assert time_lower_bound(costs, "none") == pytest.approx(time_lower_bound(without_sync, "none") + exposed, rel=1e-9)
