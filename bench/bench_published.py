@@ -5,7 +5,8 @@ the published configuration (tp, pp, dp, micro-batch, ZeRO/FSDP stage, schedule,
 the row's cluster (its GPU, GPU count, GPUs per node and, when given, inter-node bandwidth per
 GPU), predict step time and peak memory, and compare with what was measured. Prints one table,
 then per source and overall: count, median and worst |error| for step time and peak memory, the
-rows the cost model refused ("nothing fits"), and how many rows were approximated.
+rows the cost model refused ("nothing fits"), and how many rows were approximated; then the
+signed median per GPU type and trainer (where the model leans one way).
 
     python bench/bench_published.py             # the table (about a minute on 2 cores)
     python bench/bench_published.py --free      # + the free search's own plan for each row

@@ -104,6 +104,7 @@ def print_summary(results: list[Result]) -> None:
             f"{sum(bool(r.row.assumed) for r in rs):7d} | {error_stats([r.error for r in rs]):>23s} | "
             f"{error_stats(exact):>24s} | {error_stats([r.memory_error for r in rs]):>25s}"
         )
+    print_bias(results)
     print(
         "\nstep/memory: |predicted / measured - 1| over the rows predicted (refused rows have no step time;"
         "\ntheir memory error uses the least memory they need); tight: rows that fit only without the"
@@ -111,3 +112,17 @@ def print_summary(results: list[Result]) -> None:
         "\napprox: rows with a note (what the cost model cannot express); assumed: rows with figures"
         "\nnot published ([...] in the note: left to the search or assumed)."
     )
+
+
+def print_bias(results: list[Result]) -> None:
+    """The signed step-time error's median per GPU type and trainer: where the cost model leans one
+    way (a GPU generation's rows all slow, one trainer's all fast), which |error| hides."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for r in results:
+        if r.error is not None:
+            groups.setdefault((r.row.gpu.name, r.row.trainer), []).append(r.error)
+    if not groups:
+        return
+    print(f"\n{'lean (signed)':20s} {'trainer':>10s} {'rows':>4s} {'median':>7s} {'slowest':>8s} {'fastest':>8s}")
+    for (gpu, trainer), errs in sorted(groups.items()):
+        print(f"{gpu:20s} {trainer:>10s} {len(errs):4d} {statistics.median(errs):+7.1%} {max(errs):+8.1%} {min(errs):+8.1%}")

@@ -707,3 +707,22 @@ def test_a_free_plan_slower_than_the_published_one_says_why():
     assert "missed a faster plan" in _simpler(r, r.free)
     r = Result(row, published, None, 0.0, free=Plan(simpler.cand, 49.0), free_s=1.0)
     assert _simpler(r, r.free) == ""
+
+
+def test_the_lean_table_gives_each_gpu_and_trainer_its_signed_median(capsys):
+    """bench_published's lean table: the signed median error per GPU type and trainer, which the
+    |error| columns hide (here the A100 rows slow, the H100 ones fast); refused rows are left out."""
+    from types import SimpleNamespace
+
+    from bench.published.report import print_bias
+
+    def result(gpu, trainer, error):
+        return SimpleNamespace(error=error, row=SimpleNamespace(gpu=SimpleNamespace(name=gpu), trainer=trainer))
+
+    print_bias([result("a100-80gb", "this", e) for e in (0.10, 0.20, 0.30)]
+               + [result("h100-sxm-80gb", "this", e) for e in (-0.05, -0.15)] + [result("h100-sxm-80gb", "this", None)])
+    lines = capsys.readouterr().out.splitlines()
+    a100 = next(l for l in lines if l.startswith("a100-80gb")).split()
+    h100 = next(l for l in lines if l.startswith("h100-sxm-80gb")).split()
+    assert a100[1:] == ["this", "3", "+20.0%", "+30.0%", "+10.0%"]
+    assert h100[1:] == ["this", "2", "-10.0%", "-5.0%", "-15.0%"]
