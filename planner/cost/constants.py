@@ -16,8 +16,9 @@ constants, and they apply to every GPU type through its own catalogue figures (a
 # fused kernels costed as fused (Training.fused_kernels) and each trainer's data-parallel overlap
 # its own (OVERLAP_CONTENTION below): with it at 4, median error 7.2% at 0.76, 6.3% at 0.78, 6.8%
 # at 0.80, 7.6% at 0.82 (mean |log error| 0.0859, 0.0865, 0.0906, 0.0957); 0.78, the best median
-# (with the former flat hidden share 0.4: 7.3%, 6.3%, 6.8%, 7.3%). (Before fused kernels were costed, 0.90: eager traffic on Megatron-LM's rows had
-# stood in for slower matmuls; before the trainers' own overlaps were read, 0.80.)
+# (with the former flat hidden share 0.4: 7.3%, 6.3%, 6.8%, 7.3%). (Before fused kernels were
+# costed, 0.90: eager traffic on Megatron-LM's rows had stood in for slower matmuls; before the
+# trainers' own overlaps were read, 0.80.)
 MATMUL_EFFICIENCY = 0.78
 
 # Fraction of HBM bandwidth that memory-bound kernels (elementwise, norms, softmax, dropout)
