@@ -86,6 +86,37 @@ def error_stats(errors: list[float]) -> str:
     return f"{len(errors):3d} {statistics.median(errors):7.1%} {max(errors):7.1%}"
 
 
+def features(r: Result) -> list[str]:
+    """The plan features of a row's predicted configuration, each a group of the feature table:
+    what the model, the precision, the parallelism and the cluster's size make of it."""
+    c, row = r.scored.cand, r.row
+    out = ["mixture of experts" if row.shape.experts else "dense"]
+    if c.tp == c.pp == c.cp == 1 and c.ep <= 1:
+        out.append("data parallel alone")
+    out += [name for name, on in (("tensor parallel", c.tp > 1), ("pipeline", c.pp > 1), ("context parallel", c.cp > 1),
+                                  ("expert parallel", c.ep > 1), ("ZeRO-3 / FSDP", c.zero == 3),
+                                  ("HSDP", c.dp_replicate > 1)) if on]
+    out.append({"fp8": "FP8", "fp4": "FP4"}.get(row.precision, "16-bit"))
+    out.append("one NVLink domain" if row.num_gpus <= row.cluster().gpus_per_node else "across NVLink domains")
+    return out
+
+
+def print_features(results: list[Result]) -> None:
+    """|error| and signed error per plan feature (a row in each of its features' groups): which
+    parts of the cost model the published runs trust, and which lean one way."""
+    groups: dict[str, list[float]] = {}
+    for r in results:
+        if r.error is not None:
+            for name in features(r):
+                groups.setdefault(name, []).append(r.error)
+    if not groups:
+        return
+    print(f"\n{'by plan feature':22s} {'rows':>4s} {'median':>7s} {'signed':>7s} {'worst':>7s}")
+    for name, errs in sorted(groups.items(), key=lambda g: -len(g[1])):
+        print(f"{name:22s} {len(errs):4d} {statistics.median(map(abs, errs)):7.1%} {statistics.median(errs):+7.1%} "
+              f"{max(errs, key=abs):+7.1%}")
+
+
 def print_summary(results: list[Result]) -> None:
     groups: dict[str, list[Result]] = {}
     for r in results:
@@ -105,6 +136,7 @@ def print_summary(results: list[Result]) -> None:
             f"{error_stats(exact):>24s} | {error_stats([r.memory_error for r in rs]):>25s}"
         )
     print_bias(results)
+    print_features(results)
     print(
         "\nstep/memory: |predicted / measured - 1| over the rows predicted (refused rows have no step time;"
         "\ntheir memory error uses the least memory they need); tight: rows that fit only without the"

@@ -726,3 +726,29 @@ def test_the_lean_table_gives_each_gpu_and_trainer_its_signed_median(capsys):
     h100 = next(l for l in lines if l.startswith("h100-sxm-80gb")).split()
     assert a100[1:] == ["this", "3", "+20.0%", "+30.0%", "+10.0%"]
     assert h100[1:] == ["this", "2", "-10.0%", "-5.0%", "-15.0%"]
+
+
+def test_the_feature_table_puts_each_row_in_every_group_of_its_plan(capsys):
+    """bench_published's feature table: a row counts in each feature of its predicted
+    configuration (a TP x PP row in both), with the median |error|, the signed median and the
+    error farthest from 0; refused rows are left out."""
+    from types import SimpleNamespace
+
+    from bench.published.report import print_features
+
+    def result(error, tp=1, pp=1, zero=1, experts=0, precision="bf16", gpus=8):
+        cand = SimpleNamespace(tp=tp, pp=pp, cp=1, ep=1, zero=zero, dp_replicate=1)
+        row = SimpleNamespace(shape=SimpleNamespace(experts=experts), precision=precision, num_gpus=gpus,
+                              cluster=lambda: SimpleNamespace(gpus_per_node=8))
+        return SimpleNamespace(error=error, row=row, scored=SimpleNamespace(cand=cand) if error is not None else None)
+
+    print_features([result(-0.20, tp=8, pp=4, gpus=64), result(0.10, tp=8), result(0.04, zero=3, precision="fp8"),
+                    result(None, pp=2)])
+    rows = {line[:22].strip(): line[22:].split() for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows["dense"] == ["3", "10.0%", "+4.0%", "-20.0%"]
+    assert rows["tensor parallel"] == ["2", "15.0%", "-5.0%", "-20.0%"]
+    assert rows["pipeline"] == ["1", "20.0%", "-20.0%", "-20.0%"]
+    assert rows["data parallel alone"] == rows["ZeRO-3 / FSDP"] == rows["FP8"] == ["1", "4.0%", "+4.0%", "+4.0%"]
+    assert rows["one NVLink domain"] == ["2", "7.0%", "+7.0%", "+10.0%"]
+    assert rows["across NVLink domains"] == ["1", "20.0%", "-20.0%", "-20.0%"]
+    assert "mixture of experts" not in rows and "context parallel" not in rows
