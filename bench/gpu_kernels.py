@@ -21,7 +21,10 @@ Prints, and writes to DIR/gpu_kernels.json:
   table of what a GEMM's shape costs (planner/cost/gemm_shapes.py's grid), beside the planner's share;
 - grouped GEMMs (torch._grouped_mm, the runtime's experts) against one GEMM per expert, for 1 to
   128 experts sharing the same rows: what a local expert costs beyond its FLOPs;
-- HBM bandwidth (a device-to-device copy) against the catalogue's.
+- HBM bandwidth (a device-to-device copy) against the catalogue's;
+- a large bf16 GEMM run back to back for 20 s: its rate in the first half second against the last
+  five (and the SM clock where torch reads it), whether this GPU holds the MAMF figure (a short
+  burst) under the sustained load of training or falls at its power limit.
 """
 
 from __future__ import annotations
@@ -226,12 +229,55 @@ def shape_grid(gpu, results: list) -> None:
         torch.cuda.empty_cache()
 
 
+def sustained(gpu, results: list, seconds: float = 20.0, side: int = 8192) -> None:
+    """bf16 side^3 GEMMs back to back for `seconds`, timed ten at a time: the median rate of the
+    first half second against that of the last five, with the SM clock (MHz) torch reads through
+    NVML where it can. The catalogue's matmul ceiling is a burst (mamf-finder times each shape
+    briefly); a step of training keeps the tensor cores busy for seconds."""
+    a = torch.randn(side, side, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(side, side, device="cuda", dtype=torch.bfloat16)
+    flops, batch = 2 * side**3, 10
+
+    def clock() -> float | None:
+        try:
+            return float(torch.cuda.clock_rate())
+        except Exception:  # no NVML here: the rates alone
+            return None
+
+    samples = []  # (seconds since the start, TF/s, MHz)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(batch):
+            a @ b
+        end.record()
+        end.synchronize()
+        samples.append((time.perf_counter() - t0, batch * flops / (start.elapsed_time(end) / 1e3) / 1e12, clock()))
+
+    def window(lo: float, hi: float) -> tuple[float, float | None]:
+        inside = [s for s in samples if lo <= s[0] < hi] or samples[:1]
+        clocks = [s[2] for s in inside if s[2] is not None]
+        return statistics.median(s[1] for s in inside), (statistics.median(clocks) if clocks else None)
+
+    (first, first_mhz), (last, last_mhz) = window(0.0, 0.5), window(seconds - 5.0, seconds + 1.0)
+    peak = gpu.peak("bf16")
+    results.append({"kind": "sustained bf16 matmul", "side": side, "seconds": seconds, "first_tflops": first,
+                    "last_tflops": last, "first_mhz": first_mhz, "last_mhz": last_mhz, "of_peak_first": first * 1e12 / peak,
+                    "of_peak_last": last * 1e12 / peak, "catalogue_share": gpu.matmul_efficiency})
+    mhz = f"; SM clock {first_mhz:.0f} -> {last_mhz:.0f} MHz" if first_mhz and last_mhz else ""
+    print(f"sustained bf16 {side}^3 GEMMs for {seconds:.0f} s: first 0.5 s {first:.1f} TF/s ({first * 1e12 / peak:.1%} of peak), "
+          f"last 5 s {last:.1f} ({last * 1e12 / peak:.1%}; ratio {last / first:.3f}){mhz}; "
+          f"catalogue ceiling {gpu.matmul_efficiency:.1%}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpu", default="h200", help="catalogue name of this GPU (default h200)")
     p.add_argument("--out", type=Path, default=Path("/tmp/gpu_check"))
     p.add_argument("--seqs", default="2048,8192,32768,131072")
-    p.add_argument("--only", default="hbm,matmul,fp8,grouped,attention,grid")
+    p.add_argument("--only", default="hbm,matmul,sustained,fp8,grouped,attention,grid")
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_kernels.py: no CUDA GPU here")
@@ -240,7 +286,7 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     results: list = []
     steps = {"hbm": lambda: hbm(gpu, results), "matmul": lambda: matmuls(gpu, results), "fp8": lambda: fp8_matmuls(gpu, results),
-             "grid": lambda: shape_grid(gpu, results),
+             "grid": lambda: shape_grid(gpu, results), "sustained": lambda: sustained(gpu, results),
              "attention": lambda: attention(gpu, results, tuple(int(s) for s in a.seqs.split(","))),
              "grouped": lambda: grouped(gpu, results)}
     for name in a.only.split(","):
