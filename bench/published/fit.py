@@ -28,19 +28,17 @@ Point = tuple[float, float, float]
 
 def grid_errors(results: list[Result], profiles: Profiles) -> dict[Point, list[float]]:
     """(matmul, memory, contention) -> log(predicted / measured) per predicted row, each row's
-    assignment (stages, recompute) re-evaluated under the grid point's constants (the contention of
-    the data-parallel traffic; a context-parallel ring's is priced when the costs are built, at the
-    constant's value)."""
+    assignment (stages, recompute) re-evaluated under the grid point's constants (the costs built
+    again at each point: a context-parallel ring's contention is priced when they are built)."""
     saved = compute_mod.MATMUL_EFFICIENCY, compute_mod.MEMORY_EFFICIENCY, comm_mod.OVERLAP_CONTENTION
     setups = [(r, r.row.cluster(), r.row.training(), profiles.get(r.row)) for r in results if r.scored]
     out = {}
     try:
         for mm in MATMUL_GRID:
             for mem in MEMORY_GRID:
-                compute_mod.MATMUL_EFFICIENCY, compute_mod.MEMORY_EFFICIENCY = mm, mem
-                tables = [stage_costs(profile, cluster, training, r.scored.cand) for r, cluster, training, profile in setups]
                 for ov in CONTENTION_GRID:
-                    comm_mod.OVERLAP_CONTENTION = ov
+                    compute_mod.MATMUL_EFFICIENCY, compute_mod.MEMORY_EFFICIENCY, comm_mod.OVERLAP_CONTENTION = mm, mem, ov
+                    tables = [stage_costs(profile, cluster, training, r.scored.cand) for r, cluster, training, profile in setups]
                     errs = []
                     for (r, *_), costs in zip(setups, tables):
                         b = r.scored
