@@ -70,10 +70,10 @@ MEMORY_EFFICIENCY = 0.50
 # not fitted on), Llama 2 7B-70B on A100s behind 400 Gb/s a node and H100s behind 800 Gb/s: median
 # 19% / worst 41% with it, 12.6% / 18.8% with this at the former shares (14.8% / 24.3% at the
 # present ones: their A100 runs 11-24% slow, their H100 runs within 8%); their 34B and 70B runs
-# shard over the network, which the flat share took as 60% exposed. On a CPU the same formula, with gloo's measured
-# bandwidth against a core's share of the memory bandwidth, hides none: gloo's threads take the
-# cores the compute runs on (a 4-process run here measured its compute 1.6x the prediction while
-# the collectives' own exposed time was under 1 ms).
+# shard over the network, which the flat share took as 60% exposed. On a CPU the same formula,
+# with gloo's measured bandwidth against a core's share of the memory bandwidth, hides none:
+# gloo's threads take the cores the compute runs on (a 4-process run here measured its compute
+# 1.6x the prediction while the collectives' own exposed time was under 1 ms).
 OVERLAP_CONTENTION = 4.0
 
 # Fraction of link bandwidth a collective achieves at large messages: NCCL bus bandwidth is

@@ -270,8 +270,8 @@ def assumptions(spec: SweepSpec, batching: Batching, gpus: dict[str, GPUSpec], p
     else:
         out.append(f"efficiencies: matmuls {constants.MATMUL_EFFICIENCY:.0%} of each GPU's best measured matmul rate, "
                    f"memory-bound ops {constants.MEMORY_EFFICIENCY:.0%} of HBM bandwidth, data-parallel traffic beside "
-                   f"compute hidden but for its contention ({constants.OVERLAP_CONTENTION:g} x its link's bandwidth / HBM "
-                   f"bandwidth of the overlap), links {constants.LINK_EFFICIENCY:.0%}")
+                   f"compute hidden but for its contention (that share of the overlap exposed: "
+                   f"{constants.OVERLAP_CONTENTION:g} x its link's bandwidth / HBM bandwidth), links {constants.LINK_EFFICIENCY:.0%}")
     if batching.scale:
         held = (f"grows with the GPUs (--scale-batch): {batching.global_batch / batching.smallest_count:g} samples per GPU, "
                 f"{batching.global_batch:,} on {batching.smallest_count} GPUs")

