@@ -68,9 +68,12 @@ MEMORY_EFFICIENCY = 0.50
 # the reference a little better while memory was held at 0.90 (mean |log error| 0.0832 against
 # 0.0865 at 4) but not the published FSDP runs of IBM's fms-fsdp (bench/reference/held_out_runs.yaml,
 # not fitted on), Llama 2 7B-70B on A100s behind 400 Gb/s a node and H100s behind 800 Gb/s: median
-# 19% / worst 41% with it, 12.6% / 18.8% with this at the former shares (14.8% / 24.3% at the
-# present ones: their A100 runs 11-24% slow, their H100 runs within 8%); their 34B and 70B runs
-# shard over the network, which the flat share took as 60% exposed. On a CPU the same formula,
+# 19% / worst 41% with it, 12.6% / 18.8% with this at the former shares; their 34B and 70B runs
+# shard over the network, which the flat share took as 60% exposed. Traffic over two links (HSDP:
+# the shard group's NVLink ring, then the replicas' all-reduce over the network) takes the load of
+# each weighted by the seconds it spends there (stage_costs._dp_traffic): priced at the NVLink
+# ring's share, fms-fsdp's six HSDP runs (7B and 13B) came out 5-24% slow; weighted, 11% fast to
+# 5% slow (its 12 runs: median 14.8% / worst 24.3% before, 8.4% / 18.3% weighted). On a CPU the same formula,
 # with gloo's measured bandwidth against a core's share of the memory bandwidth, hides none:
 # gloo's threads take the cores the compute runs on (a 4-process run here measured its compute
 # 1.6x the prediction while the collectives' own exposed time was under 1 ms).

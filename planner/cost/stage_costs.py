@@ -900,7 +900,8 @@ def stage_costs(
     # refit from this cluster's runs (1 without): all traffic, and ZeRO-2/3's every micro-batch
     comm_factor, zero_factor = cluster.gpu.factor("comm"), cluster.gpu.factor("zero_comm")
     copy_s = memory_bound_s(1.0, cluster.gpu)
-    dense = _dp_traffic(cand, shard, ranks, lk, w, g, (comm_factor, zero_factor), hsdp=True, copy_s_per_byte=copy_s)
+    dense = _dp_traffic(cand, shard, ranks, lk, w, g, (comm_factor, zero_factor), hsdp=True, copy_s_per_byte=copy_s,
+                        hbm_Bps=cluster.gpu.hbm_bandwidth_Bps)
     in_pipeline = pipelined_fsdp(cand)
     measured = cluster.gpu.optimizer_s_per_param(cluster.num_gpus, training.optimizer)  # plan calibrate's
     optimizer_s = measured if measured is not None else memory_bound_s(training.optimizer_traffic_per_param(), cluster.gpu)
@@ -962,7 +963,7 @@ def stage_costs(
         links=lk,
         model_flops_per_step=model_flops,
         dp_overlap=training.dp_overlap,
-        dp_load=comm.link_load(lk.dp, cluster.gpu.hbm_bandwidth_Bps),
+        dp_load=dense.load,
         **experts,
     )
 
@@ -976,10 +977,14 @@ class _DPTraffic:
     per_param: float
     after_step_param_s: float
     after_step_atom_s: float
+    load: float = 0.0
+    """What the traffic takes from compute beside it (comm.link_load): its links' loads, each
+    weighted by the time the traffic spends on it (HSDP: the shard group's NVLink ring and the
+    replicas' all-reduce over the network, whose few bytes a second barely touch HBM)."""
 
 
 def _dp_traffic(cand: Candidate, shard: int, ranks: int, lk: Links, w: int, g: int, factors: tuple[float, float],
-                hsdp: bool, copy_s_per_byte: float = 0.0) -> _DPTraffic:
+                hsdp: bool, copy_s_per_byte: float = 0.0, hbm_Bps: float = 0.0) -> _DPTraffic:
     """The data-parallel collectives (StageCosts: mb_comm_*, grad_sync, after_step_*) of
     parameters sharded by ZeRO over `shard` ranks of the `ranks` that average their gradients
     (HSDP: replicas of the shard groups, when `hsdp`). `factors`: the cluster's refit factors
@@ -999,9 +1004,14 @@ def _dp_traffic(cand: Candidate, shard: int, ranks: int, lk: Links, w: int, g: i
     copy = copy_s_per_byte if shard > 1 else 0.0
     gather_copy, reduce_copy = copy * 2 * (w / shard + w), copy * 2 * (g + g / shard)
     ag, rs = comm.allgather(shard, lk.dp), comm.reduce_scatter(shard, lk.dp)
+    load = comm.link_load(lk.dp, hbm_Bps)
     if hsdp and lk.dp_replicate is not None:
         # HSDP: each shard group's reduce-scatter, then the replicas all-reduce their 1/shard
         ar = comm.allreduce(cand.dp_replicate, lk.dp_replicate)
+        inner = (2 * ag.per_byte_s * w if zero == 3 else 0.0) + rs.per_byte_s * g  # a parameter's, every micro-batch
+        outer = ar.per_byte_s / shard * g
+        if inner + outer > 0:
+            load = (inner * load + outer * comm.link_load(lk.dp_replicate, hbm_Bps)) / (inner + outer)
         rs = comm.Affine(rs.fixed_s + ar.fixed_s, rs.per_byte_s + ar.per_byte_s / shard)
     comm_factor, zero_factor = factors
     bare_ag, bare_rs = ag, rs
@@ -1025,5 +1035,5 @@ def _dp_traffic(cand: Candidate, shard: int, ranks: int, lk: Links, w: int, g: i
         per_atom, per_param = bare_rs.fixed_s * zero_factor, (bare_rs.per_byte_s * g + reduce_copy) * zero_factor
     after = zero in (1, 2) and not in_pipeline
     return _DPTraffic(grad_sync, rs_or_ar, per_atom, per_param, ag.per_byte_s * w if after else 0.0,
-                      ag.fixed_s if after else 0.0)
+                      ag.fixed_s if after else 0.0, load)
 

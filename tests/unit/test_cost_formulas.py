@@ -755,6 +755,12 @@ def test_hsdp_shards_inside_a_node_and_all_reduces_the_shards_across():
     copies = (2 * 2 * (2 / 8 + 2) + 2 * (2 + 2 / 8)) / (cluster.gpu.hbm_bandwidth_Bps * MEMORY_EFFICIENCY)
     assert costs.mb_comm_param_s == pytest.approx(2 * ag.per_byte_s * 2 + (rs.per_byte_s + ar.per_byte_s / 8) * 2 + copies)
     assert costs.mb_comm_atom_s == pytest.approx(2 * ag.fixed_s + rs.fixed_s + ar.fixed_s)
+    # what the traffic takes from compute beside it: each link's rate over HBM's, weighted by the
+    # seconds spent on it (the network's all-reduce barely contends; the NVLink ring does)
+    hbm = cluster.gpu.hbm_bandwidth_Bps
+    inner, outer = 2 * ag.per_byte_s * 2 + rs.per_byte_s * 2, ar.per_byte_s / 8 * 2
+    assert costs.dp_load == pytest.approx((inner * 300 * GB / hbm + outer * 25 * GB / hbm) / (inner + outer))
+    assert 25 * GB / hbm < costs.dp_load < 300 * GB / hbm
     # plain FSDP over all 16 moves every byte over the network (8 rings, one per NIC: 200 GB/s)
     flat = stage_costs(profile, cluster, training, replace(cand, dp_replicate=1))
     assert flat.state_bytes_per_param() == pytest.approx((2 / 16, 2 / 16, 12 / 16))
