@@ -232,7 +232,9 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
         f"{cluster.describe()}; dense peak {cluster.gpu.peak(tensor_dtype(request.precision)) / 1e12:,.1f} TFLOP/s "
         f"({tensor_dtype(request.precision)})"
         + (f", {cluster.gpu.peak(request.precision) / 1e12:,.1f} for the {request.precision.upper()} Linear matmuls "
-           "(their casts as memory-bound work)" if request.precision in LOW_PRECISIONS else "")
+           f"(their casts streaming at {constants.STREAM_EFFICIENCY:.0%} of HBM bandwidth"
+           + (", the output projection's kept in 16 bits as the trainer keeps it" if not training.fp8_head else "")
+           + ")" if request.precision in LOW_PRECISIONS else "")
         + f", HBM {cluster.gpu.hbm_bandwidth_Bps / 1e9:,.0f} GB/s, "
         f"links {cluster.gpu.intra_node_bandwidth_Bps / 1e9:,.0f} GB/s in a node and "
         f"{cluster.gpu.inter_node_bandwidth_Bps / 1e9:,.1f} GB/s ({cluster.gpu.inter_node_bandwidth_Bps * 8 / 1e9:,.0f} Gb/s) "

@@ -5,7 +5,7 @@ For a GPU, each phase (forward, backward) of a layer costs
         + attention FLOPs / (16-bit peak x gpu.attention_efficiency),
         matmul bytes / (HBM x MEMORY_EFFICIENCY))
   + max(batched FLOPs / that matmul rate, batched bytes / (HBM x MEMORY_EFFICIENCY))
-  + other bytes / (HBM x MEMORY_EFFICIENCY),
+  + other bytes / (HBM x MEMORY_EFFICIENCY) + streamed bytes / (HBM x STREAM_EFFICIENCY),
 at least ops x OP_OVERHEAD_S (launch-bound when kernels are tiny); "batched" are the batched
 matmuls of two activations (an unfused attention's), apart from the rest (Work.batched_flops).
 The FLOPs and bytes come from the profile (measured per op), so the same formula covers
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.cost.constants import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, OP_OVERHEAD_S
+from planner.cost.constants import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, OP_OVERHEAD_S, STREAM_EFFICIENCY
 from planner.cost.setup import tensor_dtype
 from planner.hardware import GPUSpec
 
@@ -52,6 +52,9 @@ class Work:
     (A100: 153 FLOPs per byte), where the layer's other matmuls are far above it."""
     batched_bytes: float = 0.0
     """Of matmul_bytes, what those matmuls read and write."""
+    stream_bytes: float = 0.0
+    """Bytes of streaming kernels (FP8 casts: an absolute-maximum pass and a scaled copy), priced at
+    a copy's rate (STREAM_EFFICIENCY), not at the step's memory-bound average (other_bytes)."""
 
     def minus(self, other: "Work") -> "Work":
         """This work without `other` (a part of it)."""
@@ -60,11 +63,11 @@ class Work:
     def scaled(self, factor: float) -> "Work":
         return Work(self.flops * factor, self.matmul_bytes * factor, self.other_bytes * factor, self.ops,
                     self.fp8_flops * factor, self.attention_flops * factor, self.batched_flops * factor,
-                    self.batched_bytes * factor)
+                    self.batched_bytes * factor, self.stream_bytes * factor)
 
     def figures(self) -> tuple:
         return (self.flops, self.matmul_bytes, self.other_bytes, self.ops, self.fp8_flops, self.attention_flops,
-                self.batched_flops, self.batched_bytes)
+                self.batched_flops, self.batched_bytes, self.stream_bytes)
 
 
 def roofline_s(work: Work, gpu: GPUSpec, dtype: str) -> float:
@@ -79,8 +82,13 @@ def roofline_s(work: Work, gpu: GPUSpec, dtype: str) -> float:
     hbm = gpu.hbm_bandwidth_Bps * MEMORY_EFFICIENCY
     matmul = max(flops_s, (work.matmul_bytes - work.batched_bytes) / hbm)
     matmul += max(work.batched_flops / (peak * rate), work.batched_bytes / hbm)
-    return max(matmul + work.other_bytes / hbm, work.ops * OP_OVERHEAD_S)
+    return max(matmul + work.other_bytes / hbm + stream_s(work.stream_bytes, gpu), work.ops * OP_OVERHEAD_S)
 
 
 def memory_bound_s(nbytes: float, gpu: GPUSpec) -> float:
     return nbytes / (gpu.hbm_bandwidth_Bps * MEMORY_EFFICIENCY)
+
+
+def stream_s(nbytes: float, gpu: GPUSpec) -> float:
+    """Seconds a streaming kernel (a copy, a cast) takes to read and write `nbytes`."""
+    return nbytes / (gpu.hbm_bandwidth_Bps * STREAM_EFFICIENCY)

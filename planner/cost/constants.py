@@ -30,7 +30,7 @@ apply to every GPU type through its own catalogue figures (a roofline).
 MATMUL_EFFICIENCY = 0.84
 
 # Share of the HBM bandwidth that a model's memory-bound kernels (norms, activation functions,
-# softmax, dropout, casts, the optimizer's step) reach in training, over the bytes the profile
+# softmax, dropout, the optimizer's step) reach in training, over the bytes the profile
 # counts for them (each op's inputs and outputs once, no temporaries). Fitted jointly with
 # MATMUL_EFFICIENCY (above): mean |log error| 0.0756 at 0.45, 0.0719 at 0.50, 0.0742 at 0.55,
 # 0.0791 at 0.60, 0.0873 at 0.70, 0.0956 at 0.80, 0.1032 at 0.90 (matmul 0.84). A large copy
@@ -44,6 +44,17 @@ MATMUL_EFFICIENCY = 0.84
 # was the loss), and with it gone the reference, the held-out runs and the llm-foundry sweep each fit 0.50
 # to 0.60 (the sweep at the former shares and loss: median 4.7%, worst 24.4%).
 MEMORY_EFFICIENCY = 0.50
+
+# Share of the HBM bandwidth a streaming kernel reaches: one that reads a large tensor once and
+# writes its result once, in order, with nothing to reduce across threads but a running maximum.
+# FP8 training's casts are such kernels (an absolute-maximum pass, then the scaled copy: torchao's
+# compiled casts, Transformer Engine's cast_transpose). Measured: a large copy on an H200 here, 88.3% of the catalogue's
+# bandwidth (bench/measured/h200_kernels_2026-12-04.json). Priced at the step's average
+# (MEMORY_EFFICIENCY), the casts made FP8 runs slower than they ran: this runtime's FP8 runs on the
+# same H200 (bench/measured/h200_fp8_compiled_2026-12-04.txt: gpt_1b 4.88 s, a Llama 3 8B slice 1.88 s)
+# predicted 19% and 18% slow, torchtitan's Float8 gains over bf16 on its 8B and 70B runs
+# (1.16x-1.36x measured) predicted 1.02x-1.21x.
+STREAM_EFFICIENCY = 0.88
 
 # What a collective run beside compute (FSDP's prefetched gathers and reduce-scatters, DDP's
 # bucketed all-reduce, a context-parallel ring's exchanges) takes from that compute while both run:

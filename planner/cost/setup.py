@@ -32,12 +32,12 @@ TRAINERS: dict[str, dict] = {
     "this": {},
     # torchtitan as its configs run it (eager; torch_compile adds fused kernels): the same kernels,
     # and its per-op selective checkpointing keeps reduce-scatter outputs
-    "torchtitan": {"recompute_collectives": "all_gathers", "tp_overlap_share": ASYNC_TP_OVERLAP},
+    "torchtitan": {"recompute_collectives": "all_gathers", "tp_overlap_share": ASYNC_TP_OVERLAP, "fp8_head": False},
     # Megatron-LM, NeMo and Megatron-Bridge on Transformer Engine, with the overlaps their
     # performance recipes turn on (--overlap-grad-reduce)
     "megatron": {"recompute_whole_forward": True, "fused_kernels": True, "attention_kernel": "te", "fp8_recipe": "te",
                  "recompute_collectives": "none", "dp_overlap": 1.0, "fused_loss": True, "p2p_overlap": True,
-                 "p2p_scatter_gather": True, "tp_saves_gathered": False},
+                 "p2p_scatter_gather": True, "tp_saves_gathered": False, "fp8_head": False},
     # DeepSpeed's ZeRO (eager PyTorch kernels): ZeRO-3 gathers module by module, and its
     # activation checkpointing is reentrant (reruns a layer's whole forward); its tensor
     # parallelism Megatron-LM's (Megatron-DeepSpeed)
@@ -170,6 +170,13 @@ class Training:
     their transpose) once per step after the optimizer and cached across the micro-batches, each
     forward input cast once and kept in FP8 for the weight gradient, each output gradient cast
     once with its transpose (cast_transpose) for both backward matmuls."""
+    fp8_head: bool = True
+    """Under FP8 (or NVFP4) the output projection (the head's Linear) runs in low precision too, as
+    this runtime converts every Linear whose shape allows. False: it stays in 16 bits, casts and
+    all, as torchtitan keeps it (torchtitan's Float8 converter swaps every Linear but the one named
+    "output": module_filter_fn=lambda mod, fqn: fqn != "output") and Megatron-LM keeps it (its
+    output_layer is Megatron's own ColumnParallelLinear, not a Transformer Engine module, so FP8
+    autocast does not reach it)."""
     tp_overlap_share: float = 1.0
     """With TP overlap (Candidate.tp_overlap), the share of the TP collectives its GEMMs hide where
     they last longer (comm.exposed_after_s). 1: Megatron-LM's --tp-comm-overlap (Transformer

@@ -532,7 +532,9 @@ def _layer_costs(
     split_all = shard == 1 or cand.sequence_parallel or not layer.tp.required
     other = layer.fwd_other_io_bytes
     whole = 0.0 if split_all or not other else (other - layer.fwd_other_io_tp_bytes) / other
-    fp8 = training.precision in LOW_PRECISIONS  # FP8 or NVFP4 Linears (LayerProfile.fwd_linear_flops)
+    # FP8 or NVFP4 Linears (LayerProfile.fwd_linear_flops), the head's where the trainer converts it
+    fp8 = training.precision in LOW_PRECISIONS and (
+        training.fp8_head or layer.tp_role is None or layer.tp_role.kind != "head")
     cast = fp8_cast_bytes(layer, scale, shard, training.fp8_recipe, training.precision == "fp4") if fp8 else (0.0, 0.0)
     # fused attention at its plateau rate runs the FLOPs of its keys plus each query row's fixed
     # work: causal calls about half what the profile counts (their kernels skip the masked blocks).
@@ -569,8 +571,10 @@ def _layer_costs(
         away = weights * (scale / shard - 1 / cand.ep)
         fwd_work = replace(fwd_work, matmul_bytes=max(0.0, fwd_work.matmul_bytes - away))
         bwd_work = replace(bwd_work, matmul_bytes=max(0.0, bwd_work.matmul_bytes - 2 * away))
-    fwd_work = replace(fwd_work, other_bytes=fwd_work.other_bytes + layer.fwd_other_io_bytes * whole * scale + cast[0])
-    bwd_work = replace(bwd_work, other_bytes=bwd_work.other_bytes + layer.bwd_other_io_bytes * whole * scale + cast[1])
+    fwd_work = replace(fwd_work, other_bytes=fwd_work.other_bytes + layer.fwd_other_io_bytes * whole * scale,
+                       stream_bytes=cast[0])
+    bwd_work = replace(bwd_work, other_bytes=bwd_work.other_bytes + layer.bwd_other_io_bytes * whole * scale,
+                       stream_bytes=cast[1])
     # what full recompute reruns: the share of the forward's roofline before the tail
     rerun = rerun_tp = 1.0
     tail_other = layer.fwd_tail_other_io_bytes * scale / shard if stops else 0.0  # selective's, likewise

@@ -566,6 +566,36 @@ def test_fp8_runs_the_linear_matmuls_at_the_fp8_peak(gpt_bf16):
     assert fp8[i].fwd_s > bf16[i].fwd_s and fp8[i].act_bytes == bf16[i].act_bytes
 
 
+def test_fp8_casts_stream_at_a_copys_rate_and_the_head_stays_16_bit_where_the_trainer_keeps_it(gpt_bf16):
+    """A cast reads its operand and writes it again in 8 bits, in order: priced at a copy's share of
+    HBM (STREAM_EFFICIENCY), not at the step's memory-bound average (MEMORY_EFFICIENCY). torchtitan
+    and Megatron-LM leave the output projection in 16 bits: the head's matmuls at bf16's rate and
+    no casts, as the bf16 plan runs it; this runtime converts it (its features allow)."""
+    from planner.cost.compute import Work, roofline_s
+    from planner.cost.constants import STREAM_EFFICIENCY
+    from planner.cost.stage_costs import atom_table
+    from planner.hardware import get_gpu
+
+    h100 = get_gpu("h100-sxm-80gb")
+    work = Work(flops=0.0, matmul_bytes=0.0, other_bytes=1e9, ops=1, stream_bytes=2e9)
+    assert roofline_s(work, h100, "fp8") == pytest.approx(1e9 / (3.35e12 * MEMORY_EFFICIENCY) + 2e9 / (3.35e12 * STREAM_EFFICIENCY))
+    assert MEMORY_EFFICIENCY < STREAM_EFFICIENCY < 1
+    assert work.scaled(2.0).stream_bytes == 4e9 and work.minus(work).stream_bytes == 0.0
+    cluster = make_cluster("h100-sxm-80gb", 1)
+    tables = {name: atom_table(gpt_bf16, cluster, training, tp=1, micro_batch=256) for name, training in (
+        ("bf16", Training("bf16", "adamw", 256, 80 * 2**30)),
+        ("fp8", Training("fp8", "adamw", 256, 80 * 2**30)),
+        ("fp8, 16-bit head", Training("fp8", "adamw", 256, 80 * 2**30, fp8_head=False)))}
+    head = next(k for k, a in enumerate(tables["bf16"]) if gpt_bf16.layers[a.first].tp_role.kind == "head")
+    block = next(k for k, a in enumerate(tables["bf16"]) if gpt_bf16.layers[a.first].name == "blocks.0")
+    assert tables["fp8, 16-bit head"][head].fwd_s == pytest.approx(tables["bf16"][head].fwd_s)
+    assert tables["fp8, 16-bit head"][head].bwd_s == pytest.approx(tables["bf16"][head].bwd_s)
+    assert tables["fp8"][head].fwd_s != pytest.approx(tables["bf16"][head].fwd_s)
+    assert tables["fp8, 16-bit head"][block].fwd_s == pytest.approx(tables["fp8"][block].fwd_s)
+    from planner.cost.setup import TRAINERS
+    assert TRAINERS["torchtitan"]["fp8_head"] is False and TRAINERS["megatron"]["fp8_head"] is False
+
+
 def test_fp8_casts_the_weights_once_per_micro_batch_whatever_its_size(gpt_bf16):
     """gpt.py's block: its Linears' weights are 12 h^2 bf16 values (and their biases, operands of
     addmm in forward); backward's input-gradient matmuls read the weights again. A cast is 2.5 x
