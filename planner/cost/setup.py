@@ -175,8 +175,9 @@ class Training:
     this runtime converts every Linear whose shape allows. False: it stays in 16 bits, casts and
     all, as torchtitan keeps it (torchtitan's Float8 converter swaps every Linear but the one named
     "output": module_filter_fn=lambda mod, fqn: fqn != "output") and Megatron-LM keeps it (its
-    output_layer is Megatron's own ColumnParallelLinear, not a Transformer Engine module, so FP8
-    autocast does not reach it)."""
+    output_layer is Megatron's own ColumnParallelLinear, not a Transformer Engine module; Megatron-
+    Bridge's performance guide: "The default low-precision LLM training recipe applies FP8
+    computation exclusively to the linear layers within the Transformer block")."""
     tp_overlap_share: float = 1.0
     """With TP overlap (Candidate.tp_overlap), the share of the TP collectives its GEMMs hide where
     they last longer (comm.exposed_after_s). 1: Megatron-LM's --tp-comm-overlap (Transformer
