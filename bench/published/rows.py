@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from planner.cost.constants import VOCAB_PARALLEL_CE_BYTES
 from planner.cost.setup import LOW_PRECISIONS, Training
 from planner.hardware import Cluster, GPUSpec, load_catalogue, make_cluster
 from planner.search.space import Fixed
@@ -608,6 +609,12 @@ MEGATRON = ("megatron", "nemo", "transformer engine", "mt-nlg")
 # for the backward, as Transformer Engine's recipes do; TE's own MXFP8 and block-wise recipes)
 FINE_GRAINED_FP8 = ("block-wise", "blockwise", "tile-wise", "tilewise", "fine-grained")
 TORCHTITAN = ("torchtitan",)
+# - NeMo's and Megatron-Bridge's configurations turn Megatron-Core's loss fusion on (Megatron-
+#   Bridge's performance configs, scripts/performance: cross_entropy_loss_fusion true,
+#   cross_entropy_fusion_impl "te"; NeMo's launcher configs: cross_entropy_loss_fusion true); Megatron-LM's
+#   own runs (SC'21, Korthikanti et al., its README's table) and Megatron-DeepSpeed's (MT-NLG) ran
+#   its unfused vocabulary-parallel cross-entropy (Training.loss_bytes_per_logit)
+MEGATRON_FUSED_LOSS = ("nemo", "megatron-bridge")
 AUTOMODEL = ("automodel",)
 # - llm-foundry's benchmark table (scripts/train/benchmarking): MPT with attn_impl "triton"
 #   (submit_benchmarks.py's default; FlashAttention in Triton, for ALiBi) and its default loss,
@@ -812,6 +819,8 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     year = publication_year(e) or 9999
     if trainer == "megatron" and year < MEGATRON_P2P_OVERLAP:
         settings["p2p_overlap"] = False
+    if trainer == "megatron" and not _names(trainer_text, MEGATRON_FUSED_LOSS):
+        settings["loss_bytes_per_logit"] = VOCAB_PARALLEL_CE_BYTES
     if trainer == "this":
         settings["recompute_whole_forward"] = True  # a trainer not named: a reentrant checkpoint
     if _names(trainer_text, TRITON_ATTENTION):

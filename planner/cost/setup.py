@@ -140,6 +140,11 @@ class Training:
     -> 10.5 hidden-size tensors kept). Without checkpointing it saves what each fused chain of
     memory-bound ops reads, as `fused_kernels` (27.1 -> 19.6 there, LayerProfile.activation_fused_bytes
     19.6)."""
+    loss_bytes_per_logit: tuple[float, float] | None = None
+    """(forward, backward) HBM bytes the default loss moves per logit where the trainer computes it
+    with its own kernels, not as the profile traced it: Megatron-LM's unfused vocabulary-parallel
+    cross-entropy (constants.VOCAB_PARALLEL_CE_BYTES). None: as traced (op by op, or as one fused
+    kernel with `fused_kernels`). Not for a model file's own loss_fn."""
     compiled_loss: bool = False
     """The trainer compiles the default loss (torch.compile of F.cross_entropy on logits.float():
     torchtitan with --compile since its loss builder compiles it, PR #1033, April 2025). Inductor

@@ -512,6 +512,15 @@ def _layer_costs(
         layer = replace(layer, tp=layer.tp.under_ep(), linears=whole)
     if training.fused_kernels:
         layer = fused(layer)
+    if (training.loss_bytes_per_logit and layer.index == len(profile.layers) - 1 and not profile.own_loss
+            and profile.output_bytes):
+        # the trainer's own cross-entropy on the head's logits, in place of the traced loss ops
+        logits = profile.output_bytes / _dtype_bytes(profile)
+        fwd_b, bwd_b = training.loss_bytes_per_logit
+        share = fwd_b * logits / layer.fwd_other_io_bytes if layer.fwd_other_io_bytes else 0.0
+        layer = replace(layer, fwd_other_io_bytes=fwd_b * logits, bwd_other_io_bytes=bwd_b * logits,
+                        fwd_other_io_tp_bytes=round(layer.fwd_other_io_tp_bytes * share),
+                        fwd_tail_other_io_bytes=round(layer.fwd_tail_other_io_bytes * share))
     scale = _scale(profile, cand.micro_batch, cand.cp)
     shard = _shard(layer, cand.tp)
     gpu = cluster.gpu

@@ -193,6 +193,20 @@ def test_megatron_rows_overlap_their_pipeline_sends_from_2023():
     assert not overlap["torchtitan"] and not overlap["llm_foundry"]
 
 
+def test_megatron_lms_own_runs_compute_the_loss_unfused_and_nemo_and_megatron_bridge_fused():
+    """Megatron-LM's own runs (SC'21, Korthikanti et al., its README's table) and MT-NLG ran its
+    vocabulary-parallel cross-entropy op by op; NeMo's and Megatron-Bridge's configurations turn the
+    fusion on; other trainers' losses are as the profile traced them."""
+    from planner.cost.constants import VOCAB_PARALLEL_CE_BYTES
+
+    rows = load_rows(REFERENCE) + load_rows(REFERENCE.parent / "held_out_runs.yaml")
+    loss = {r.source: r.training().loss_bytes_per_logit for r in rows}
+    for source in ("narayanan2021_t1", "korthikanti2022", "megatron_lm", "smith2022"):
+        assert loss[source] == VOCAB_PARALLEL_CE_BYTES, source
+    for source in ("megatron_bridge", "nemo", "torchtitan", "llm_foundry", "fms_fsdp"):
+        assert loss[source] is None, source
+
+
 def test_deepspeed_zero3_rows_gather_as_deepspeed_did_then(tmp_path):
     """SC'21's DeepSpeed ZeRO-3 runs (2021) gather parameter by parameter (DeepSpeed before v0.5);
     the same run published from 2022 module by module; every other row a layer at once."""

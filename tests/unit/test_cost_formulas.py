@@ -596,6 +596,39 @@ def test_fp8_casts_stream_at_a_copys_rate_and_the_head_stays_16_bit_where_the_tr
     assert TRAINERS["torchtitan"]["fp8_head"] is False and TRAINERS["megatron"]["fp8_head"] is False
 
 
+def test_megatron_lms_unfused_cross_entropy_moves_52_bytes_a_logit(gpt_bf16):
+    """Megatron-LM's vocabulary-parallel cross-entropy without its fusion: 38 bytes a logit forward
+    (the fp32 upcast, max, shift, exp, sum and division, each its own pass) and 14 backward, in
+    place of the loss ops the profile traced; the head's matmuls, and every other layer, as before.
+    A model file's own loss is measured as written and keeps its traced traffic."""
+    from dataclasses import replace as dc_replace
+
+    from planner.cost.compute import memory_bound_s
+    from planner.cost.constants import VOCAB_PARALLEL_CE_BYTES
+    from planner.cost.stage_costs import atom_table
+
+    assert VOCAB_PARALLEL_CE_BYTES == (38.0, 14.0)
+    cluster = make_cluster("a100-80gb", 1)
+    plain, vocab = (Training("bf16", "adamw", 8, 80 * 2**30, fused_kernels=True, loss_bytes_per_logit=b)
+                    for b in (None, VOCAB_PARALLEL_CE_BYTES))
+    head_index = len(gpt_bf16.layers) - 1
+    head = gpt_bf16.layers[head_index]
+    logits = gpt_bf16.output_bytes / 2
+    mb = 2
+    scale = mb / gpt_bf16.batch_size
+    tables = [atom_table(gpt_bf16, cluster, t, tp=1, micro_batch=mb) for t in (plain, vocab)]
+    a, b = (next(x for x in table if x.last == head_index) for table in tables)
+    traced_fwd, traced_bwd = head.fwd_fused_io_bytes, head.bwd_fused_io_bytes
+    assert b.fwd_s - a.fwd_s == pytest.approx(memory_bound_s((38 * logits - traced_fwd) * scale, cluster.gpu), rel=1e-6)
+    assert b.bwd_s - a.bwd_s == pytest.approx(memory_bound_s((14 * logits - traced_bwd) * scale, cluster.gpu), rel=1e-6)
+    for x, y in zip(*tables):
+        if x.last != head_index:
+            assert (x.fwd_s, x.bwd_s) == (y.fwd_s, y.bwd_s)
+    own = dc_replace(gpt_bf16, own_loss=True)
+    c, d = (next(x for x in atom_table(own, cluster, t, tp=1, micro_batch=mb) if x.last == head_index) for t in (plain, vocab))
+    assert (c.fwd_s, c.bwd_s) == (d.fwd_s, d.bwd_s)
+
+
 def test_fp8_casts_the_weights_once_per_micro_batch_whatever_its_size(gpt_bf16):
     """gpt.py's block: its Linears' weights are 12 h^2 bf16 values (and their biases, operands of
     addmm in forward); backward's input-gradient matmuls read the weights again. A cast is 2.5 x
