@@ -49,8 +49,8 @@ MEMORY_EFFICIENCY = 0.50
 # Share of the HBM bandwidth a streaming kernel reaches: one that reads a large tensor once and
 # writes its result once, in order, with nothing to reduce across threads but a running maximum.
 # FP8 training's casts are such kernels (an absolute-maximum pass, then the scaled copy: torchao's
-# compiled casts, Transformer Engine's cast_transpose). Measured: a large copy on an H200 here, 88.3% of the catalogue's
-# bandwidth (bench/measured/h200_kernels_2026-12-04.json). Priced at the step's average
+# compiled casts, Transformer Engine's cast_transpose). Measured: a large copy on an H200 here,
+# 88.3% of the catalogue's bandwidth (bench/measured/h200_kernels_2026-12-04.json). Priced at the step's average
 # (MEMORY_EFFICIENCY), the casts made FP8 runs slower than they ran: this runtime's FP8 runs on the
 # same H200 (bench/measured/h200_fp8_compiled_2026-12-04.txt: gpt_1b 4.88 s, a Llama 3 8B slice 1.88 s)
 # predicted 19% and 18% slow (7% and 12% at this share; their bf16 runs, 6.09 s and 2.73 s, within
@@ -87,8 +87,8 @@ STREAM_EFFICIENCY = 0.88
 # the shard group's NVLink ring, then the replicas' all-reduce over the network) takes the load of
 # each weighted by the seconds it spends there (stage_costs._dp_traffic): priced at the NVLink
 # ring's share, fms-fsdp's six HSDP runs (7B and 13B) came out 5-24% slow; weighted, 11% fast to
-# 5% slow (its 12 runs: median 14.8% / worst 24.3% before, 8.4% / 18.3% weighted). On a CPU the same formula,
-# with gloo's measured bandwidth against a core's share of the memory bandwidth, hides none:
+# 5% slow (its 12 runs: median 14.8% / worst 24.3% before, 8.4% / 18.3% weighted). On a CPU the
+# same formula, with gloo's measured bandwidth against a core's share of the memory bandwidth, hides none:
 # gloo's threads take the cores the compute runs on (a 4-process run here measured its compute
 # 1.6x the prediction while the collectives' own exposed time was under 1 ms).
 OVERLAP_CONTENTION = 4.0

@@ -518,7 +518,7 @@ def _layer_costs(
         logits = profile.output_bytes / _dtype_bytes(profile)
         fwd_b, bwd_b = training.loss_bytes_per_logit
         share = fwd_b * logits / layer.fwd_other_io_bytes if layer.fwd_other_io_bytes else 0.0
-        layer = replace(layer, fwd_other_io_bytes=fwd_b * logits, bwd_other_io_bytes=bwd_b * logits,
+        layer = replace(layer, fwd_other_io_bytes=round(fwd_b * logits), bwd_other_io_bytes=round(bwd_b * logits),
                         fwd_other_io_tp_bytes=round(layer.fwd_other_io_tp_bytes * share),
                         fwd_tail_other_io_bytes=round(layer.fwd_tail_other_io_bytes * share))
     scale = _scale(profile, cand.micro_batch, cand.cp)
