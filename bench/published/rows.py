@@ -615,6 +615,12 @@ TORCHTITAN = ("torchtitan",)
 #   own runs (SC'21, Korthikanti et al., its README's table) and Megatron-DeepSpeed's (MT-NLG) ran
 #   its unfused vocabulary-parallel cross-entropy (Training.loss_bytes_per_logit)
 MEGATRON_FUSED_LOSS = ("nemo", "megatron-bridge")
+# - IBM's fms-fsdp checkpoints its blocks non-reentrantly (fms_fsdp/policies/ac_handler.py:
+#   checkpoint_wrapper with CheckpointImpl.NO_REENTRANT), which torch 2.1 on stops early as this
+#   runtime's does (Training.recompute_whole_forward False); a trainer not named is taken to
+#   rerun a checkpointed layer's whole forward (a reentrant checkpoint, or torch before 2.1:
+#   llm-foundry's benchmark table ran torch 1.13, its README says)
+NON_REENTRANT = ("fms-fsdp",)
 AUTOMODEL = ("automodel",)
 # - llm-foundry's benchmark table (scripts/train/benchmarking): MPT with attn_impl "triton"
 #   (submit_benchmarks.py's default; FlashAttention in Triton, for ALiBi) and its default loss,
@@ -821,7 +827,7 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
         settings["p2p_overlap"] = False
     if trainer == "megatron" and not _names(trainer_text, MEGATRON_FUSED_LOSS):
         settings["loss_bytes_per_logit"] = VOCAB_PARALLEL_CE_BYTES
-    if trainer == "this":
+    if trainer == "this" and not _names(trainer_text, NON_REENTRANT):
         settings["recompute_whole_forward"] = True  # a trainer not named: a reentrant checkpoint
     if _names(trainer_text, TRITON_ATTENTION):
         settings["attention_kernel"] = "triton"

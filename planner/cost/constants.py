@@ -87,8 +87,8 @@ STREAM_EFFICIENCY = 0.88
 # the shard group's NVLink ring, then the replicas' all-reduce over the network) takes the load of
 # each weighted by the seconds it spends there (stage_costs._dp_traffic): priced at the NVLink
 # ring's share, fms-fsdp's six HSDP runs (7B and 13B) came out 5-24% slow; weighted, 11% fast to
-# 5% slow (its 12 runs: median 14.8% / worst 24.3% before, 8.4% / 18.3% weighted). On a CPU the
-# same formula, with gloo's measured bandwidth against a core's share of the memory bandwidth, hides none:
+# 5% slow (its 12 runs: median 14.8% / worst 24.3% before, 8.4% / 18.3% weighted; 6.9% / 12.0%
+# once their non-reentrant checkpoint stops early, bench/published/rows.py). On a CPU the same formula, with gloo's measured bandwidth against a core's share of the memory bandwidth, hides none:
 # gloo's threads take the cores the compute runs on (a 4-process run here measured its compute
 # 1.6x the prediction while the collectives' own exposed time was under 1 ms).
 OVERLAP_CONTENTION = 4.0

@@ -207,6 +207,15 @@ def test_megatron_lms_own_runs_compute_the_loss_unfused_and_nemo_and_megatron_br
         assert loss[source] is None, source
 
 
+def test_fms_fsdps_checkpoint_stops_early_and_an_unnamed_trainers_reruns_the_whole_forward():
+    """fms-fsdp wraps its blocks in a non-reentrant checkpoint (torch 2.1 on: early stop);
+    llm-foundry's table ran torch 1.13, whose checkpoint reruns a layer's whole forward, as a
+    trainer not named is taken to."""
+    rows = load_rows(REFERENCE) + load_rows(REFERENCE.parent / "held_out_runs.yaml")
+    whole = {r.source: r.training().recompute_whole_forward for r in rows}
+    assert not whole["fms_fsdp"] and whole["llm_foundry"] and whole["le2022"]
+
+
 def test_deepspeed_zero3_rows_gather_as_deepspeed_did_then(tmp_path):
     """SC'21's DeepSpeed ZeRO-3 runs (2021) gather parameter by parameter (DeepSpeed before v0.5);
     the same run published from 2022 module by module; every other row a layer at once."""
