@@ -22,6 +22,9 @@ Prints, and writes to DIR/gpu_kernels.json:
 - grouped GEMMs (torch._grouped_mm, the runtime's experts) against one GEMM per expert, for 1 to
   128 experts sharing the same rows: what a local expert costs beyond its FLOPs;
 - HBM bandwidth (a device-to-device copy) against the catalogue's;
+- FP8 casts as torchao's compiled Float8 runs them (tensorwise: the absolute maximum, then the
+  scaled, clamped copy in 8 bits), and with the transposed copy written too: their time against
+  the cost model's (stage_costs.FP8_CAST_PASSES x the bf16 bytes at STREAM_EFFICIENCY of HBM);
 - a large bf16 GEMM run back to back for 20 s: its rate in the first half second against the last
   five (and the SM clock where torch reads it), whether this GPU holds the MAMF figure (a short
   burst) under the sustained load of training or falls at its power limit.
@@ -194,6 +197,39 @@ def hbm(gpu, results: list) -> None:
           f"{gpu.hbm_bandwidth_Bps / 1e9:.0f}", flush=True)
 
 
+def casts(gpu, results: list, rows: int = 16384, cols: int = 8192) -> None:
+    """A bf16 activation of rows x cols cast to FP8 e4m3 with one scale per tensor, compiled as
+    torchao's Float8 casts are (an absolute-maximum reduction, then the scaled copy), and the same
+    with its transpose written as well (Transformer Engine's cast_transpose): seconds against the
+    cost model's, FP8_CAST_PASSES (FP8_CAST_TRANSPOSE_PASSES) x the bf16 bytes at STREAM_EFFICIENCY
+    of the catalogue's HBM bandwidth."""
+    from planner.cost.constants import STREAM_EFFICIENCY
+    from planner.cost.stage_costs import FP8_CAST_PASSES, FP8_CAST_TRANSPOSE_PASSES
+
+    if not hasattr(torch, "float8_e4m3fn"):
+        raise RuntimeError("this torch has no float8_e4m3fn")
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+
+    def cast(x):
+        scale = fp8_max / x.abs().amax().float().clamp(min=1e-12)
+        return (x.float() * scale).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn), scale
+
+    def cast_transpose(x):
+        y, scale = cast(x)
+        return y, y.t().contiguous(), scale
+
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+    nbytes = x.numel() * 2
+    for name, fn, passes in (("cast", torch.compile(cast), FP8_CAST_PASSES),
+                             ("cast + transpose", torch.compile(cast_transpose), FP8_CAST_TRANSPOSE_PASSES)):
+        s = timed_s(lambda: fn(x), 20, warmup=3)
+        planned = passes * nbytes / (gpu.hbm_bandwidth_Bps * STREAM_EFFICIENCY)
+        results.append({"kind": "fp8 cast", "variant": name, "rows": rows, "cols": cols, "seconds": s,
+                        "planned_seconds": planned, "bf16_passes_at_hbm": s * gpu.hbm_bandwidth_Bps / nbytes})
+        print(f"FP8 {name} of a {rows}x{cols} bf16 tensor: {s * 1e6:7.1f} us, the cost model {planned * 1e6:7.1f} us "
+              f"({passes:g} passes at {STREAM_EFFICIENCY:.0%} of HBM; measured / planned {s / planned:.2f})", flush=True)
+
+
 GRID_ROWS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 GRID_SIDES = (256, 512, 1024, 2048, 4096)
 
@@ -277,7 +313,7 @@ def main() -> None:
     p.add_argument("--gpu", default="h200", help="catalogue name of this GPU (default h200)")
     p.add_argument("--out", type=Path, default=Path("/tmp/gpu_check"))
     p.add_argument("--seqs", default="2048,8192,32768,131072")
-    p.add_argument("--only", default="hbm,matmul,sustained,fp8,grouped,attention,grid")
+    p.add_argument("--only", default="hbm,casts,matmul,sustained,fp8,grouped,attention,grid")
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_kernels.py: no CUDA GPU here")
@@ -287,6 +323,7 @@ def main() -> None:
     results: list = []
     steps = {"hbm": lambda: hbm(gpu, results), "matmul": lambda: matmuls(gpu, results), "fp8": lambda: fp8_matmuls(gpu, results),
              "grid": lambda: shape_grid(gpu, results), "sustained": lambda: sustained(gpu, results),
+             "casts": lambda: casts(gpu, results),
              "attention": lambda: attention(gpu, results, tuple(int(s) for s in a.seqs.split(","))),
              "grouped": lambda: grouped(gpu, results)}
     for name in a.only.split(","):
