@@ -203,8 +203,16 @@ def profiled(device: torch.device, on: bool) -> Iterator[Callable[[], Optional[A
             if enabled:
                 gc.enable()
 
-    with profile(activities=activities) as prof:
-        with scope(STEP_SCOPE):
-            yield events
+    collect = gc.isenabled()
+    try:
+        with profile(activities=activities) as prof:
+            with scope(STEP_SCOPE):
+                yield events
+            # and stopping the profiler once died by SIGSEGV too, inside torch's _disable_profiler (a
+            # CI run, torch 2.13, a 4-rank gloo TP x DP plan): the collector is paused across it as well
+            gc.disable()
+    finally:
+        if collect:
+            gc.enable()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
