@@ -20,12 +20,12 @@ apply to every GPU type through its own catalogue figures (a roofline).
 # 4.7%, worst 33%), the least along each of the three; along the matmul share, memory at 0.50:
 # 0.0835 at 0.78, 0.0766 at 0.80, 0.0723 at 0.82, 0.0707 at 0.84, 0.0719 at 0.86, 0.0758 at 0.88.
 # The grid's least, 0.0699 at (0.82, 0.55, 3), lies off those lines in a flat valley and fits the
-# runs nothing was fitted on a little worse (below: held out 9.5% against 9.3%, the sweep 4.2%
+# runs nothing was fitted on a little worse (below: held out 9.3% against 9.2%, the sweep 4.2%
 # against 4.0%). Leaving one source out (all three fitted on the other five): every row held out,
 # median 7.0%, worst 33%. Checked on runs nothing was fitted on:
 # bench/reference/held_out_runs.yaml, 107 runs of Megatron-Bridge, NeMo, Nemotron-4, Llama 3,
-# MT-NLG, BLOOM, torchtitan, IBM's fms-fsdp and mixture-of-experts models: median 9.3%, its 64
-# dense runs 6.5% / worst 29%; bench/reference/llm_foundry_sweep.yaml, 98 MPT runs from 125M to
+# MT-NLG, BLOOM, torchtitan, IBM's fms-fsdp and mixture-of-experts models: median 9.2%, its 64
+# dense runs 6.2% / worst 29%; bench/reference/llm_foundry_sweep.yaml, 98 MPT runs from 125M to
 # 70B: median 4.0%, worst 20.5%. (0.78 while memory was held at a copy's 0.90; 0.90 before fused
 # kernels were costed, when eager traffic on Megatron-LM's rows stood in for slower matmuls.)
 MATMUL_EFFICIENCY = 0.84
@@ -50,13 +50,13 @@ MEMORY_EFFICIENCY = 0.50
 # writes its result once, in order, with nothing to reduce across threads but a running maximum.
 # FP8 training's casts are such kernels (an absolute-maximum pass, then the scaled copy: torchao's
 # compiled casts, Transformer Engine's cast_transpose). Measured: a large copy on an H200 here,
-# 88.3% of the catalogue's bandwidth (bench/measured/h200_kernels_2026-12-04.json). Priced at the step's average
-# (MEMORY_EFFICIENCY), the casts made FP8 runs slower than they ran: this runtime's FP8 runs on the
-# same H200 (bench/measured/h200_fp8_compiled_2026-12-04.txt: gpt_1b 4.88 s, a Llama 3 8B slice 1.88 s)
-# predicted 19% and 18% slow (7% and 12% at this share; their bf16 runs, 6.09 s and 2.73 s, within
-# 6% either way), torchtitan's Float8 gains over bf16 (8B on 8 and 128 GPUs 1.28x and 1.29x, 8B
-# with TP 8 1.16x, 70B with TP 8 1.36x) predicted 1.03x, 1.02x, 1.06x and 1.21x (1.15x, 1.18x,
-# 1.14x and 1.27x at this share).
+# 88.3% of the catalogue's bandwidth (bench/measured/h200_kernels_2026-12-04.json). Priced at the
+# step's average (MEMORY_EFFICIENCY), the casts made FP8 runs slower than they ran: this runtime's
+# FP8 runs on the same H200 (bench/measured/h200_fp8_compiled_2026-12-04.txt: gpt_1b 4.88 s, a
+# Llama 3 8B slice 1.88 s) predicted 19% and 18% slow (7% and 12% at this share; their bf16 runs,
+# 6.09 s and 2.73 s, within 6% either way), torchtitan's Float8 gains over bf16 (8B on 8 and 128
+# GPUs 1.28x and 1.29x, 8B with TP 8 1.16x, 70B with TP 8 1.36x) predicted 1.03x, 1.02x, 1.06x and
+# 1.21x (1.15x, 1.18x, 1.14x and 1.27x at this share).
 STREAM_EFFICIENCY = 0.88
 
 # What a collective run beside compute (FSDP's prefetched gathers and reduce-scatters, DDP's
@@ -88,7 +88,8 @@ STREAM_EFFICIENCY = 0.88
 # each weighted by the seconds it spends there (stage_costs._dp_traffic): priced at the NVLink
 # ring's share, fms-fsdp's six HSDP runs (7B and 13B) came out 5-24% slow; weighted, 11% fast to
 # 5% slow (its 12 runs: median 14.8% / worst 24.3% before, 8.4% / 18.3% weighted; 6.9% / 12.0%
-# once their non-reentrant checkpoint stops early, bench/published/rows.py). On a CPU the same formula, with gloo's measured bandwidth against a core's share of the memory bandwidth, hides none:
+# once their non-reentrant checkpoint stops early, bench/published/rows.py). On a CPU the same
+# formula, with gloo's measured bandwidth against a core's share of the memory bandwidth, hides none:
 # gloo's threads take the cores the compute runs on (a 4-process run here measured its compute
 # 1.6x the prediction while the collectives' own exposed time was under 1 ms).
 OVERLAP_CONTENTION = 4.0
