@@ -286,13 +286,39 @@ def _scale(profile: ModelProfile, micro_batch: int, cp: int = 1) -> float:
 # Bytes per element of the gradients of keys and values a context-parallel ring accumulates and
 # passes on in backward: fp32 (torch's context_parallel, _cp_options.convert_to_f32 default).
 CP_GRAD_ACCUM_BYTES = 4
-# The ring's memory-bound work per ring step, in fp32 passes over the rank's attention output
-# (queries' shape): forward merges each step's partial output into the running one (torch's
-# _SDPAMerger: the block's output cast to fp32, then out - sigmoid(lse - block lse) x (out - block
-# out): 4 passes), backward adds each step's query gradient into the fp32 total (2 passes). With
-# cp steps over 1/cp of the queries, a layer pays this once over the whole sequence's queries,
-# whatever cp is: a fixed price for splitting attention.
+# Transformer Engine's ring (attention_kernel "te") in fp32 passes over the whole sequence's queries
+# on a rank: its partial outputs corrected into the running one (4 passes) and its query gradients
+# summed (2). With cp steps over 1/cp of the queries, a layer pays this once over the whole
+# sequence's queries, whatever cp is.
 CP_MERGE_PASSES = (4, 2)
+
+
+def torch_ring_merge_bytes(q: float, kv: float, cp: int, dtype_bytes: int) -> tuple[float, float]:
+    """(forward, backward) memory-bound bytes of torch's context_parallel ring on one rank per
+    layer, beside its attention kernels: `q` the elements of the rank's queries, `kv` of the keys
+    and values SDPA is given (repeated to the query heads where the model repeats them), in a
+    `dtype_bytes` dtype, accumulated in fp32 (_cp_options.convert_to_f32, its default). Counted from
+    torch/distributed/tensor/experimental/_attention.py (_templated_ring_attention, its backward,
+    _SDPAMerger, _partial_update), one eager kernel per op, on the rank whose later steps cover
+    all its queries (load balancing's last rank: the slowest).
+
+    Forward, at each of the cp - 1 steps after the first: the block's output cast to fp32, then
+    out - sigmoid(lse - block lse) x (out - block out) as three fp32 ops (12 + 8 + 12 bytes an
+    element); at the first cp - 1 steps the keys and values concatenated for the rotater (read and
+    written); the first block's cast to fp32 and the result's back. Backward: fp32 zeros for the
+    three gradients; at each of cp - 1 steps the keys and values concatenated again; at every step
+    the step's key and value gradients added into the fp32 totals (after the first, into the
+    first half of each and the whole rebuilt by torch.cat: _partial_update), the totals
+    concatenated to pass on, and the query gradient added; at the end both cast back."""
+    f, b = 4, dtype_bytes
+    cast = f + b if b < f else 0  # .to(float32) of fp32 is the same tensor, no copy
+    add = 2 * f + b  # an fp32 total += a gradient in the dtype: read both, write the total
+    steps = cp - 1
+    fwd = steps * ((cast + 32) * q + 2 * b * kv) + 2 * cast * q
+    first = add * (q + kv) + 2 * f * kv  # the first step's sums and the totals' concatenation
+    later = (add / 2 + 2 * f) * kv + 2 * f * kv + add * q  # a half-sum rebuilt whole, the concatenation, the queries'
+    bwd = f * (q + kv) + steps * 2 * b * kv + first + steps * later + cast * (q + kv)
+    return fwd, bwd
 
 
 def _dtype_bytes(profile: ModelProfile) -> int:
@@ -659,11 +685,16 @@ def _layer_costs(
         hidden = comm.overlap_share(None, comm.link_load(lk.cp, gpu.hbm_bandwidth_Bps))
         cp_fwd, cp_bwd = ring_exposed_s(attn_fwd, attn_bwd, ag(kv), rs(dkv), cand.cp, hidden,
                                         gathers_first=training.attention_kernel != "te")
-        # the partial outputs merged (forward) and query gradients summed (backward) at every step:
-        # the whole sequence's queries (SDPA's FLOPs are 4 x seq per query element) in fp32
+        # the partial outputs merged (forward) and the gradients summed (backward) at every step:
+        # the whole sequence's queries (SDPA's FLOPs are 4 x seq per query element)
         queries = layer.fwd_attention_flops * _scale(profile, cand.micro_batch) / (4 * profile.seq_len * shard)
-        fwd += memory_bound_s(CP_MERGE_PASSES[0] * 4 * queries, gpu) * compute
-        bwd += memory_bound_s(CP_MERGE_PASSES[1] * 4 * queries, gpu) * compute
+        if training.attention_kernel == "te":
+            merge = CP_MERGE_PASSES[0] * 4 * queries, CP_MERGE_PASSES[1] * 4 * queries
+        else:
+            size = _dtype_bytes(profile)
+            merge = torch_ring_merge_bytes(queries / cand.cp, kv / size / cand.cp, cand.cp, size)
+        fwd += memory_bound_s(merge[0], gpu) * compute
+        bwd += memory_bound_s(merge[1], gpu) * compute
     tp_fwd, tp_bwd = tp_fwd * gpu.factor("tp_comm"), tp_bwd * gpu.factor("tp_comm")
     ep_fwd = ep_bwd = 0.0
     if cand.ep > 1 and layer.moe_dispatch_bytes:

@@ -11,7 +11,8 @@ import pytest
 from planner.cost import comm
 from planner.cost.compute import memory_bound_s
 from planner.cost.setup import Candidate, Training
-from planner.cost.stage_costs import NONE, atom_table, attention_run_flops, ring_exposed_s, stage_costs
+from planner.cost.stage_costs import (NONE, atom_table, attention_run_flops, ring_exposed_s, stage_costs,
+                                      torch_ring_merge_bytes)
 from planner.cost.topology import links
 from planner.errors import BadInput
 from planner.hardware import make_cluster
@@ -84,7 +85,8 @@ def test_cp_splits_the_tokens_and_adds_the_ring(llama7b, monkeypatch):
     ring: forward all-gathers K and V, backward gathers them again and reduce-scatters their fp32
     gradients (twice the bytes), none of it hidden here (OVERLAP_CONTENTION set past 1 / the link's
     share of HBM, so that the ring's whole volume shows; the share it hides is comm.overlap_share's); and merges its partial
-    outputs (4 fp32 passes over the whole sequence's queries) and sums the query gradients (2);
+    outputs and sums the gradients as torch's ring does (torch_ring_merge_bytes, at cp 2: 50 bytes
+    per rank's query element and 4 per key and value element forward, 30 and 53 backward);
     its attention calls, over half the keys each, pay their rows' fixed work twice as often.
     (At every GEMM's best-shape share: with the H100's shape table, half the rows run a little
     slower, tests/unit/test_gemm_shapes.py.)"""
@@ -100,8 +102,9 @@ def test_cp_splits_the_tokens_and_adds_the_ring(llama7b, monkeypatch):
         layer = llama7b.layers[a.first]
         assert b.params == a.params
         work = b.fwd_s + b.bwd_s - b.cp_comm_s
-        queries = layer.fwd_attention_flops / (4 * 4096)  # SDPA: 4 x seq FLOPs per query element
-        merge = memory_bound_s((4 + 2) * 4 * queries, cluster.gpu)
+        q = layer.fwd_attention_flops / (4 * 4096) / 2  # SDPA: 4 x seq FLOPs per query element; a rank's half
+        kv = layer.attention_kv_bytes / 2 / 2  # bf16 elements, a rank's half
+        merge = memory_bound_s(50 * q + 4 * kv, cluster.gpu) + memory_bound_s(30 * q + 53 * kv, cluster.gpu)
         # each ring step's call covers 2048 keys, not 4096: its rows' fixed work weighs twice
         rows = sum(attention_run_flops(f, c, 2048) - attention_run_flops(f, c, 4096)
                    for f, c in ((layer.fwd_attention_flops, layer.fwd_causal_attention_flops),
@@ -148,6 +151,18 @@ def test_torchs_ring_hides_its_gather_behind_the_first_step_alone():
     # all hidden (no contention): only what outlasts its window shows
     assert ring_exposed_s(8e-3, 16e-3, 5e-3, 6e-3, 4, 1.0, gathers_first=True) == pytest.approx((3e-3, 1e-3))
     assert ring_exposed_s(8e-3, 16e-3, 5e-3, 6e-3, 4, 1.0, gathers_first=False) == pytest.approx((0.0, 0.0))
+
+
+def test_torchs_ring_merges_and_sums_in_fp32_one_eager_op_at_a_time():
+    """cp 4, a rank's queries 1 element, keys and values 2 (repeated to the query heads). bf16,
+    forward: 3 steps merging (cast to fp32 6, three fp32 ops 32) and concatenating the keys and
+    values (4 each), the first block's cast and the result's back (12): 3 x (38 + 8) + 12 = 150.
+    Backward: zeros (4 x 3), 3 concatenations of the keys and values (3 x 8), the first step's
+    sums (10 x 3) and concatenation (16), 3 later steps (half-sums rebuilt whole 13 x 2, the
+    concatenation 16, the queries' 10), casts back (6 x 3): 12 + 24 + 46 + 156 + 18 = 256. In fp32
+    the casts are no copies and a sum reads 4 bytes more: 144 and 280."""
+    assert torch_ring_merge_bytes(1, 2, 4, 2) == pytest.approx((150, 256))
+    assert torch_ring_merge_bytes(1, 2, 4, 4) == pytest.approx((144, 280))
 
 
 def test_zero_shards_over_dp_times_cp_and_the_ranks_are_tp_cp_dp(llama):
