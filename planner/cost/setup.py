@@ -32,7 +32,8 @@ TRAINERS: dict[str, dict] = {
     "this": {},
     # torchtitan as its configs run it (eager; torch_compile adds fused kernels): the same kernels,
     # and its per-op selective checkpointing keeps reduce-scatter outputs
-    "torchtitan": {"recompute_collectives": "all_gathers", "tp_overlap_share": ASYNC_TP_OVERLAP, "fp8_head": False},
+    "torchtitan": {"recompute_collectives": "all_gathers", "tp_overlap_share": ASYNC_TP_OVERLAP, "fp8_head": False,
+                   "fp8_cast_scope": "op"},
     # Megatron-LM, NeMo and Megatron-Bridge on Transformer Engine, with the overlaps their
     # performance recipes turn on (--overlap-grad-reduce)
     "megatron": {"recompute_whole_forward": True, "fused_kernels": True, "attention_kernel": "te", "fp8_recipe": "te",
@@ -55,8 +56,9 @@ TRAINERS: dict[str, dict] = {
 """The trainers a plan can be made for (`plan --trainer`): the Training fields each sets."""
 TRAINER_NOTES = {
     "this": "plan run's runtime: eager PyTorch (memory-bound ops one kernel each), SDPA attention, torchao "
-            "Float8 (each Linear compiled: its casts fused), fused optimizer on CUDA, non-reentrant recompute",
-    "torchtitan": "torchtitan: eager PyTorch, SDPA attention, torchao Float8 (compiled), per-op selective recompute "
+            "Float8 (each Linear compiled: each tensor cast once), fused optimizer on CUDA, non-reentrant recompute",
+    "torchtitan": "torchtitan: eager PyTorch, SDPA attention, torchao Float8 (each cast at each use; with --compile "
+                  "each tensor once), per-op selective recompute "
                   "that keeps reduce-scatter outputs",
     "megatron": "Megatron-LM / NeMo / Megatron-Bridge on Transformer Engine: fused memory-bound kernels, cuDNN "
                 "attention, TE's FP8 casts, full recompute of whole layers, selective recompute of the attention "
@@ -175,6 +177,16 @@ class Training:
     their transpose) once per step after the optimizer and cached across the micro-batches, each
     forward input cast once and kept in FP8 for the weight gradient, each output gradient cast
     once with its transpose (cast_transpose) for both backward matmuls."""
+    fp8_cast_scope: str = "linear"
+    """What torch.compile sees of torchao's casts (fp8_recipe "torchao"), so which of them run once.
+    "op": eager, every operand cast at each use: backward casts each output gradient twice (for
+    the input and the weight gradients) and each input and weight again (torchao's
+    float8_linear.py, matmul_with_hp_or_float8_args.backward). "linear": each Float8Linear compiled
+    on its own, forward and backward one graph (this runtime: runtime/float8.py): AOTAutograd's
+    common-subexpression pass (functorch config cse, on by default) merges identical casts, so each
+    output gradient is cast once and backward reuses the forward's casts of the input and the
+    weight. A trainer compiling whole layers (`compiled`) merges more: an input several Linears
+    read (separate q, k and v projections) is cast once."""
     fp8_head: bool = True
     """Under FP8 (or NVFP4) the output projection (the head's Linear) runs in low precision too, as
     this runtime converts every Linear whose shape allows. False: it stays in 16 bits, casts and

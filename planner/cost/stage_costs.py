@@ -454,7 +454,8 @@ def te_saved_inputs_bytes(layer: LayerProfile, whole: float, precision: str, dty
     return whole * copies * TE_SAVED_INPUT_BYTES[precision] / dtype_bytes
 
 
-def fp8_cast_bytes(layer: LayerProfile, scale: float, shard: int, recipe: str = "torchao", fp4: bool = False) -> tuple[float, float]:
+def fp8_cast_bytes(layer: LayerProfile, scale: float, shard: int, recipe: str = "torchao", fp4: bool = False,
+                   scope: str = "op") -> tuple[float, float]:
     """(forward, backward) memory-bound bytes of a layer's FP8 casts per micro-batch on one rank,
     `scale` the rank's share of the profiled tokens and `shard` tensor parallelism's split.
 
@@ -467,7 +468,10 @@ def fp8_cast_bytes(layer: LayerProfile, scale: float, shard: int, recipe: str = 
     gradient twice (input and weight gradients) and each input once, so the output gradients are
     half of what backward reads beyond the forward's inputs. NVFP4 (`fp4`, Transformer Engine's
     only) casts as its FP8 does, and transforms both weight-gradient operands first
-    (NVFP4_HADAMARD_PASSES)."""
+    (NVFP4_HADAMARD_PASSES). torchao's casts compiled (`scope`, Training.fp8_cast_scope: "linear",
+    or "block" for a compiled model) run once per tensor: forward its inputs and weights (under
+    "block" an input several Linears read once: LayerProfile.activation_linear_input_copies less
+    activation_linear_input_bytes are the extra reads), backward each output gradient."""
     inputs = layer.fwd_linear_operand_bytes - layer.fwd_linear_weight_bytes
     bwd_acts = layer.bwd_linear_operand_bytes - layer.bwd_linear_weight_bytes
     if recipe == "te":  # its grouped GEMMs too (an expert layer's routed rows), cast alike
@@ -476,8 +480,14 @@ def fp8_cast_bytes(layer: LayerProfile, scale: float, shard: int, recipe: str = 
         grads = max(0.0, bwd_acts - inputs) / 2
         rht = NVFP4_HADAMARD_PASSES if fp4 else 0.0
         return (FP8_CAST_PASSES + rht) * inputs * scale / shard, (FP8_CAST_TRANSPOSE_PASSES + rht) * grads * scale / shard
-    return tuple(FP8_CAST_PASSES * (acts * scale + weights) / shard
-                 for acts, weights in ((inputs, layer.fwd_linear_weight_bytes), (bwd_acts, layer.bwd_linear_weight_bytes)))
+    if scope == "op":
+        return tuple(FP8_CAST_PASSES * (acts * scale + weights) / shard
+                     for acts, weights in ((inputs, layer.fwd_linear_weight_bytes), (bwd_acts, layer.bwd_linear_weight_bytes)))
+    grads = max(0.0, bwd_acts - inputs) / 2
+    if scope == "block" and layer.activation_linear_input_copies:
+        inputs -= layer.activation_linear_input_copies - (layer.activation_linear_input_bytes or 0)
+    return (FP8_CAST_PASSES * (inputs * scale + layer.fwd_linear_weight_bytes) / shard,
+            FP8_CAST_PASSES * grads * scale / shard)
 
 
 def fused(layer: LayerProfile) -> LayerProfile:
@@ -570,7 +580,8 @@ def _layer_costs(
     # FP8 or NVFP4 Linears (LayerProfile.fwd_linear_flops), the head's where the trainer converts it
     fp8 = training.precision in LOW_PRECISIONS and (
         training.fp8_head or layer.tp_role is None or layer.tp_role.kind != "head")
-    cast = fp8_cast_bytes(layer, scale, shard, training.fp8_recipe, training.precision == "fp4") if fp8 else (0.0, 0.0)
+    scope = "block" if training.compiled else training.fp8_cast_scope
+    cast = fp8_cast_bytes(layer, scale, shard, training.fp8_recipe, training.precision == "fp4", scope) if fp8 else (0.0, 0.0)
     # fused attention at its plateau rate runs the FLOPs of its keys plus each query row's fixed
     # work: causal calls about half what the profile counts (their kernels skip the masked blocks).
     # FlashAttention in Triton's share is FlashAttention-2's over a slowdown read at the lengths of

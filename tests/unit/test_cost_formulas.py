@@ -647,6 +647,30 @@ def test_fp8_casts_the_weights_once_per_micro_batch_whatever_its_size(gpt_bf16):
         assert bwd == pytest.approx(2.5 * (acts[1] * scale + weights) / shard)
 
 
+def test_compiled_torchao_casts_run_once_per_tensor(gpt_bf16):
+    """gpt.py's block (s=256, h=384): its Linears read 9h values per token (q, k and v the same
+    ln_1 output, proj the attention's, up ln_2's, down GELU's 4h), 7h distinct; their outputs'
+    gradients are 9h. Eager ("op"): forward each input at each use, backward each gradient twice
+    and each input and weight again. Each Linear compiled ("linear", this runtime): forward its
+    input and weight, backward each gradient once (the rest merged with the forward's casts). A
+    compiled block ("block"): the 3 reads of ln_1's output cast once too."""
+    from planner.cost.stage_costs import fp8_cast_bytes
+
+    block = next(l for l in gpt_bf16.layers if l.name == "blocks.0")
+    h, s = 384, 256
+    row = 2 * h * s  # bf16 bytes of one h-wide value per token
+    wf, wb = block.fwd_linear_weight_bytes, block.bwd_linear_weight_bytes
+    for scale, shard in ((1.0, 1), (2.0, 2)):
+        assert fp8_cast_bytes(block, scale, shard) == pytest.approx(
+            (2.5 * (9 * row * scale + wf) / shard, 2.5 * (27 * row * scale + wb) / shard))
+        assert fp8_cast_bytes(block, scale, shard, scope="linear") == pytest.approx(
+            (2.5 * (9 * row * scale + wf) / shard, 2.5 * 9 * row * scale / shard))
+        assert fp8_cast_bytes(block, scale, shard, scope="block") == pytest.approx(
+            (2.5 * (7 * row * scale + wf) / shard, 2.5 * 9 * row * scale / shard))
+    assert Training.for_trainer("this", "fp8", "adamw", 8, 80 * 2**30).fp8_cast_scope == "linear"
+    assert Training.for_trainer("torchtitan", "fp8", "adamw", 8, 80 * 2**30).fp8_cast_scope == "op"
+
+
 def test_transformer_engine_fp8_casts_each_input_and_output_gradient_once(gpt_bf16):
     """Transformer Engine's recipe on gpt.py's block (s=256, h=384): the Linears' inputs are 9 h
     per token (q, k, v and up read the norms' outputs, proj the attention's, down the MLP's 4h)
