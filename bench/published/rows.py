@@ -621,6 +621,10 @@ MEGATRON_FUSED_LOSS = ("nemo", "megatron-bridge")
 #   rerun a checkpointed layer's whole forward (a reentrant checkpoint, or torch before 2.1:
 #   llm-foundry's benchmark table ran torch 1.13, its README says)
 NON_REENTRANT = ("fms-fsdp",)
+# - a trainer not named runs tensor parallelism on sequence-first tensors, as Megatron-LM and the
+#   trainers built on it do (Megatron-DeepSpeed, GPT-NeoX): no layout copies beside its
+#   collectives (Training.tp_batch_first), which DTensor's on batch-first tensors (torchtitan,
+#   this runtime, NeMo AutoModel) pay
 AUTOMODEL = ("automodel",)
 # - llm-foundry's benchmark table (scripts/train/benchmarking): MPT with attn_impl "triton"
 #   (submit_benchmarks.py's default; FlashAttention in Triton, for ALiBi) and its default loss,
@@ -829,6 +833,8 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
         settings["loss_bytes_per_logit"] = VOCAB_PARALLEL_CE_BYTES
     if trainer == "this" and not _names(trainer_text, NON_REENTRANT):
         settings["recompute_whole_forward"] = True  # a trainer not named: a reentrant checkpoint
+    if trainer == "this":
+        settings["tp_batch_first"] = False  # a trainer not named: Megatron-LM's sequence-first TP
     if _names(trainer_text, TRITON_ATTENTION):
         settings["attention_kernel"] = "triton"
     if precision == "fp8" and _names(precision_text, MEGATRON + FINE_GRAINED_FP8) or precision == "fp4":

@@ -38,12 +38,12 @@ TRAINERS: dict[str, dict] = {
     # performance recipes turn on (--overlap-grad-reduce)
     "megatron": {"recompute_whole_forward": True, "fused_kernels": True, "attention_kernel": "te", "fp8_recipe": "te",
                  "recompute_collectives": "none", "dp_overlap": 1.0, "fused_loss": True, "p2p_overlap": True,
-                 "p2p_scatter_gather": True, "tp_saves_gathered": False, "fp8_head": False},
+                 "p2p_scatter_gather": True, "tp_saves_gathered": False, "fp8_head": False, "tp_batch_first": False},
     # DeepSpeed's ZeRO (eager PyTorch kernels): ZeRO-3 gathers module by module, and its
     # activation checkpointing is reentrant (reruns a layer's whole forward); its tensor
     # parallelism Megatron-LM's (Megatron-DeepSpeed)
     "deepspeed": {"zero3_gathers": "module", "recompute_whole_forward": True, "tp_saves_gathered": False,
-                  "p2p_scatter_gather": True},
+                  "p2p_scatter_gather": True, "tp_batch_first": False},
     # NeMo AutoModel (NVIDIA's PyTorch backend: FSDP2, torch pipelining, expert parallelism with
     # DeepEP) on Transformer Engine's kernels (its BackendConfig: TE Linear, RMSNorm and attention,
     # fused RoPE); the Hugging Face model's 16-bit parameters are what FSDP2 shards and
@@ -97,6 +97,16 @@ class Training:
     autograd saves any matmul input; Megatron-LM's (Transformer Engine's Linears with
     sequence_parallel) keeps the rank's shard and gathers it again in backward (Korthikanti et al.
     2022, Sec. 4.2.2): False."""
+    tp_batch_first: bool = True
+    """The trainer's activations are batch-first ([batch, sequence, hidden]) and its tensor
+    parallelism is DTensor's (this runtime, torchtitan, NeMo AutoModel), so with sequence
+    parallelism its collectives gather and scatter along dimension 1, which NCCL cannot: torch's
+    functional collectives copy each reduce-scatter's input into rank order first and each
+    all-gather's output into place after (torch.cat over chunks: _chunk_or_narrow_cat and
+    _maybe_view_chunk_cat in torch/distributed/_functional_collectives.py; since torch 2.11 or so
+    no copy after an all-gather of a micro-batch of one sequence, where the order is the same).
+    False: sequence-first tensors (Megatron-LM, Megatron-DeepSpeed), gathered along dimension 0
+    in place."""
     dp_overlap: float | None = None
     """The share of the data-parallel traffic that the trainer hides behind compute (the shorter of
     the two, as comm.overlapped_s has it); None: what the traffic's contention leaves

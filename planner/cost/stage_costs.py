@@ -29,7 +29,7 @@ import statistics
 from dataclasses import dataclass, fields, replace
 
 from planner.cost import comm
-from planner.cost.compute import Work, memory_bound_s, roofline_s
+from planner.cost.compute import Work, memory_bound_s, roofline_s, stream_s
 from planner.cost.gemm_shapes import TABLES as SHAPE_TABLES, linear_factor
 from planner.cost.constants import (
     ACCUMULATE_BYTES,
@@ -353,6 +353,16 @@ def tp_collectives_s(layer: LayerProfile, tp: int, sequence_parallel: bool, link
             calls(rows, comm.allgather) + calls(groups, comm.reduce_scatter) + norms * comm.allreduce(tp, link)(0.0))
 
 
+def tp_layout_copy_bytes(layer: LayerProfile, scale: float, micro_batch: int) -> float:
+    """Bytes read and written per direction (forward or backward) by the copies batch-first
+    tensors cost a sequence-parallel layer's collectives (Training.tp_batch_first): each
+    reduce-scatter's input, and each all-gather's output where the micro-batch holds more than one
+    sequence, copied whole (read and written). The tensors a direction reduce-scatters, like those
+    it all-gathers, come to the profile's all-reduced bytes (tp_collectives_s)."""
+    total = layer.tp.allreduce_bytes * scale
+    return 2 * total * (2 if micro_batch > 1 else 1)
+
+
 def ring_bytes(layer: LayerProfile, profile: ModelProfile, micro_batch: int, shard: int,
                training: Training) -> tuple[float, float]:
     """A context-parallel ring per micro-batch on one rank: (keys and values of the whole
@@ -659,6 +669,9 @@ def _layer_costs(
     tp_fwd = tp_bwd = 0.0
     if shard > 1:
         tp_fwd, tp_bwd = tp_collectives_s(layer, shard, cand.sequence_parallel, lk.tp, scale)
+        if cand.sequence_parallel and training.tp_batch_first:
+            copies = stream_s(tp_layout_copy_bytes(layer, scale, cand.micro_batch), gpu)
+            tp_fwd, tp_bwd = tp_fwd + copies, tp_bwd + copies
         # DTensor's work on the host per sharded Linear (plan calibrate measures it): on top of a
         # CPU's measured seconds; beside a GPU's kernels, which it outlasts only when they are tiny
         linears = len(layer.tp.colwise) + len(layer.tp.rowwise)

@@ -419,8 +419,33 @@ def test_sequence_parallelism_splits_the_rest(gpt_bf16):
     assert on[i].act_bytes[NONE] == pytest.approx((block.activation_bytes / 2 + 2 * sbh / 2) * scale)
     tp_part = block.activation_tp_bytes
     assert off[i].act_bytes[NONE] == pytest.approx((tp_part / 2 + block.activation_bytes - tp_part) * scale)
-    assert off[i].fwd_s > on[i].fwd_s  # norms and residuals run whole on both ranks (memory-bound at 256 x 256 tokens)
+    # norms and residuals run whole on both ranks (memory-bound at 256 x 256 tokens)
+    assert off[i].fwd_s + off[i].bwd_s - off[i].tp_comm_s > on[i].fwd_s + on[i].bwd_s - on[i].tp_comm_s
     assert off[i].params == on[i].params
+
+
+def test_batch_first_tensors_copy_around_sequence_parallel_collectives(gpt_bf16):
+    """DTensor's TP on batch-first tensors (Training.tp_batch_first) gathers and scatters along the
+    sequence (dim 1): each reduce-scatter's input and, with more than one sequence a micro-batch,
+    each all-gather's output is copied whole (read and written) at a copy's rate. gpt.py's block
+    reduce-scatters its two row-wise outputs and all-gathers its two shared inputs, each s x h:
+    forward and backward each move 2 x (2 + 2) sbh bytes at 2 sequences, 2 x 2 at one. Megatron's
+    sequence-first tensors copy nothing; nor does TP without sequence parallelism."""
+    from planner.cost.compute import stream_s
+    from planner.cost.stage_costs import atom_table
+
+    cluster, training = make_cluster("a100-80gb", 2), Training("bf16", "adamw", 8, 80 * 2**30)
+    i = next(k for k, l in enumerate(gpt_bf16.layers) if l.name == "blocks.0")
+    assert gpt_bf16.layers[i].tp.allreduce_bytes == 2 * 256 * 384 * 2  # two s x h tensors, profiled at one sequence
+    sbh = 256 * 384 * 2
+    for mb, tensors in ((2, 8), (1, 4)):
+        batch_first, seq_first = (atom_table(gpt_bf16, cluster, replace(training, tp_batch_first=b), tp=2, micro_batch=mb,
+                                             sequence_parallel=sp) for b, sp in ((True, True), (False, True)))
+        a, b = (next(x for x in t if x.first == i) for t in (batch_first, seq_first))
+        assert a.tp_comm_s - b.tp_comm_s == pytest.approx(2 * stream_s(tensors * mb * sbh, cluster.gpu))
+    plain = [next(x for x in atom_table(gpt_bf16, cluster, replace(training, tp_batch_first=b), tp=2, micro_batch=2,
+                                        sequence_parallel=False) if x.first == i) for b in (True, False)]
+    assert plain[0].tp_comm_s == plain[1].tp_comm_s
 
 
 def test_selective_recompute_gathers_again_what_its_policy_does_not_keep(gpt_bf16):
@@ -433,7 +458,7 @@ def test_selective_recompute_gathers_again_what_its_policy_does_not_keep(gpt_bf1
     from planner.cost.topology import links
 
     cluster = make_cluster("a100-80gb", 2)
-    base = Training("bf16", "adamw", 8, 80 * 2**30)
+    base = Training("bf16", "adamw", 8, 80 * 2**30, tp_batch_first=False)  # the collectives alone, no layout copies
     tables = {kind: atom_table(gpt_bf16, cluster, replace(base, recompute_collectives=kind), tp=2, micro_batch=256,
                                sequence_parallel=True) for kind in ("all", "all_gathers", "none")}
     i = next(k for k, a in enumerate(tables["all"]) if gpt_bf16.layers[a.first].name == "blocks.0")
