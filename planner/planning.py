@@ -257,7 +257,11 @@ def make_plan(handle: ModelHandle, request: PlanRequest, profile: ModelProfile |
         f"(runtime, communication buffers) + {constants.FRAGMENTATION_GPU if cluster.gpu.origin != 'measured' else constants.FRAGMENTATION_CPU:.0%} "
         "allocator fragmentation",
         "tensor parallelism is Megatron-style (column-wise then row-wise Linears), with or without sequence "
-        "parallelism as parallel.sequence_parallel says; ranks ordered tp, cp, dp, pp",
+        "parallelism as parallel.sequence_parallel says"
+        + ("; on batch-first tensors (DTensor), so with sequence parallelism each collective also copies its "
+           "tensor along the sequence (a read and a write at a copy's rate)" if training.tp_batch_first else
+           "; on sequence-first tensors, gathered in place")
+        + "; ranks ordered tp, cp, dp, pp",
     ]
     gpu = cluster.gpu
     for field_name in ("process_slowdown", "collectives", "optimizer_steps", "loss_parallel_steps", "phase_factors"):
