@@ -103,8 +103,8 @@ class Training:
     parallelism its collectives gather and scatter along dimension 1, which NCCL cannot: torch's
     functional collectives copy each reduce-scatter's input into rank order first and each
     all-gather's output into place after (torch.cat over chunks: _chunk_or_narrow_cat and
-    _maybe_view_chunk_cat in torch/distributed/_functional_collectives.py; since torch 2.11 or so
-    no copy after an all-gather of a micro-batch of one sequence, where the order is the same).
+    _maybe_view_chunk_cat in torch/distributed/_functional_collectives.py; torch 2.13's makes no copy
+    after the all-gather of a micro-batch of one sequence, whose order is already right).
     False: sequence-first tensors (Megatron-LM, Megatron-DeepSpeed), gathered along dimension 0
     in place."""
     dp_overlap: float | None = None
