@@ -79,7 +79,7 @@ def traced_stages(
     from torch.distributed.pipelining.stage import _PipelineStage
     from torch.utils._pytree import tree_unflatten
 
-    from planner.profile.split import SplitFailed, trace_split
+    from planner.profile.split import SplitFailed, trace_split, without_inference_cache
 
     p = plan.parallel
     if p.tp > 1:
@@ -91,6 +91,7 @@ def traced_stages(
     first_name: dict[int, str] = {}
     for n, q in full.named_parameters(remove_duplicate=False):
         canonical[n] = first_name.setdefault(id(q), n)
+    without_inference_cache(full)  # as trace_split runs it: the outputs' structure without the cache
     spec = _output_spec(full, sample)
     try:
         pipe = trace_split(full, sample, [names[0] for _, names in stages[1:]])

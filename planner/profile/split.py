@@ -106,10 +106,12 @@ def trace_split(model: nn.Module, inputs: Any, split_before: list[str]) -> Any:
     """``pipeline()`` of `model` on one micro-batch `inputs`, split before each module named in
     `split_before`; the Pipe. Raises SplitFailed (one line: what failed and in which module).
 
-    `model` is modified (pipelining wraps the split modules' forward): pass a copy you can drop."""
+    `model` is modified (pipelining wraps the split modules' forward; `without_inference_cache`):
+    pass a copy you can drop."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     args, kwargs = as_call(inputs)
+    without_inference_cache(model)
     for name in split_before:
         try:
             model.get_submodule(name)
@@ -129,6 +131,18 @@ def trace_split(model: nn.Module, inputs: Any, split_before: list[str]) -> Any:
         )
     relay_skip_connections(pipe)
     return pipe
+
+
+def without_inference_cache(model: nn.Module) -> None:
+    """A Hugging Face model whose config says `use_cache` (the default of its causal LMs) makes an
+    inference key-value cache in every forward and returns it: training never reads it, and the
+    tracer cannot split a forward that returns one (transformers' DynamicCache is no pytree). Off
+    in what is traced, as transformers' own training paths turn it off (gradient checkpointing),
+    so the pipeline stages run without it. Left on elsewhere: without a cache, transformers takes
+    position ids that jump (context parallelism's load-balanced order) for packed sequences."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", None) is True:
+        config.use_cache = False
 
 
 def relay_skip_connections(pipe: Any) -> int:

@@ -6,7 +6,9 @@ tracer can make (planner/profile/split.py).
   embedding across the two ends of the pipeline) under pp=2 with 1F1B, interleaved 1F1B (2 chunks
   a rank), GPipe with full recompute (2 ranks, one launch) and pp2 x dp2 with FSDP ZeRO-3 (4 ranks),
   fp32, SGD, 5 steps: losses within 1e-5 relative and final parameters within 1e-5 of one
-  process on the whole batch; one launch per world size.
+  process on the whole batch; one launch per world size. A tiny Hugging Face Llama as its config
+  comes (use_cache on, rotary embeddings passed to every block, a loss on `.logits`) under pp=2
+  1F1B in the same 2-rank launch, against one process running it as built.
 - Profile: GPT-2's cuts are valid (split "traced", every tensor crossing counted); a model with
   data-dependent control flow in forward keeps them invalid with the tracer's reason, and
   `plan --pp 2` refuses it with one line and exit code 2.
@@ -45,6 +47,31 @@ def build_model():
 def sample_batch(batch_size):
     tokens = torch.randint(0, CONFIG.vocab_size, (batch_size, CONFIG.n_positions + 1))
     return {"input_ids": tokens[:, :-1].contiguous()}, tokens[:, 1:].contiguous()
+"""
+
+# A Llama from transformers as its config comes, use_cache on: every forward returns a DynamicCache
+# (no pytree), which the tracer cannot split unless it is off in what is traced
+# (planner.profile.split.without_inference_cache); rotary position embeddings made once and passed
+# to every block.
+HF_LLAMA = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+CONFIG = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+
+
+def build_model():
+    return LlamaForCausalLM(CONFIG)
+
+
+def sample_batch(batch_size):
+    tokens = torch.randint(0, CONFIG.vocab_size, (batch_size, 17))
+    return {"input_ids": tokens[:, :-1].contiguous()}, tokens[:, 1:].contiguous()
+
+
+def loss_fn(outputs, targets):  # as users write it: on the model output's .logits
+    return torch.nn.functional.cross_entropy(outputs.logits.flatten(0, 1), targets.flatten())
 """
 
 # Blocks take a mask made by glue (so no cut hands over one layer's output alone) and the forward
@@ -100,17 +127,25 @@ CONFIGS = {
 }
 
 
+# the Llama as configured, in the same launch as GPT-2's 2-rank plans
+LLAMA_CONFIGS = {
+    "hf_llama_pp_1f1b": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
+}
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tracer")
     (path / "hf_tiny.py").write_text(HF_MODEL)
     (path / "untraceable.py").write_text(UNTRACEABLE)
+    (path / "hf_llama.py").write_text(HF_LLAMA)
     return path
 
 
 @pytest.fixture(scope="module")
 def plans(workdir) -> dict[str, Path]:
-    return make_plans(workdir / "hf_tiny.py", CONFIGS, workdir, GLOBAL_BATCH)
+    return {**make_plans(workdir / "hf_tiny.py", CONFIGS, workdir, GLOBAL_BATCH),
+            **make_plans(workdir / "hf_llama.py", LLAMA_CONFIGS, workdir, GLOBAL_BATCH)}
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +159,7 @@ def runs(plans, workdir):
         log = (result.run_dir / "launch.log").read_text(errors="replace")
         assert log.count("split by the pipelining tracer") == len(names), "the runs did not take the tracer path"
 
-    return run_by_world(plans, CONFIGS, workdir, STEPS, traced)
+    return run_by_world(plans, {**CONFIGS, **LLAMA_CONFIGS}, workdir, STEPS, traced)
 
 
 def test_plans_are_pipelined(plans):
@@ -155,6 +190,33 @@ def test_hf_gpt2_cuts_valid_by_tracer(workdir):
     assert block.output_bytes == hidden
     again = type(profile).from_dict(__import__("json").loads(profile.to_json()))
     assert again.pipeline_split == "traced"
+
+
+def test_hf_llama_as_configured_pipelines(workdir, capsys):
+    """A Hugging Face causal LM with its config's default use_cache: traced without the inference
+    cache, it splits between its decoder layers, and `plan --pp 2` plans two stages where it used
+    to refuse with the tracer's pytree error. The model as built keeps its cache (transformers
+    takes the jumps in context parallelism's position ids for packed sequences without one)."""
+    handle = load_model_file(workdir / "hf_llama.py")
+    assert handle.module.CONFIG.use_cache, "transformers' default changed: the test no longer covers it"
+    assert handle.build_model().config.use_cache is True
+    profile = profile_model(handle, batch_size=2, dtype="fp32", force_meta=True, measure=False)
+    assert profile.pipeline_split == "traced" and profile.pipeline_split_note is None
+    assert all(layer.cut_after_ok for layer in profile.layers[:-1])
+    out = workdir / "llama_pp2.json"
+    assert main([str(workdir / "hf_llama.py"), "--gpu", "cpu", "--gpus", "2", "--pp", "2", "--global-batch", "4",
+                 "-o", str(out)]) == 0, capsys.readouterr().err
+    from planner.plan import Plan
+
+    assert Plan.load(out).parallel.pp == 2
+
+
+def test_hf_llama_as_configured_matches_single_process(runs, plans):
+    """Its pipeline stages traced without the inference cache, the model's outputs rebuilt without
+    it (the loss reads .logits), against one process running the model as built, cache and all."""
+    report, params_path = runs["hf_llama_pp_1f1b"]
+    assert_matches("hf_llama_pp_1f1b", report.measured.losses, params_path,
+                   single_process(plans["hf_llama_pp_1f1b"], STEPS))
 
 
 def test_untraceable_model_keeps_cuts_invalid_and_plan_refuses_pp(workdir, capsys):
