@@ -130,6 +130,7 @@ def trace_split(model: nn.Module, inputs: Any, split_before: list[str]) -> Any:
             "(a layer called more than once, or not called in forward)"
         )
     relay_skip_connections(pipe)
+    contiguous_handovers(pipe)
     return pipe
 
 
@@ -143,6 +144,45 @@ def without_inference_cache(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", None) is True:
         config.use_cache = False
+
+
+def contiguous_handovers(pipe: Any) -> int:
+    """Make every tensor a stage hands over contiguous: what a cut sends can be a strided view (a
+    ViT's class token sliced out before its classifier), and the schedules' buffers copy the
+    traced layout (torch's stages allocate receives with the traced strides) while isend and irecv
+    refuse a strided tensor. Each such output is returned through `.contiguous()`, and the stages
+    that take it are told so. Rewrites the Pipe's stage graphs in place; returns the tensors made
+    contiguous."""
+    from torch import fx
+
+    gm = pipe.split_gm
+    calls = [n for n in gm.graph.nodes if n.op == "call_module"]
+    subs = [gm.get_submodule(str(c.target)) for c in calls]
+
+    def strided(node: Any) -> bool:
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        return isinstance(val, torch.Tensor) and not val.is_contiguous()
+
+    made = 0
+    for sub in subs:
+        graph = sub.graph
+        for node in list(graph.nodes):
+            if node.op == "placeholder" and strided(node):
+                node.meta["val"] = node.meta["val"].contiguous()
+            elif node.op == "output":
+                def contiguous(arg: fx.Node) -> fx.Node:
+                    nonlocal made
+                    if not strided(arg):
+                        return arg
+                    with graph.inserting_before(node):
+                        copy = graph.call_method("contiguous", (arg,))
+                    copy.meta["val"] = arg.meta["val"].contiguous()
+                    made += 1
+                    return copy
+
+                node.args = fx.node.map_arg(node.args, contiguous)
+        sub.recompile()
+    return made
 
 
 def relay_skip_connections(pipe: Any) -> int:

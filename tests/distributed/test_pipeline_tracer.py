@@ -8,7 +8,8 @@ tracer can make (planner/profile/split.py).
   fp32, SGD, 5 steps: losses within 1e-5 relative and final parameters within 1e-5 of one
   process on the whole batch; one launch per world size. A tiny Hugging Face Llama as its config
   comes (use_cache on, rotary embeddings passed to every block, a loss on `.logits`) under pp=2
-  1F1B in the same 2-rank launch, against one process running it as built.
+  1F1B in the same 2-rank launch, against one process running it as built; a tiny ViT likewise
+  (strided hand-overs: a mask expanded from one row, the class token's slice).
 - Profile: GPT-2's cuts are valid (split "traced", every tensor crossing counted); a model with
   data-dependent control flow in forward keeps them invalid with the tracer's reason, and
   `plan --pp 2` refuses it with one line and exit code 2.
@@ -74,6 +75,26 @@ def loss_fn(outputs, targets):  # as users write it: on the model output's .logi
     return torch.nn.functional.cross_entropy(outputs.logits.flatten(0, 1), targets.flatten())
 """
 
+# A ViT from transformers: its blocks take an attention mask expanded from one row (stride 0) made
+# before them, and its classifier reads the class token sliced out of the last norm's output: what
+# its cuts hand over are strided views, which the schedules' send and receive refuse unless made
+# contiguous (planner.profile.split.contiguous_handovers).
+HF_VIT = """
+import torch
+from transformers import ViTConfig, ViTForImageClassification
+
+CONFIG = ViTConfig(image_size=32, patch_size=16, num_channels=3, hidden_size=32, num_hidden_layers=4,
+                   num_attention_heads=4, intermediate_size=64, num_labels=10)
+
+
+def build_model():
+    return ViTForImageClassification(CONFIG)
+
+
+def sample_batch(batch_size):
+    return {"pixel_values": torch.randn(batch_size, 3, 32, 32)}, torch.randint(0, 10, (batch_size,))
+"""
+
 # Blocks take a mask made by glue (so no cut hands over one layer's output alone) and the forward
 # branches on tensor values: the tracer (torch.export) cannot capture it.
 UNTRACEABLE = """
@@ -127,9 +148,12 @@ CONFIGS = {
 }
 
 
-# the Llama as configured, in the same launch as GPT-2's 2-rank plans
+# the Llama as configured and the ViT, in the same launch as GPT-2's 2-rank plans
 LLAMA_CONFIGS = {
     "hf_llama_pp_1f1b": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
+}
+VIT_CONFIGS = {
+    "hf_vit_pp_1f1b": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
 }
 
 
@@ -139,13 +163,15 @@ def workdir(tmp_path_factory) -> Path:
     (path / "hf_tiny.py").write_text(HF_MODEL)
     (path / "untraceable.py").write_text(UNTRACEABLE)
     (path / "hf_llama.py").write_text(HF_LLAMA)
+    (path / "hf_vit.py").write_text(HF_VIT)
     return path
 
 
 @pytest.fixture(scope="module")
 def plans(workdir) -> dict[str, Path]:
     return {**make_plans(workdir / "hf_tiny.py", CONFIGS, workdir, GLOBAL_BATCH),
-            **make_plans(workdir / "hf_llama.py", LLAMA_CONFIGS, workdir, GLOBAL_BATCH)}
+            **make_plans(workdir / "hf_llama.py", LLAMA_CONFIGS, workdir, GLOBAL_BATCH),
+            **make_plans(workdir / "hf_vit.py", VIT_CONFIGS, workdir, GLOBAL_BATCH)}
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +185,7 @@ def runs(plans, workdir):
         log = (result.run_dir / "launch.log").read_text(errors="replace")
         assert log.count("split by the pipelining tracer") == len(names), "the runs did not take the tracer path"
 
-    return run_by_world(plans, {**CONFIGS, **LLAMA_CONFIGS}, workdir, STEPS, traced)
+    return run_by_world(plans, {**CONFIGS, **LLAMA_CONFIGS, **VIT_CONFIGS}, workdir, STEPS, traced)
 
 
 def test_plans_are_pipelined(plans):
@@ -217,6 +243,29 @@ def test_hf_llama_as_configured_matches_single_process(runs, plans):
     report, params_path = runs["hf_llama_pp_1f1b"]
     assert_matches("hf_llama_pp_1f1b", report.measured.losses, params_path,
                    single_process(plans["hf_llama_pp_1f1b"], STEPS))
+
+
+def test_hf_vit_matches_single_process(runs, plans):
+    """Its strided hand-overs (the expanded mask relayed between blocks) sent contiguous."""
+    report, params_path = runs["hf_vit_pp_1f1b"]
+    assert_matches("hf_vit_pp_1f1b", report.measured.losses, params_path, single_process(plans["hf_vit_pp_1f1b"], STEPS))
+
+
+def test_strided_handovers_made_contiguous(workdir):
+    """Cut before the classifier, the class token slice crosses; cut between blocks, the mask
+    expanded from one row: each leaves its stage contiguous, and the next stage expects it so."""
+    from planner.profile.split import trace_split
+
+    handle = load_model_file(workdir / "hf_vit.py")
+    inputs, _ = handle.sample_batch(2)
+    for cut in ("classifier", "vit.layers.2"):
+        pipe = trace_split(handle.build_model(), inputs, [cut])
+        subs = [pipe.split_gm.get_submodule(str(n.target)) for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
+        sent = next(n for n in subs[0].graph.nodes if n.op == "output").args[0]
+        sent = sent if isinstance(sent, (tuple, list)) else (sent,)
+        assert any(n.op == "call_method" and n.target == "contiguous" for n in sent), cut
+        assert all(n.meta["val"].is_contiguous() for n in sent)
+        assert all(n.meta["val"].is_contiguous() for n in subs[1].graph.nodes if n.op == "placeholder")
 
 
 def test_untraceable_model_keeps_cuts_invalid_and_plan_refuses_pp(workdir, capsys):
