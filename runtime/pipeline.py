@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_map
 
 from planner.cost.pipeline import interleaved_rounds
 from planner.errors import BadInput
@@ -158,9 +159,12 @@ def traced_reason(plan: Plan) -> str | None:
 def build_stage_module(
     full: nn.Module, all_names: list[str], names: tuple[str, ...], first: bool, input_names: list[str] | None = None,
 ) -> nn.Module:
-    """A copy of `full` keeping only `names`; its forward runs that stage. `input_names`: the first
-    stage takes the model's keyword inputs positionally, in this order (the multi-stage schedules
-    hand keyword arguments to every stage of the first rank)."""
+    """A copy of `full` keeping only `names`; its forward runs that stage and returns what it hands
+    over contiguous (torch's stages allocate their receives with the strides of the first forward's
+    outputs, and send and receive refuse a strided tensor: a layer's output can be a transposed
+    view, or an addition that follows one). `input_names`: the first stage takes the model's
+    keyword inputs positionally, in this order (the multi-stage schedules hand keyword arguments to
+    every stage of the first rank)."""
     model = copy.deepcopy(full)
     keep = set(names)
     for name in all_names:
@@ -173,19 +177,23 @@ def build_stage_module(
             if input_names is not None:
                 args, kwargs = (), {**dict(zip(input_names, args)), **kwargs}
             try:
-                return original(*args, **kwargs)
+                return _contiguous(original(*args, **kwargs))
             except _StopForward as stop:
-                return stop.value
+                return _contiguous(stop.value)
     else:
         layers = [model.get_submodule(n) for n in names]
 
         def forward(x: torch.Tensor) -> Any:  # type: ignore[misc]
             for layer in layers:
                 x = layer(x)
-            return x
+            return _contiguous(x)
 
     model.forward = forward  # type: ignore[method-assign]
     return model
+
+
+def _contiguous(tree: Any) -> Any:
+    return tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, tree)
 
 
 def tied_copies(

@@ -9,7 +9,8 @@ tracer can make (planner/profile/split.py).
   process on the whole batch; one launch per world size. A tiny Hugging Face Llama as its config
   comes (use_cache on, rotary embeddings passed to every block, a loss on `.logits`) under pp=2
   1F1B in the same 2-rank launch, against one process running it as built; a tiny ViT likewise
-  (strided hand-overs: a mask expanded from one row, the class token's slice).
+  (strided hand-overs: a mask expanded from one row, the class token's slice), and a plain
+  sequence of layers returning transposed views, split as layers.
 - Profile: GPT-2's cuts are valid (split "traced", every tensor crossing counted); a model with
   data-dependent control flow in forward keeps them invalid with the tracer's reason, and
   `plan --pp 2` refuses it with one line and exit code 2.
@@ -95,6 +96,60 @@ def sample_batch(batch_size):
     return {"pixel_values": torch.randn(batch_size, 3, 32, 32)}, torch.randint(0, 10, (batch_size,))
 """
 
+# Not traced: a plain sequence of layers whose outputs are transposed views (a patch embedding's
+# flatten(2).transpose(1, 2), and the residual additions that keep its layout), split as layers
+# (runtime/pipeline.py build_stage_module), in the same launch.
+STRIDED = """
+import torch
+from torch import nn
+
+
+class Patch(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.proj = nn.Conv2d(3, d, 4, 4)
+
+    def forward(self, x):
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc(x)
+
+
+class Head(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, 10)
+
+    def forward(self, x):
+        return self.fc(x.mean(1))
+
+
+class Net(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.layers = nn.ModuleList([Patch(d), Block(d), Block(d), Head(d)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def build_model():
+    return Net()
+
+
+def sample_batch(batch_size):
+    return torch.randn(batch_size, 3, 16, 16), torch.randint(0, 10, (batch_size,))
+"""
+
 # Blocks take a mask made by glue (so no cut hands over one layer's output alone) and the forward
 # branches on tensor values: the tracer (torch.export) cannot capture it.
 UNTRACEABLE = """
@@ -155,6 +210,9 @@ LLAMA_CONFIGS = {
 VIT_CONFIGS = {
     "hf_vit_pp_1f1b": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
 }
+STRIDED_CONFIGS = {  # split as layers, not traced
+    "strided_pp_1f1b": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
+}
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +222,7 @@ def workdir(tmp_path_factory) -> Path:
     (path / "untraceable.py").write_text(UNTRACEABLE)
     (path / "hf_llama.py").write_text(HF_LLAMA)
     (path / "hf_vit.py").write_text(HF_VIT)
+    (path / "strided.py").write_text(STRIDED)
     return path
 
 
@@ -171,7 +230,8 @@ def workdir(tmp_path_factory) -> Path:
 def plans(workdir) -> dict[str, Path]:
     return {**make_plans(workdir / "hf_tiny.py", CONFIGS, workdir, GLOBAL_BATCH),
             **make_plans(workdir / "hf_llama.py", LLAMA_CONFIGS, workdir, GLOBAL_BATCH),
-            **make_plans(workdir / "hf_vit.py", VIT_CONFIGS, workdir, GLOBAL_BATCH)}
+            **make_plans(workdir / "hf_vit.py", VIT_CONFIGS, workdir, GLOBAL_BATCH),
+            **make_plans(workdir / "strided.py", STRIDED_CONFIGS, workdir, GLOBAL_BATCH)}
 
 
 @pytest.fixture(scope="module")
@@ -183,9 +243,10 @@ def reference(plans):
 def runs(plans, workdir):
     def traced(result, names):
         log = (result.run_dir / "launch.log").read_text(errors="replace")
-        assert log.count("split by the pipelining tracer") == len(names), "the runs did not take the tracer path"
+        want = len([n for n in names if n not in STRIDED_CONFIGS])
+        assert log.count("split by the pipelining tracer") == want, "the runs did not take the tracer path"
 
-    return run_by_world(plans, {**CONFIGS, **LLAMA_CONFIGS, **VIT_CONFIGS}, workdir, STEPS, traced)
+    return run_by_world(plans, {**CONFIGS, **LLAMA_CONFIGS, **VIT_CONFIGS, **STRIDED_CONFIGS}, workdir, STEPS, traced)
 
 
 def test_plans_are_pipelined(plans):
@@ -249,6 +310,16 @@ def test_hf_vit_matches_single_process(runs, plans):
     """Its strided hand-overs (the expanded mask relayed between blocks) sent contiguous."""
     report, params_path = runs["hf_vit_pp_1f1b"]
     assert_matches("hf_vit_pp_1f1b", report.measured.losses, params_path, single_process(plans["hf_vit_pp_1f1b"], STEPS))
+
+
+def test_strided_layers_split_as_layers_match_single_process(runs, plans):
+    """Layers that return transposed views hand them over contiguous (build_stage_module)."""
+    from planner.plan import Plan
+
+    assert Plan.load(plans["strided_pp_1f1b"]).model.pipeline_split == "sequential"
+    report, params_path = runs["strided_pp_1f1b"]
+    assert_matches("strided_pp_1f1b", report.measured.losses, params_path,
+                   single_process(plans["strided_pp_1f1b"], STEPS))
 
 
 def test_strided_handovers_made_contiguous(workdir):
