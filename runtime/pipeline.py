@@ -61,6 +61,7 @@ from planner.cost.pipeline import interleaved_rounds
 from planner.errors import BadInput
 from planner.model_file import ModelHandle
 from planner.plan import Plan
+from planner.profile.trace import called_alone, forward_signature
 from runtime.context_parallel import ContextParallel
 from runtime.data_parallel import data_mesh, full_parameters
 from runtime.expert_parallel import META_REFUSAL as META_EP_REFUSAL, expert_parallel_of
@@ -87,12 +88,15 @@ class _StopForward(Exception):
 class _Boundary(nn.Module):
     """Stands in for a layer of another stage: stops the forward and hands back its input."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, layer: nn.Module):
         super().__init__()
         self.layer_name = name
+        self.signature = forward_signature(layer)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise _StopForward(args[0] if len(args) == 1 and not kwargs else (args, kwargs))
+        # the layer it stands in for, called with its tensor and its forward's defaults (the
+        # profiler's test for a plain hand-over), takes the tensor alone in the next stage
+        raise _StopForward(args[0] if called_alone(self.signature, args, kwargs) else (args, kwargs))
 
 
 def stage_layers(plan: Plan) -> list[tuple[int, tuple[str, ...]]]:
@@ -169,7 +173,7 @@ def build_stage_module(
     keep = set(names)
     for name in all_names:
         if name not in keep:
-            _replace(model, name, _Boundary(name))
+            _replace(model, name, _Boundary(name, model.get_submodule(name)))
     if first:
         original = model.forward
 

@@ -459,6 +459,10 @@ def _assemble(
 
     # A layer is named after its first module with parameters (the others are merged into it).
     mains = [next((pos for pos in g if has_params(ordered[pos].module)), g[0]) for g in groups]
+    # A cut is a plain hand-over only if the next layer was called with that tensor alone too (a
+    # later stage calls it so): keyword arguments, flags or None beside it (nn.TransformerEncoder
+    # passes its layers a mask, is_causal and a padding mask) need the tracer
+    alone = [not trace.called_with_more.get(order[pos]) for pos in mains]
     sigs = [_signature(ordered, g, fwd_flops[li], bwd_flops[li], saved[li]) for li, g in enumerate(groups)]
     kinds = _kind_names(sigs, [type(ordered[pos].module).__name__ for pos in mains])
     layers = []
@@ -479,8 +483,8 @@ def _assemble(
                 bwd_flops=bwd_flops[li],
                 activation_bytes=saved[li],
                 output_bytes=crossing[li] if li < num_layers - 1 else 0,
-                cut_after_ok=li < num_layers - 1 and crossing_count[li] > 0 and foreign[li] == 0,
-                cut_plain=li < num_layers - 1 and crossing_count[li] > 0 and foreign[li] == 0,
+                cut_after_ok=li < num_layers - 1 and crossing_count[li] > 0 and foreign[li] == 0 and alone[li + 1],
+                cut_plain=li < num_layers - 1 and crossing_count[li] > 0 and foreign[li] == 0 and alone[li + 1],
                 fwd_s=seconds(fwd_s, li),
                 bwd_s=seconds(bwd_s, li),
                 **{k: v[li] for k, v in extra.items()},

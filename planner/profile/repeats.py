@@ -376,6 +376,7 @@ def grow(trace: TraceResult, grows: list[_Grow], units: list[Unit]) -> TraceResu
         loose_param_use=dict(trace.loose_param_use),
         uncounted_by_unit=uncounted,
         returned=returned,
+        called_with_more=_grow_counter(trace.called_with_more, grows),
         io_bytes=_grow_io(trace.io_bytes, grows, units),
         saved_tp_bytes=_grow_counter(trace.saved_tp_bytes, grows),
         saved_fused_bytes=_grow_counter(trace.saved_fused_bytes, grows),
@@ -413,13 +414,14 @@ def trace_key(trace: TraceResult) -> tuple:
         _nonzero(trace.uncounted_by_unit), dict(trace.io_bytes),
         (_nonzero(trace.saved_tp_bytes), _nonzero(trace.matmul_out_tp_bytes), _nonzero(trace.fwd_other_io_tp_bytes)),
         (_nonzero(trace.saved_linear_in_bytes), _nonzero(trace.saved_linear_in_copies)),
+        _nonzero(trace.called_with_more),
     )
 
 
 def _first_difference(a: tuple, b: tuple) -> str:
     names = ("call order", "costs", "saved bytes", "matmul outputs", "tensors between units",
              "returned tensors", "loose parameters", "uncounted ops", "Linear inputs and outputs",
-             "tensor-parallel shares", "Linear inputs saved")
+             "tensor-parallel shares", "Linear inputs saved", "calls with more than a tensor")
     return next((n for n, x, y in zip(names, a, b) if x != y), "nothing")
 
 

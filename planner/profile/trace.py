@@ -18,6 +18,7 @@ Works on real tensors and under FakeTensorMode alike (the mode sees the same ops
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -80,6 +81,10 @@ class TraceResult:
     """(unit, op name) -> calls of ops that have no FLOP formula (and are not cheap by nature)."""
     returned: dict[int, set[int]] = field(default_factory=dict)
     """Unit -> the flows (tensor ids) its forward returned."""
+    called_with_more: Counter = field(default_factory=Counter)
+    """Unit -> its calls with more than one tensor (`called_alone`: arguments beside it other than
+    its forward's defaults): a pipeline stage that starts at it cannot call it with the tensor
+    handed over alone."""
     io_bytes: dict[int, tuple[int, int]] = field(default_factory=dict)
     """id(module) of each nn.Linear / nn.Embedding -> (input bytes, output bytes) summed over calls."""
     saved_tp_bytes: Counter = field(default_factory=Counter)
@@ -600,6 +605,59 @@ def watch_units(
             h.remove()
 
 
+def forward_signature(module: torch.nn.Module) -> inspect.Signature | None:
+    """The signature of `module`'s forward, None where Python cannot read one."""
+    try:
+        return inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return None
+
+
+def called_alone(signature: inspect.Signature | None, args: tuple, kwargs: dict) -> bool:
+    """Whether a module whose forward has `signature` was called with one tensor and nothing
+    else that matters, so that calling it with the tensor alone, as a later pipeline stage does,
+    is the same call: any other argument that is not a tensor is what its forward takes when not
+    given (nn.TransformerEncoder hands its layers src_mask=None, is_causal=False,
+    src_key_padding_mask=None). Other tensors are the profiler's tensor flows to judge: one the
+    module reads crosses the cut before it, which is then no plain hand-over."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        return False
+    if signature is None:
+        return len(args) == 1 and not kwargs
+    params = list(signature.parameters.values())
+    named = {p.name: p for p in params}
+    given = [(params[i] if i < len(params) else None, v) for i, v in enumerate(args[1:], 1)]
+    given += [(named.get(k), v) for k, v in kwargs.items()]
+
+    def default(param: inspect.Parameter | None, value: Any) -> bool:
+        if param is None or param.default is inspect.Parameter.empty:
+            return False
+        if value is None or param.default is None:
+            return value is param.default
+        return type(value) in (bool, int, float, str) and type(value) is type(param.default) and value == param.default
+
+    return all(isinstance(v, torch.Tensor) or default(p, v) for p, v in given)
+
+
+@contextmanager
+def watch_calls(units: list[Unit], counter: Counter) -> Iterator[None]:
+    """Count, per unit, its calls with more than one tensor (`called_alone`)."""
+
+    def hook(index: int):
+        def pre(module, args, kwargs):
+            if not called_alone(forward_signature(module), args, kwargs):
+                counter[index] += 1
+
+        return pre
+
+    handles = [u.module.register_forward_pre_hook(hook(i), with_kwargs=True) for i, u in enumerate(units)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def run_trace(
     handle: ModelHandle,
     model: torch.nn.Module,
@@ -651,8 +709,9 @@ def run_trace(
 
     recorder = _Recorder(seg, param_keys, loose)
     returned: dict[int, set[int]] = {}
+    called_with_more: Counter = Counter()
     with watch_units(units, enter, leave, entered_backward), linear_io(model) as io_bytes, \
-            watch_regions(recorder, *tp_regions(model, units)), recorder:
+            watch_regions(recorder, *tp_regions(model, units)), watch_calls(units, called_with_more), recorder:
         with saved_tensors_hooks(pack, lambda t: t):
             outputs = handle.forward(model, inputs)
             loss = handle.loss(outputs, targets)
@@ -676,6 +735,7 @@ def run_trace(
         uncounted_by_unit=recorder.uncounted,
         io_bytes=io_bytes,
         returned=returned,
+        called_with_more=called_with_more,
         saved_tp_bytes=tp_saved,
         saved_fused_bytes=fused,
         saved_fused_tp_bytes=fused_tp,

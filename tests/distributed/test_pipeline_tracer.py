@@ -9,8 +9,9 @@ tracer can make (planner/profile/split.py).
   process on the whole batch; one launch per world size. A tiny Hugging Face Llama as its config
   comes (use_cache on, rotary embeddings passed to every block, a loss on `.logits`) under pp=2
   1F1B in the same 2-rank launch, against one process running it as built; a tiny ViT likewise
-  (strided hand-overs: a mask expanded from one row, the class token's slice), and a plain
-  sequence of layers returning transposed views, split as layers.
+  (strided hand-overs: a mask expanded from one row, the class token's slice), a plain
+  sequence of layers returning transposed views and an nn.TransformerEncoder (its layers called
+  with their forward's defaults beside the tensor), both split as layers.
 - Profile: GPT-2's cuts are valid (split "traced", every tensor crossing counted); a model with
   data-dependent control flow in forward keeps them invalid with the tracer's reason, and
   `plan --pp 2` refuses it with one line and exit code 2.
@@ -150,6 +151,69 @@ def sample_batch(batch_size):
     return torch.randn(batch_size, 3, 16, 16), torch.randint(0, 10, (batch_size,))
 """
 
+# nn.TransformerEncoder calls its layers with src_mask=None, is_causal=False and
+# src_key_padding_mask=None beside the tensor: their forward's defaults, so the layers run in
+# sequence (split as layers); FLAGGED passes a flag that is not a default, which needs the tracer.
+ENCODER = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, vocab=64, d=16, n=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, 2, 32, dropout=0.0, batch_first=True, norm_first=True)
+        self.enc = nn.TransformerEncoder(layer, n, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x):
+        return self.head(self.enc(self.emb(x)))
+
+
+def build_model():
+    return Net()
+
+
+def sample_batch(batch_size):
+    tokens = torch.randint(0, 64, (batch_size, 8))
+    return tokens, tokens
+"""
+
+FLAGGED = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x, scale=1.0):
+        return x + self.fc(x) * scale
+
+
+class Net(nn.Module):
+    def __init__(self, d=16, n=4):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x, scale=0.5)
+        return self.out(x)
+
+
+def build_model():
+    return Net()
+
+
+def sample_batch(batch_size):
+    return torch.randn(batch_size, 16), torch.randn(batch_size, 1)
+"""
+
 # Blocks take a mask made by glue (so no cut hands over one layer's output alone) and the forward
 # branches on tensor values: the tracer (torch.export) cannot capture it.
 UNTRACEABLE = """
@@ -213,6 +277,9 @@ VIT_CONFIGS = {
 STRIDED_CONFIGS = {  # split as layers, not traced
     "strided_pp_1f1b": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
 }
+ENCODER_CONFIGS = {  # split as layers, not traced
+    "encoder_pp_1f1b": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
+}
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +290,8 @@ def workdir(tmp_path_factory) -> Path:
     (path / "hf_llama.py").write_text(HF_LLAMA)
     (path / "hf_vit.py").write_text(HF_VIT)
     (path / "strided.py").write_text(STRIDED)
+    (path / "encoder.py").write_text(ENCODER)
+    (path / "flagged.py").write_text(FLAGGED)
     return path
 
 
@@ -231,7 +300,8 @@ def plans(workdir) -> dict[str, Path]:
     return {**make_plans(workdir / "hf_tiny.py", CONFIGS, workdir, GLOBAL_BATCH),
             **make_plans(workdir / "hf_llama.py", LLAMA_CONFIGS, workdir, GLOBAL_BATCH),
             **make_plans(workdir / "hf_vit.py", VIT_CONFIGS, workdir, GLOBAL_BATCH),
-            **make_plans(workdir / "strided.py", STRIDED_CONFIGS, workdir, GLOBAL_BATCH)}
+            **make_plans(workdir / "strided.py", STRIDED_CONFIGS, workdir, GLOBAL_BATCH),
+            **make_plans(workdir / "encoder.py", ENCODER_CONFIGS, workdir, GLOBAL_BATCH)}
 
 
 @pytest.fixture(scope="module")
@@ -243,10 +313,11 @@ def reference(plans):
 def runs(plans, workdir):
     def traced(result, names):
         log = (result.run_dir / "launch.log").read_text(errors="replace")
-        want = len([n for n in names if n not in STRIDED_CONFIGS])
+        want = len([n for n in names if n not in STRIDED_CONFIGS and n not in ENCODER_CONFIGS])
         assert log.count("split by the pipelining tracer") == want, "the runs did not take the tracer path"
 
-    return run_by_world(plans, {**CONFIGS, **LLAMA_CONFIGS, **VIT_CONFIGS, **STRIDED_CONFIGS}, workdir, STEPS, traced)
+    configs = {**CONFIGS, **LLAMA_CONFIGS, **VIT_CONFIGS, **STRIDED_CONFIGS, **ENCODER_CONFIGS}
+    return run_by_world(plans, configs, workdir, STEPS, traced)
 
 
 def test_plans_are_pipelined(plans):
@@ -320,6 +391,33 @@ def test_strided_layers_split_as_layers_match_single_process(runs, plans):
     report, params_path = runs["strided_pp_1f1b"]
     assert_matches("strided_pp_1f1b", report.measured.losses, params_path,
                    single_process(plans["strided_pp_1f1b"], STEPS))
+
+
+def test_encoder_layers_called_with_defaults_split_as_layers(runs, plans):
+    from planner.plan import Plan
+
+    assert Plan.load(plans["encoder_pp_1f1b"]).model.pipeline_split == "sequential"
+    report, params_path = runs["encoder_pp_1f1b"]
+    assert_matches("encoder_pp_1f1b", report.measured.losses, params_path,
+                   single_process(plans["encoder_pp_1f1b"], STEPS))
+
+
+def test_called_alone_takes_defaults_not_flags(workdir):
+    """Beside the tensor a layer runs on, arguments equal to its forward's defaults leave a cut
+    plain; a flag that is not one does not (the tracer splits the model, baking it in)."""
+    from planner.profile.trace import called_alone, forward_signature
+
+    sig = forward_signature(torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True))
+    x = torch.zeros(1, 4, 8)
+    assert called_alone(sig, (x,), {"src_mask": None, "is_causal": False, "src_key_padding_mask": None})
+    assert not called_alone(sig, (x,), {"is_causal": True})
+    assert not called_alone(sig, (x, None, None, True), {})
+    assert not called_alone(sig, (None,), {})
+    profile = profile_model(load_model_file(workdir / "flagged.py"), batch_size=2, dtype="fp32", measure=False)
+    before_block = [a for a, b in zip(profile.layers, profile.layers[1:]) if b.name.startswith("blocks.")]
+    assert before_block and not any(layer.cut_plain for layer in before_block)
+    assert profile.layers[-2].cut_plain  # the head takes the last block's output alone
+    assert profile.pipeline_split == "traced", profile.pipeline_split_note
 
 
 def test_strided_handovers_made_contiguous(workdir):
