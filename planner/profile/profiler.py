@@ -460,8 +460,8 @@ def _assemble(
     # A layer is named after its first module with parameters (the others are merged into it).
     mains = [next((pos for pos in g if has_params(ordered[pos].module)), g[0]) for g in groups]
     # A cut is a plain hand-over only if the next layer was called with that tensor alone too (a
-    # later stage calls it so): keyword arguments, flags or None beside it (nn.TransformerEncoder
-    # passes its layers a mask, is_causal and a padding mask) need the tracer
+    # later stage calls it so): arguments beside it that are not its forward's defaults (a flag)
+    # need the tracer; nn.TransformerEncoder's src_mask=None, is_causal=False do not (called_alone)
     alone = [not trace.called_with_more.get(order[pos]) for pos in mains]
     sigs = [_signature(ordered, g, fwd_flops[li], bwd_flops[li], saved[li]) for li, g in enumerate(groups)]
     kinds = _kind_names(sigs, [type(ordered[pos].module).__name__ for pos in mains])
