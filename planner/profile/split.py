@@ -138,12 +138,14 @@ def without_inference_cache(model: nn.Module) -> None:
     """A Hugging Face model whose config says `use_cache` (the default of its causal LMs) makes an
     inference key-value cache in every forward and returns it: training never reads it, and the
     tracer cannot split a forward that returns one (transformers' DynamicCache is no pytree). Off
-    in what is traced, as transformers' own training paths turn it off (gradient checkpointing),
-    so the pipeline stages run without it. Left on elsewhere: without a cache, transformers takes
-    position ids that jump (context parallelism's load-balanced order) for packed sequences."""
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", None) is True:
-        config.use_cache = False
+    in what is traced, in every config the model holds (T5's decoder keeps a copy of its own), as
+    transformers' own training paths turn it off (gradient checkpointing), so the pipeline stages
+    run without it. Left on elsewhere: without a cache, transformers takes position ids that jump
+    (context parallelism's load-balanced order) for packed sequences."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None) is True:
+            config.use_cache = False
 
 
 def contiguous_handovers(pipe: Any) -> int:
@@ -217,6 +219,9 @@ def relay_skip_connections(pipe: Any) -> int:
     def example(v: fx.Node) -> Any:
         stage, _, index = source(v)
         if stage == -1:
+            if v not in calls[0].args:  # the schedules hand the model's inputs to the first stage alone
+                raise SplitFailed(f"the model's input {v.name} is read only after the first stage "
+                                  f"(compute what needs it in sample_batch, or read it before the first layer)")
             ph = [n for n in subs[0].graph.nodes if n.op == "placeholder"][list(calls[0].args).index(v)]
             return ph.meta.get("val")
         out = output_node(subs[stage]).args[0]

@@ -11,7 +11,9 @@ tracer can make (planner/profile/split.py).
   1F1B in the same 2-rank launch, against one process running it as built; a tiny ViT likewise
   (strided hand-overs: a mask expanded from one row, the class token's slice), a plain
   sequence of layers returning transposed views and an nn.TransformerEncoder (its layers called
-  with their forward's defaults beside the tensor), both split as layers.
+  with their forward's defaults beside the tensor), both split as layers. An encoder-decoder (T5)
+  traced without the inference caches of both its configs, refused in one line where a later stage
+  reads a model input.
 - Profile: GPT-2's cuts are valid (split "traced", every tensor crossing counted); a model with
   data-dependent control flow in forward keeps them invalid with the tracer's reason, and
   `plan --pp 2` refuses it with one line and exit code 2.
@@ -214,6 +216,25 @@ def sample_batch(batch_size):
     return torch.randn(batch_size, 16), torch.randn(batch_size, 1)
 """
 
+# An encoder-decoder from transformers: its decoder keeps a config of its own (use_cache on there
+# too), and the labels it is given are read only by the decoder, after the first stage.
+HF_T5 = """
+import torch
+from transformers import T5Config, T5ForConditionalGeneration
+
+CONFIG = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=4,
+                  dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+
+
+def build_model():
+    return T5ForConditionalGeneration(CONFIG)
+
+
+def sample_batch(batch_size):
+    labels = torch.randint(1, 64, (batch_size, 8))
+    return {"input_ids": torch.randint(1, 64, (batch_size, 8)), "labels": labels}, labels
+"""
+
 # Blocks take a mask made by glue (so no cut hands over one layer's output alone) and the forward
 # branches on tensor values: the tracer (torch.export) cannot capture it.
 UNTRACEABLE = """
@@ -292,6 +313,7 @@ def workdir(tmp_path_factory) -> Path:
     (path / "strided.py").write_text(STRIDED)
     (path / "encoder.py").write_text(ENCODER)
     (path / "flagged.py").write_text(FLAGGED)
+    (path / "hf_t5.py").write_text(HF_T5)
     return path
 
 
@@ -418,6 +440,24 @@ def test_called_alone_takes_defaults_not_flags(workdir):
     assert before_block and not any(layer.cut_plain for layer in before_block)
     assert profile.layers[-2].cut_plain  # the head takes the last block's output alone
     assert profile.pipeline_split == "traced", profile.pipeline_split_note
+
+
+def test_encoder_decoder_traced_without_caches_and_refused_in_one_line(workdir, capsys):
+    """Every config the model holds gets use_cache off in what is traced (T5's decoder has its own
+    copy); what then stops the split, the labels read only by a later stage (the schedules feed the
+    model's inputs to the first stage), is the tracer's one-line reason, and `plan --pp 2` says it."""
+    from planner.profile.split import without_inference_cache
+
+    handle = load_model_file(workdir / "hf_t5.py")
+    model = handle.build_model()
+    assert model.decoder.config is not model.config and model.decoder.config.use_cache
+    without_inference_cache(model)
+    assert not any(getattr(getattr(m, "config", None), "use_cache", False) for m in model.modules())
+    profile = profile_model(handle, batch_size=2, dtype="fp32", force_meta=True, measure=False)
+    assert "labels is read only after the first stage" in (profile.pipeline_split_note or ""), profile.pipeline_split_note
+    assert main([str(workdir / "hf_t5.py"), "--gpu", "cpu", "--gpus", "2", "--pp", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "labels is read only after the first stage" in err and "\n" not in err, err
 
 
 def test_strided_handovers_made_contiguous(workdir):
