@@ -463,6 +463,8 @@ def _assemble(
     # later stage calls it so): arguments beside it that are not its forward's defaults (a flag)
     # need the tracer; nn.TransformerEncoder's src_mask=None, is_causal=False do not (called_alone)
     alone = [not trace.called_with_more.get(order[pos]) for pos in mains]
+    plain = [li < num_layers - 1 and crossing_count[li] > 0 and foreign[li] == 0 and alone[li + 1]
+             for li in range(num_layers)]
     sigs = [_signature(ordered, g, fwd_flops[li], bwd_flops[li], saved[li]) for li, g in enumerate(groups)]
     kinds = _kind_names(sigs, [type(ordered[pos].module).__name__ for pos in mains])
     layers = []
@@ -483,8 +485,8 @@ def _assemble(
                 bwd_flops=bwd_flops[li],
                 activation_bytes=saved[li],
                 output_bytes=crossing[li] if li < num_layers - 1 else 0,
-                cut_after_ok=li < num_layers - 1 and crossing_count[li] > 0 and foreign[li] == 0 and alone[li + 1],
-                cut_plain=li < num_layers - 1 and crossing_count[li] > 0 and foreign[li] == 0 and alone[li + 1],
+                cut_after_ok=plain[li],
+                cut_plain=plain[li],
                 fwd_s=seconds(fwd_s, li),
                 bwd_s=seconds(bwd_s, li),
                 **{k: v[li] for k, v in extra.items()},

@@ -148,13 +148,12 @@ def without_inference_cache(model: nn.Module) -> None:
             config.use_cache = False
 
 
-def contiguous_handovers(pipe: Any) -> int:
+def contiguous_handovers(pipe: Any) -> None:
     """Make every tensor a stage hands over contiguous: what a cut sends can be a strided view (a
     ViT's class token sliced out before its classifier), and the schedules' buffers copy the
     traced layout (torch's stages allocate receives with the traced strides) while isend and irecv
     refuse a strided tensor. Each such output is returned through `.contiguous()`, and the stages
-    that take it are told so. Rewrites the Pipe's stage graphs in place; returns the tensors made
-    contiguous."""
+    that take it are told so. Rewrites the Pipe's stage graphs in place."""
     from torch import fx
 
     gm = pipe.split_gm
@@ -165,26 +164,21 @@ def contiguous_handovers(pipe: Any) -> int:
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
         return isinstance(val, torch.Tensor) and not val.is_contiguous()
 
-    made = 0
+    def contiguous(graph: fx.Graph, output: fx.Node, arg: fx.Node) -> fx.Node:
+        if not strided(arg):
+            return arg
+        with graph.inserting_before(output):
+            copy = graph.call_method("contiguous", (arg,))
+        copy.meta["val"] = arg.meta["val"].contiguous()
+        return copy
+
     for sub in subs:
-        graph = sub.graph
-        for node in list(graph.nodes):
+        for node in list(sub.graph.nodes):
             if node.op == "placeholder" and strided(node):
                 node.meta["val"] = node.meta["val"].contiguous()
             elif node.op == "output":
-                def contiguous(arg: fx.Node) -> fx.Node:
-                    nonlocal made
-                    if not strided(arg):
-                        return arg
-                    with graph.inserting_before(node):
-                        copy = graph.call_method("contiguous", (arg,))
-                    copy.meta["val"] = arg.meta["val"].contiguous()
-                    made += 1
-                    return copy
-
-                node.args = fx.node.map_arg(node.args, contiguous)
+                node.args = fx.node.map_arg(node.args, lambda arg, g=sub.graph, out=node: contiguous(g, out, arg))
         sub.recompile()
-    return made
 
 
 def relay_skip_connections(pipe: Any) -> int:

@@ -643,14 +643,15 @@ def called_alone(signature: inspect.Signature | None, args: tuple, kwargs: dict)
 def watch_calls(units: list[Unit], counter: Counter) -> Iterator[None]:
     """Count, per unit, its calls with more than one tensor (`called_alone`)."""
 
-    def hook(index: int):
+    def hook(index: int, signature: inspect.Signature | None):
         def pre(module, args, kwargs):
-            if not called_alone(forward_signature(module), args, kwargs):
+            if not called_alone(signature, args, kwargs):
                 counter[index] += 1
 
         return pre
 
-    handles = [u.module.register_forward_pre_hook(hook(i), with_kwargs=True) for i, u in enumerate(units)]
+    handles = [u.module.register_forward_pre_hook(hook(i, forward_signature(u.module)), with_kwargs=True)
+               for i, u in enumerate(units)]
     try:
         yield
     finally:

@@ -288,18 +288,16 @@ CONFIGS = {
 }
 
 
-# the Llama as configured and the ViT, in the same launch as GPT-2's 2-rank plans
-LLAMA_CONFIGS = {
-    "hf_llama_pp_1f1b": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
+# Other models' pp2 1F1B plans, run in turn in the same 2-rank launch as GPT-2's: name -> (model
+# file, split as layers rather than traced)
+OTHER_MODELS = {
+    "hf_llama_pp_1f1b": ("hf_llama.py", False),  # traced without its inference cache; a loss on .logits
+    "hf_vit_pp_1f1b": ("hf_vit.py", False),  # strided hand-overs (the expanded mask, the class token)
+    "strided_pp_1f1b": ("strided.py", True),  # layers that return transposed views
+    "encoder_pp_1f1b": ("encoder.py", True),  # layers called with their forward's defaults beside the tensor
 }
-VIT_CONFIGS = {
-    "hf_vit_pp_1f1b": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
-}
-STRIDED_CONFIGS = {  # split as layers, not traced
-    "strided_pp_1f1b": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
-}
-ENCODER_CONFIGS = {  # split as layers, not traced
-    "encoder_pp_1f1b": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")),
+OTHER_CONFIGS = {
+    name: (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none", schedule="1f1b")) for name in OTHER_MODELS
 }
 
 
@@ -319,11 +317,10 @@ def workdir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def plans(workdir) -> dict[str, Path]:
-    return {**make_plans(workdir / "hf_tiny.py", CONFIGS, workdir, GLOBAL_BATCH),
-            **make_plans(workdir / "hf_llama.py", LLAMA_CONFIGS, workdir, GLOBAL_BATCH),
-            **make_plans(workdir / "hf_vit.py", VIT_CONFIGS, workdir, GLOBAL_BATCH),
-            **make_plans(workdir / "strided.py", STRIDED_CONFIGS, workdir, GLOBAL_BATCH),
-            **make_plans(workdir / "encoder.py", ENCODER_CONFIGS, workdir, GLOBAL_BATCH)}
+    out = make_plans(workdir / "hf_tiny.py", CONFIGS, workdir, GLOBAL_BATCH)
+    for name, (model, _) in OTHER_MODELS.items():
+        out.update(make_plans(workdir / model, {name: OTHER_CONFIGS[name]}, workdir, GLOBAL_BATCH))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -335,11 +332,10 @@ def reference(plans):
 def runs(plans, workdir):
     def traced(result, names):
         log = (result.run_dir / "launch.log").read_text(errors="replace")
-        want = len([n for n in names if n not in STRIDED_CONFIGS and n not in ENCODER_CONFIGS])
+        want = len([n for n in names if not OTHER_MODELS.get(n, ("", False))[1]])
         assert log.count("split by the pipelining tracer") == want, "the runs did not take the tracer path"
 
-    configs = {**CONFIGS, **LLAMA_CONFIGS, **VIT_CONFIGS, **STRIDED_CONFIGS, **ENCODER_CONFIGS}
-    return run_by_world(plans, configs, workdir, STEPS, traced)
+    return run_by_world(plans, {**CONFIGS, **OTHER_CONFIGS}, workdir, STEPS, traced)
 
 
 def test_plans_are_pipelined(plans):
@@ -391,37 +387,16 @@ def test_hf_llama_as_configured_pipelines(workdir, capsys):
     assert Plan.load(out).parallel.pp == 2
 
 
-def test_hf_llama_as_configured_matches_single_process(runs, plans):
-    """Its pipeline stages traced without the inference cache, the model's outputs rebuilt without
-    it (the loss reads .logits), against one process running the model as built, cache and all."""
-    report, params_path = runs["hf_llama_pp_1f1b"]
-    assert_matches("hf_llama_pp_1f1b", report.measured.losses, params_path,
-                   single_process(plans["hf_llama_pp_1f1b"], STEPS))
-
-
-def test_hf_vit_matches_single_process(runs, plans):
-    """Its strided hand-overs (the expanded mask relayed between blocks) sent contiguous."""
-    report, params_path = runs["hf_vit_pp_1f1b"]
-    assert_matches("hf_vit_pp_1f1b", report.measured.losses, params_path, single_process(plans["hf_vit_pp_1f1b"], STEPS))
-
-
-def test_strided_layers_split_as_layers_match_single_process(runs, plans):
-    """Layers that return transposed views hand them over contiguous (build_stage_module)."""
+@pytest.mark.parametrize("name", list(OTHER_MODELS))
+def test_other_models_match_single_process(name, runs, plans):
+    """Each split as its profile says (traced, or as layers), against one process running the model
+    as built (the Llama with its inference cache)."""
     from planner.plan import Plan
 
-    assert Plan.load(plans["strided_pp_1f1b"]).model.pipeline_split == "sequential"
-    report, params_path = runs["strided_pp_1f1b"]
-    assert_matches("strided_pp_1f1b", report.measured.losses, params_path,
-                   single_process(plans["strided_pp_1f1b"], STEPS))
-
-
-def test_encoder_layers_called_with_defaults_split_as_layers(runs, plans):
-    from planner.plan import Plan
-
-    assert Plan.load(plans["encoder_pp_1f1b"]).model.pipeline_split == "sequential"
-    report, params_path = runs["encoder_pp_1f1b"]
-    assert_matches("encoder_pp_1f1b", report.measured.losses, params_path,
-                   single_process(plans["encoder_pp_1f1b"], STEPS))
+    split = Plan.load(plans[name]).model.pipeline_split
+    assert split == ("sequential" if OTHER_MODELS[name][1] else "traced"), split
+    report, params_path = runs[name]
+    assert_matches(name, report.measured.losses, params_path, single_process(plans[name], STEPS))
 
 
 def test_called_alone_takes_defaults_not_flags(workdir):
