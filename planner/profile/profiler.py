@@ -119,7 +119,12 @@ def _with_roles(handle: ModelHandle, fake: _FakeModel | None, dtype: torch.dtype
         warnings.append(f"what tensor parallelism may split beyond the Linear pairs is unknown ({found}): "
                         "no sequence parallelism, and the logits are gathered before the loss")
         return layers
-    return [replace(layer, tp_role=role) for layer, role in zip(layers, found)]
+    whole = [(layer.name, role.split_blocker) for layer, role in zip(layers, found) if role.split_blocker]
+    if whole:
+        warnings.append(f"tensor parallelism leaves {len(whole)} block(s) with Linear pairs whole on every rank: "
+                        f"{whole[0][1]}")
+    return [replace(layer, tp=None if role.split_blocker else layer.tp, tp_role=role)
+            for layer, role in zip(layers, found)]
 
 
 def _is_fake_failure(exc: BaseException) -> bool:

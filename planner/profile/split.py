@@ -134,18 +134,22 @@ def trace_split(model: nn.Module, inputs: Any, split_before: list[str]) -> Any:
     return pipe
 
 
-def without_inference_cache(model: nn.Module) -> None:
+def without_inference_cache(model: nn.Module) -> list[Any]:
     """A Hugging Face model whose config says `use_cache` (the default of its causal LMs) makes an
     inference key-value cache in every forward and returns it: training never reads it, and the
     tracer cannot split a forward that returns one (transformers' DynamicCache is no pytree). Off
     in what is traced, in every config the model holds (T5's decoder keeps a copy of its own), as
     transformers' own training paths turn it off (gradient checkpointing), so the pipeline stages
     run without it. Left on elsewhere: without a cache, transformers takes position ids that jump
-    (context parallelism's load-balanced order) for packed sequences."""
+    (context parallelism's load-balanced order) for packed sequences. Returns the configs it turned
+    off (to turn on again after a trace that must leave the model as it was)."""
+    turned = []
     for module in model.modules():
         config = getattr(module, "config", None)
         if getattr(config, "use_cache", None) is True:
             config.use_cache = False
+            turned.append(config)
+    return turned
 
 
 def contiguous_handovers(pipe: Any) -> None:

@@ -25,8 +25,11 @@ Rules, in priority order (names are relative to the layer, as in ``layer.named_m
 
 Every rule keeps a parent's Linears only as a pair (at least one column-wise and one row-wise in
 the same parent), so a sharded output always meets a row-wise input. ``None``: no pair (embeddings,
-norms, heads, convolutional blocks). Not checked: code between the pair that needs full features
-(a norm over all heads, a ``view`` with a hard-coded head count) breaks under TP all the same.
+norms, heads, convolutional blocks). Code between the pair that needs the whole model's features
+(a per-head table with a row for every head, a norm over all heads) is found by running the block
+split on fake tensors (planner.profile.tp_roles.split_blocker), which then leaves it whole. Not
+found: a ``view`` with a hard-coded head count that still reshapes a shard (each head a slice of
+its features, not whole heads), which runs but is not the same model.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ second's role, as repeats.py does for the trace) and gives each layer a `TPRole`
 
 - ``embedding`` (an ``nn.Embedding`` with a vocabulary-parallel TPInfo): the dim of its output that
   is the sequence (the last dim of its index input, whose length is the sequence length);
-- ``block`` (a Linear pair): its norm-like submodules (SequenceParallel), the submodules whose single
+- ``block`` (a Linear pair that runs split: called again alone with its Linears sliced as one TP rank
+  holds them, it gives the same shapes, `split_blocker`; one that does not is ``other``, and the
+  profiler takes its TPInfo away): its norm-like submodules (SequenceParallel), the submodules whose single
   input feeds all their column-wise Linears (gathered once: torchtitan's ``PrepareModuleInput`` on
   ``attention``/``feed_forward``), and the column-wise Linears that gather their own input. Its
   mixture-of-experts blocks (planner.profile.moe) are judged as expert parallelism with TP runs
@@ -38,9 +40,11 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from planner.model_file import ModelHandle, call_model, logits_of
 from planner.profile.moe import find_moe
+from planner.profile.split import without_inference_cache
 from planner.profile.types import NO_BLOCK, TPInfo, TPRole
 
 TRACE_BATCH = 2
@@ -254,18 +258,44 @@ def tp_roles(
     fake_log.setLevel(logging.CRITICAL)
     calls = None
     skipped = {name: members[1] for members in stacks for name in members[2:-1]}
+    # Without an inference cache (training reads none), so that a layer can be called again alone
+    # with the arguments it was given (a cache in them would grow with each call).
+    cached = without_inference_cache(model)
     try:
         inputs, targets = handle.sample_batch(TRACE_BATCH)
         inputs = mat.cast_floats(inputs, dtype)
         calls = _Calls(model)
         with _without(model, skipped), fake_mode, torch.no_grad():
             output = call_model(model, mat.fake_batch(inputs, fake_mode))
+        calls.remove()
+        roles = _roles(handle, model, fake_mode, calls, layers, seq_len, skipped, output, targets)
     except Exception as exc:  # noqa: BLE001
         return f"the trace on fake tensors failed ({type(exc).__name__}: {exc})"
     finally:
         fake_log.setLevel(level)
         if calls is not None:
             calls.remove()
+        for config in cached:
+            config.use_cache = True
+    first = next((r.sp_blocker for r in roles.values() if r.sp_blocker), "")
+    if not any(r.kind == "block" for r in roles.values()):
+        first = NO_BLOCK  # only embeddings and the head split: nothing to run sequence-parallel
+    dropout = _shard_dropout(model, calls, layers, roles, skipped)
+    for name, rep in skipped.items():  # an interior block: the representative's role, renamed
+        r = roles[rep]
+        roles[name] = replace(r, shard_dropout=tuple(name + n[len(rep):] for n in dropout.get(rep, ())))
+        dropout[name] = list(roles[name].shard_dropout)
+    return tuple(
+        replace(roles[l.name], sp_blocker=first, shard_dropout=tuple(dropout.get(l.name, ()))) for l in layers
+    )
+
+
+def _roles(
+    handle: ModelHandle, model: nn.Module, fake_mode: Any, calls: _Calls, layers: tuple[Any, ...],
+    seq_len: int | None, skipped: dict[str, str], output: Any, targets: Any,
+) -> dict[str, TPRole]:
+    """Each layer's role but the interior members of a stack (`skipped`), before the roles' common
+    sequence-parallel blocker and their dropout are filled in."""
     a = _Analysis(model, calls, seq_len)
     roles: dict[str, TPRole] = {}
     for i, layer in enumerate(layers):
@@ -278,7 +308,8 @@ def tp_roles(
         elif tp is not None and not tp.required and isinstance(module, nn.Linear) and i == len(layers) - 1:
             role = a.head(layer.name, module, handle, output, targets)
         elif tp is not None and tp.required and tp.colwise and tp.rowwise:
-            role = a.block(layer.name, module, tp)
+            why = split_blocker(module, calls.get(layer.name), tp, fake_mode, layer.name)
+            role = TPRole("other", a.S, sp_blocker=why, split_blocker=why) if why else a.block(layer.name, module, tp)
         elif tp is None and is_norm_like(module):
             why, _ = a.one_hidden_call(layer.name, "norm") if a.S is not None else ("no sequence dimension is known", None)
             role = TPRole("norm", a.S, sp_blocker=why)
@@ -287,17 +318,50 @@ def tp_roles(
                 f"layer {layer.name} ({type(module).__name__}) is neither an embedding, a block with a "
                 "column/row-wise Linear pair, a norm nor the head"))
         roles[layer.name] = role
-    first = next((r.sp_blocker for r in roles.values() if r.sp_blocker), "")
-    if not any(r.kind == "block" for r in roles.values()):
-        first = NO_BLOCK  # only embeddings and the head split: nothing to run sequence-parallel
-    dropout = _shard_dropout(model, calls, layers, roles, skipped)
-    for name, rep in skipped.items():  # an interior block: the representative's role, renamed
-        r = roles[rep]
-        roles[name] = replace(r, shard_dropout=tuple(name + n[len(rep):] for n in dropout.get(rep, ())))
-        dropout[name] = list(roles[name].shard_dropout)
-    return tuple(
-        replace(roles[l.name], sp_blocker=first, shard_dropout=tuple(dropout.get(l.name, ()))) for l in layers
-    )
+    return roles
+
+
+def split_blocker(module: nn.Module, calls: list[tuple[tuple, dict, Any]], tp: TPInfo, fake_mode: Any,
+                  name: str) -> str:
+    """Why the block `module` cannot run with its Linear pairs split ("" when it can, or when no
+    call of it was seen): called again on fake tensors with the arguments of its first call, whole
+    and then as one TP rank runs it (column-wise Linears with a 1/degree slice of their output
+    features, row-wise ones of their input features, for the smallest degree its divisors allow),
+    it must run and give outputs of the same shapes. Code between a pair that sizes a tensor with
+    the whole model's head count (a relative position bias with a row per head, added to this
+    rank's heads) fails so at plan time instead of after launch."""
+    degree = next((d for d in range(2, 65) if tp.legal(d)), None)
+    if not calls or degree is None:
+        return ""
+    args, kwargs, _ = calls[0]
+    try:
+        with fake_mode, torch.no_grad():
+            whole = module(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - not callable alone (state between calls): nothing to compare
+        return ""
+    what = f"layer {name} cannot run with its Linears split over {degree} ranks"
+    saved = []
+    try:
+        with fake_mode, torch.no_grad():
+            for names, dim in ((tp.colwise, 0), (tp.rowwise, 1)):
+                for sub in names:
+                    linear = module.get_submodule(sub)
+                    saved.append((linear, dict(linear._parameters)))
+                    for key in ("weight", "bias") if dim == 0 else ("weight",):
+                        p = linear._parameters.get(key)
+                        if p is not None:
+                            linear._parameters[key] = p.narrow(dim, 0, p.shape[dim] // degree)
+            split = module(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001
+        lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
+        return f"{what} ({type(exc).__name__}: {lines[0] if lines else ''})"
+    finally:
+        for linear, params in saved:
+            linear._parameters.update(params)
+    shapes = [[tuple(t.shape) for t in tree_leaves(o) if isinstance(t, torch.Tensor)] for o in (whole, split)]
+    if shapes[0] != shapes[1]:
+        return f"{what} (it returns tensors shaped {shapes[1]} where whole it returns {shapes[0]})"
+    return ""
 
 
 @contextmanager

@@ -295,6 +295,10 @@ class TPRole:
     shard_dropout: tuple[str, ...] = ()
     """Dropout modules (p > 0) that with sequence parallelism run on each rank's sequence shard:
     this layer's, and those called after it before the next layer (glue), by their names in the model."""
+    split_blocker: str = ""
+    """A block with a Linear pair that cannot run with it split (tp_roles.split_blocker: its forward
+    on fake tensors fails or gives other shapes): the profiler takes its TPInfo away, so tensor
+    parallelism leaves it whole on every rank."""
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,44 @@ def build_model():
     assert not any(line.startswith("sequence parallel") for line in shard_lines(layers, 2, 0))
 
 
+def test_block_that_cannot_run_split_stays_whole(model_file):
+    """A block whose forward sizes a tensor with the whole model's head count (T5's relative position
+    bias: one row per head, added to the rank's heads) cannot run with its Linears split: found on
+    fake tensors at plan time, the block keeps no TP plan (replicated on every TP rank), with a
+    warning saying why, instead of a plan that dies after launch."""
+    source = GPT.replace("n_head=2", "n_head=4").replace("def build_model():\n    return GPT(CFG)", """
+import torch.nn.functional as F
+from gpt import CausalSelfAttention
+
+class HeadScaled(CausalSelfAttention):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.register_buffer("head_scale", torch.linspace(0.5, 1.5, cfg.n_head).view(1, -1, 1, 1), persistent=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (lin(x).view(B, T, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True) * self.head_scale
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def build_model():
+    model = GPT(CFG)
+    model.blocks[1].attn = HeadScaled(CFG)
+    return model""")
+    profile = profile_model(load_model_file(model_file(source)), dtype="fp32", measure=False)
+    tp = {l.name: l.tp for l in profile.layers}
+    assert tp["blocks.0"] is not None and tp["blocks.1"] is None
+    blocker = profile.layers[[l.name for l in profile.layers].index("blocks.1")].tp_role.split_blocker
+    assert blocker.startswith("layer blocks.1 cannot run with its Linears split over 2 ranks (RuntimeError: ")
+    assert f"tensor parallelism leaves 1 block(s) with Linear pairs whole on every rank: {blocker}" in profile.warnings
+    layout = tp_layout(plan_layers(profile), 2)
+    assert [l.name for l in layout.blocks] == ["blocks.0"] and not layout.sequence_parallel
+    plain = profile_model(load_model_file(model_file(GPT, "plain.py")), dtype="fp32", measure=False)
+    assert all(l.tp is not None for l in plain.layers if l.name.startswith("blocks."))
+    assert not any("whole on every rank" in w for w in plain.warnings)
+
+
 def test_sequence_length_not_divisible(model_file):
     layers = _layers(model_file, GPT.replace("seq_len=16", "seq_len=15"))
     layout = tp_layout(layers, 2)
