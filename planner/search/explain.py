@@ -169,6 +169,18 @@ def _alternative(s: Scored, best: Scored | None) -> Alternative:
     )
 
 
+def _tp_split(profile: ModelProfile) -> str:
+    """What tensor parallelism splits: every block's matmuls, or fewer where the profiler found blocks
+    that cannot run split (TPRole.split_blocker, in the profile's warnings)."""
+    whole = sum(1 for l in profile.layers if l.tp_role is not None and l.tp_role.split_blocker)
+    if not whole:
+        return "each block's matmuls"
+    split = sum(1 for l in profile.layers if l.tp is not None and l.tp.required)
+    if not split:
+        return f"only the embeddings and the head (its {whole} blocks cannot run split: they run whole on every TP rank)"
+    return f"the matmuls of {split} of {split + whole} blocks (the other {whole} cannot run split: whole on every TP rank)"
+
+
 def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int, profile: ModelProfile) -> list[str]:
     lines = []
     c = best.cand
@@ -213,7 +225,7 @@ def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int
               else "without sequence parallelism (norms, residuals and dropout whole on every TP rank"
               + (f": this model cannot run it, {blocker}" if blocker else "") + ")")
         overlap = " (beside the GEMMs: what they do not hide)" if c.tp_overlap else ""
-        lines.append(f"Tensor parallelism over {c.tp} GPUs {where} splits each block's matmuls, {sp}; "
+        lines.append(f"Tensor parallelism over {c.tp} GPUs {where} splits {_tp_split(profile)}, {sp}; "
                      f"its collectives cost {fmt_seconds(breakdown(best)['tp_comm'])} per step{overlap}.")
     if c.cp > 1:
         lines.append(_context_parallel_line(best, profile))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from planner.model_file import load_model_file
 from planner.plan import plan_layers
 from planner.profile import profile_model
+from planner.search.explain import _tp_split
 from runtime.layout import SP_GATHER_WARNING, shard_lines, tp_layout
 
 GPT = """
@@ -145,6 +146,7 @@ def build_model():
     assert f"tensor parallelism leaves 1 block(s) with Linear pairs whole on every rank: {blocker}" in profile.warnings
     layout = tp_layout(plan_layers(profile), 2)
     assert [l.name for l in layout.blocks] == ["blocks.0"] and not layout.sequence_parallel
+    assert _tp_split(profile) == "the matmuls of 1 of 2 blocks (the other 1 cannot run split: whole on every TP rank)"
     plain = profile_model(load_model_file(model_file(GPT, "plain.py")), dtype="fp32", measure=False)
     assert all(l.tp is not None for l in plain.layers if l.name.startswith("blocks."))
     assert not any("whole on every rank" in w for w in plain.warnings)
