@@ -4,7 +4,9 @@ logits, built from DTensor's ``parallelize_module`` styles the way torchtitan's 
 for Llama, but from the profile's TPInfo and each layer's TPRole (planner.profile.tp_roles, carried by the plan) rather than
 from hard-coded names. ``runtime.layout.tp_layout`` decides (and gives the warnings); here it runs:
 
-- blocks: ``ColwiseParallel`` on the column-wise Linears, ``RowwiseParallel`` on the row-wise ones.
+- blocks: ``ColwiseParallel`` on the column-wise Linears, ``RowwiseParallel`` on the row-wise ones;
+  the head counts that size the block's views divided by tp (TPRole.local_heads), and the outputs
+  the model writes in place handed on as copies (TPRole.cloned).
   With sequence parallelism the hidden states between blocks are this rank's sequence shard
   [batch, seq/tp, hidden] (plain tensors): the block's norms run ``SequenceParallel``, the
   submodules that feed their column-wise Linears (attention, MLP) all-gather their input once
@@ -151,6 +153,12 @@ def _parallelize_layer(module: nn.Module, tp_mesh: DeviceMesh, style: Any) -> No
     module.forward = forward  # type: ignore[method-assign]
 
 
+def _copied_output(module: nn.Module, args: Any, out: Any) -> Any:
+    """A converted module's output as a tensor of its own (TPRole.cloned): DTensor's to_local hands
+    on a view made in its autograd function, which autograd refuses to let the model write in place."""
+    return out.clone() if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) else out
+
+
 def _block_plan(layer: LayerSplit, sp: bool) -> dict[str, Any]:
     assert layer.tp is not None
     if not sp:
@@ -186,6 +194,10 @@ def apply_tp(
         kind = layer.role.kind if layer.role is not None else ""
         if layer.name in blocks:
             parallelize_module(module, tp_mesh, _block_plan(blocks[layer.name], sp))
+            for path in layer.role.local_heads if layer.role is not None else ():  # this rank's heads
+                holder, _, attr = path.rpartition(".")
+                owner = module.get_submodule(holder)
+                setattr(owner, attr, getattr(owner, attr) // tp_mesh.size())
             if sp:
                 assert layer.role is not None
                 for norm in layer.role.norms:
@@ -212,6 +224,9 @@ def apply_tp(
                 _parallelize_layer(module, tp_mesh, style)
             elif sp:
                 _parallelize_layer(module, tp_mesh, _gather_input())
+        if layer.role is not None and (layer.name in blocks or layer.name in vocab):
+            for name in layer.role.cloned:  # written in place by the model: a copy, not DTensor's view
+                module.get_submodule(name).register_forward_hook(_copied_output)
     if sp:  # dropout on the sequence shards draws a mask of its own on every tp rank
         dropout = [name for l in layers if l.role is not None for name in l.role.shard_dropout]
         names = dict(model.named_modules())

@@ -121,8 +121,7 @@ def _with_roles(handle: ModelHandle, fake: _FakeModel | None, dtype: torch.dtype
         return layers
     whole = [(layer.name, role.split_blocker) for layer, role in zip(layers, found) if role.split_blocker]
     if whole:
-        warnings.append(f"tensor parallelism leaves {len(whole)} block(s) with Linear pairs whole on every rank: "
-                        f"{whole[0][1]}")
+        warnings.append(f"tensor parallelism leaves {len(whole)} layer(s) whole on every rank: {whole[0][1]}")
     return [replace(layer, tp=None if role.split_blocker else layer.tp, tp_role=role)
             for layer, role in zip(layers, found)]
 

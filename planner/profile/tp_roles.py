@@ -8,11 +8,12 @@ this module runs the profiler's fake model forward once more (batch 2, hooks on 
 long stack of identical blocks cut down to its first, second and last, the others taking the
 second's role, as repeats.py does for the trace) and gives each layer a `TPRole`:
 
-- ``embedding`` (an ``nn.Embedding`` with a vocabulary-parallel TPInfo): the dim of its output that
-  is the sequence (the last dim of its index input, whose length is the sequence length);
+- ``embedding`` (an ``nn.Embedding`` with a vocabulary-parallel TPInfo that looks up its input,
+  `lookup_blocker`; one that does not is ``other``, and the profiler takes its TPInfo away): the dim
+  of its output that is the sequence (the last dim of its index input, whose length is the sequence length);
 - ``block`` (a Linear pair that runs split: called again alone with its Linears sliced as one TP rank
-  holds them, it gives the same shapes, `split_blocker`; one that does not is ``other``, and the
-  profiler takes its TPInfo away): its norm-like submodules (SequenceParallel), the submodules whose single
+  holds them, it gives the same shapes, with its head counts divided where they size its views,
+  `split_check`; one that does not is ``other``, and the profiler takes its TPInfo away): its norm-like submodules (SequenceParallel), the submodules whose single
   input feeds all their column-wise Linears (gathered once: torchtitan's ``PrepareModuleInput`` on
   ``attention``/``feed_forward``), and the column-wise Linears that gather their own input. Its
   mixture-of-experts blocks (planner.profile.moe) are judged as expert parallelism with TP runs
@@ -39,12 +40,17 @@ from dataclasses import replace
 from typing import Any, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from planner.model_file import ModelHandle, call_model, logits_of
 from planner.profile.moe import find_moe
 from planner.profile.split import without_inference_cache
+from planner.profile.tp_plan import HEAD_COUNT_NAMES
 from planner.profile.types import NO_BLOCK, TPInfo, TPRole
 
 TRACE_BATCH = 2
@@ -92,6 +98,25 @@ class _Calls:
 
     def get(self, name: str) -> list[tuple[tuple, dict, Any]]:
         return self.calls.get(name, [])
+
+
+def _storage(t: Any) -> Any:
+    return StorageWeakRef(t.untyped_storage()) if isinstance(t, torch.Tensor) else None
+
+
+class _Mutations(TorchDispatchMode):
+    """The storages that in-place ops write while it is on (`storages`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: set[Any] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                self.storages.add(_storage(args[i] if i < len(args) else kwargs.get(arg.name)))
+        return func(*args, **kwargs)
 
 
 def _join(prefix: str, sub: str) -> str:
@@ -265,10 +290,16 @@ def tp_roles(
         inputs, targets = handle.sample_batch(TRACE_BATCH)
         inputs = mat.cast_floats(inputs, dtype)
         calls = _Calls(model)
-        with _without(model, skipped), fake_mode, torch.no_grad():
+        with _without(model, skipped), fake_mode, torch.no_grad(), _Mutations() as mutated:
             output = call_model(model, mat.fake_batch(inputs, fake_mode))
-        calls.remove()
+        calls.remove()  # the layers called again below are not part of the trace
         roles = _roles(handle, model, fake_mode, calls, layers, seq_len, skipped, output, targets)
+        for layer in layers:
+            if layer.name in roles and layer.tp is not None and not roles[layer.name].split_blocker:
+                subs = (*layer.tp.colwise, *layer.tp.rowwise) if layer.tp.required else ("",)
+                written = tuple(n for n in subs if any(
+                    _storage(out) in mutated.storages for _, _, out in calls.get(_join(layer.name, n))))
+                roles[layer.name] = replace(roles[layer.name], cloned=written)
     except Exception as exc:  # noqa: BLE001
         return f"the trace on fake tensors failed ({type(exc).__name__}: {exc})"
     finally:
@@ -304,12 +335,14 @@ def _roles(
         module = model.get_submodule(layer.name)
         tp = layer.tp
         if tp is not None and not tp.required and isinstance(module, nn.Embedding):
-            role = a.embedding(layer.name, module)
+            why = lookup_blocker(module, calls.get(layer.name), fake_mode, layer.name)
+            role = TPRole("other", a.S, sp_blocker=why, split_blocker=why) if why else a.embedding(layer.name, module)
         elif tp is not None and not tp.required and isinstance(module, nn.Linear) and i == len(layers) - 1:
             role = a.head(layer.name, module, handle, output, targets)
         elif tp is not None and tp.required and tp.colwise and tp.rowwise:
-            why = split_blocker(module, calls.get(layer.name), tp, fake_mode, layer.name)
-            role = TPRole("other", a.S, sp_blocker=why, split_blocker=why) if why else a.block(layer.name, module, tp)
+            why, heads = split_check(module, calls.get(layer.name), tp, fake_mode, layer.name)
+            role = (TPRole("other", a.S, sp_blocker=why, split_blocker=why) if why
+                    else replace(a.block(layer.name, module, tp), local_heads=heads))
         elif tp is None and is_norm_like(module):
             why, _ = a.one_hidden_call(layer.name, "norm") if a.S is not None else ("no sequence dimension is known", None)
             role = TPRole("norm", a.S, sp_blocker=why)
@@ -321,28 +354,120 @@ def _roles(
     return roles
 
 
-def split_blocker(module: nn.Module, calls: list[tuple[tuple, dict, Any]], tp: TPInfo, fake_mode: Any,
-                  name: str) -> str:
-    """Why the block `module` cannot run with its Linear pairs split ("" when it can, or when no
-    call of it was seen): called again on fake tensors with the arguments of its first call, whole
-    and then as one TP rank runs it (column-wise Linears with a 1/degree slice of their output
-    features, row-wise ones of their input features, for the smallest degree its divisors allow),
-    it must run and give outputs of the same shapes. Code between a pair that sizes a tensor with
-    the whole model's head count (a relative position bias with a row per head, added to this
-    rank's heads) fails so at plan time instead of after launch."""
+def lookup_blocker(module: nn.Embedding, calls: list[tuple[tuple, dict, Any]], fake_mode: Any, name: str) -> str:
+    """Why the embedding `module` cannot be split over its vocabulary ("" when it can, or when no
+    call of it was seen): vocabulary parallelism (torch's RowwiseParallel) takes the module's first
+    input for the indices to look up, so a forward of its own that looks up other ones (OPT's learned
+    positions: an attention mask in, positions computed from it) cannot run split. Found by calling
+    it again on fake tensors and watching what it gives F.embedding."""
+    if not calls or not calls[0][0]:
+        return ""
+    args, kwargs, _ = calls[0]
+    looked_up: list[Any] = []
+
+    class _Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, fargs=(), fkwargs=None):
+            fkwargs = fkwargs or {}
+            if func is F.embedding:
+                looked_up.append(fargs[0] if fargs else fkwargs.get("input"))
+            return func(*fargs, **fkwargs)
+
+    try:
+        with fake_mode, torch.no_grad(), _Watch():
+            module(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - not callable alone: nothing to tell
+        return ""
+    if looked_up and looked_up[0] is not args[0]:
+        return (f"embedding {name} ({type(module).__name__}) looks up indices it computes, not its input, so "
+                "it cannot be split over its vocabulary")
+    return ""
+
+
+def split_check(module: nn.Module, calls: list[tuple[tuple, dict, Any]], tp: TPInfo, fake_mode: Any,
+                name: str) -> tuple[str, tuple[str, ...]]:
+    """How the block `module` runs with its Linear pairs split: ("", the head-count attributes a TP
+    rank divides by its degree, TPRole.local_heads) when it can, (why not, ()) when it cannot; ("",
+    ()) when no call of it was seen. Called again on fake tensors with the arguments of its first
+    call, whole and then as one TP rank runs it (column-wise Linears with a 1/degree slice of their
+    output features, row-wise ones of their input features, for the smallest degree its divisors
+    allow), it must run and give outputs of the same shapes.
+
+    A forward that sizes its views with a head count of its own (OPT's ``view(bsz, -1,
+    self.num_heads, self.head_dim)``) runs on a shard all the same and silently mixes positions
+    (the ``-1`` takes half the sequence): so it is run split twice, with the head counts of the
+    modules holding the column-wise Linears as they are and divided by the degree (their
+    HEAD_COUNT_NAMES, and any other whole number equal to a column-wise Linear's output features:
+    a head count times the head width), and where the ops' shapes differ the counts matter and
+    are divided, as Megatron-LM and torchtitan give each rank its own heads. Code that sizes a
+    tensor with the whole model's head count (T5's relative position bias, a row per head, added
+    to this rank's heads) fails either way: so at plan time instead of after launch."""
     degree = next((d for d in range(2, 65) if tp.legal(d)), None)
     if not calls or degree is None:
-        return ""
+        return "", ()
     args, kwargs, _ = calls[0]
     try:
         with fake_mode, torch.no_grad():
-            whole = module(*args, **kwargs)
+            whole = _shapes(module(*args, **kwargs))
     except Exception:  # noqa: BLE001 - not callable alone (state between calls): nothing to compare
-        return ""
+        return "", ()
+    heads = _head_attributes(module, tp, degree)
+    as_is, ops = _run_split(module, args, kwargs, tp, degree, {}, fake_mode)
+    divided, ops_divided = _run_split(module, args, kwargs, tp, degree, heads, fake_mode) if heads else (as_is, ops)
     what = f"layer {name} cannot run with its Linears split over {degree} ranks"
-    saved = []
+    if heads and divided == whole and (as_is != whole or ops_divided != ops):
+        return "", tuple(sorted(heads))
+    if as_is == whole:
+        return "", ()
+    if isinstance(as_is, str):
+        return f"{what} ({as_is})", ()
+    return f"{what} (it returns tensors shaped {as_is} where whole it returns {whole})", ()
+
+
+def _shapes(out: Any) -> list[tuple[int, ...]]:
+    return [tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+class _OpShapes(TorchDispatchMode):
+    """The output shapes of every op run while it is on (`shapes`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[list[tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes.append(_shapes(out))
+        return out
+
+
+def _head_attributes(module: nn.Module, tp: TPInfo, degree: int) -> dict[str, int]:
+    """The whole numbers of the modules holding column-wise Linears that may count this rank's
+    heads ("sub.attr" relative to the layer -> the whole model's value): their HEAD_COUNT_NAMES,
+    and other attributes equal to a column-wise Linear's output features, each divisible by `degree`."""
+    found: dict[str, int] = {}
+    for parent in sorted({_parent(c) for c in tp.colwise}):
+        holder = module.get_submodule(parent)
+        widths = {module.get_submodule(c).out_features for c in tp.colwise if _parent(c) == parent}
+        for attr, value in vars(holder).items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < degree or value % degree:
+                continue
+            if attr in HEAD_COUNT_NAMES or value in widths:
+                found[_join(parent, attr)] = value
+    return found
+
+
+def _run_split(module: nn.Module, args: tuple, kwargs: dict, tp: TPInfo, degree: int,
+               heads: dict[str, int], fake_mode: Any) -> tuple[Any, list]:
+    """(the output shapes, or the first line of its error; the shapes of every op) of `module`
+    called as one TP rank of `degree` runs it, with the attributes `heads` divided by the degree."""
+    saved: list[tuple[nn.Module, dict]] = []
+    holders = {_parent(h): module.get_submodule(_parent(h)) for h in heads}
+    old = {h: getattr(holders[_parent(h)], h.rpartition(".")[2]) for h in heads}
+    ops = _OpShapes()
     try:
         with fake_mode, torch.no_grad():
+            for h, value in heads.items():
+                setattr(holders[_parent(h)], h.rpartition(".")[2], value // degree)
             for names, dim in ((tp.colwise, 0), (tp.rowwise, 1)):
                 for sub in names:
                     linear = module.get_submodule(sub)
@@ -351,17 +476,17 @@ def split_blocker(module: nn.Module, calls: list[tuple[tuple, dict, Any]], tp: T
                         p = linear._parameters.get(key)
                         if p is not None:
                             linear._parameters[key] = p.narrow(dim, 0, p.shape[dim] // degree)
-            split = module(*args, **kwargs)
+            with ops:
+                out = _shapes(module(*args, **kwargs))
     except Exception as exc:  # noqa: BLE001
         lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
-        return f"{what} ({type(exc).__name__}: {lines[0] if lines else ''})"
+        out = f"{type(exc).__name__}: {lines[0] if lines else ''}"
     finally:
         for linear, params in saved:
             linear._parameters.update(params)
-    shapes = [[tuple(t.shape) for t in tree_leaves(o) if isinstance(t, torch.Tensor)] for o in (whole, split)]
-    if shapes[0] != shapes[1]:
-        return f"{what} (it returns tensors shaped {shapes[1]} where whole it returns {shapes[0]})"
-    return ""
+        for h, value in old.items():
+            setattr(holders[_parent(h)], h.rpartition(".")[2], value)
+    return out, ops.shapes
 
 
 @contextmanager

@@ -295,10 +295,20 @@ class TPRole:
     shard_dropout: tuple[str, ...] = ()
     """Dropout modules (p > 0) that with sequence parallelism run on each rank's sequence shard:
     this layer's, and those called after it before the next layer (glue), by their names in the model."""
+    local_heads: tuple[str, ...] = ()
+    """block: attributes of its modules ("sub.attr", relative to the layer) that count heads and
+    size its views (OPT's ``self.num_heads``): the runtime divides each by the TP degree, so a rank
+    views its shard as its own heads (tp_roles.split_check)."""
+    cloned: tuple[str, ...] = ()
+    """The modules of this layer that tensor parallelism converts (a block's column- and row-wise
+    Linears; "" for an embedding or head itself) whose output the model writes in place (Falcon's
+    `mlp_output += attention_output`): DTensor hands their outputs on as views of its own autograd
+    function, which autograd forbids writing in place, so the runtime hands on a copy."""
     split_blocker: str = ""
-    """A block with a Linear pair that cannot run with it split (tp_roles.split_blocker: its forward
-    on fake tensors fails or gives other shapes): the profiler takes its TPInfo away, so tensor
-    parallelism leaves it whole on every rank."""
+    """Why a layer with a TPInfo cannot run split: a block whose forward on fake tensors fails or
+    gives other shapes with its Linear pairs split (tp_roles.split_blocker), an embedding that looks
+    up indices other than its input (tp_roles.lookup_blocker). The profiler takes its TPInfo away,
+    so tensor parallelism leaves it whole on every rank."""
 
 
 @dataclass(frozen=True)

@@ -170,15 +170,14 @@ def _alternative(s: Scored, best: Scored | None) -> Alternative:
 
 
 def _tp_split(profile: ModelProfile) -> str:
-    """What tensor parallelism splits: every block's matmuls, or fewer where the profiler found blocks
-    that cannot run split (TPRole.split_blocker, in the profile's warnings)."""
-    whole = sum(1 for l in profile.layers if l.tp_role is not None and l.tp_role.split_blocker)
+    """What tensor parallelism splits: every block's matmuls, or less where the profiler found layers
+    that cannot run split (TPRole.split_blocker, the reason in the profile's warnings)."""
+    whole = [l.name for l in profile.layers if l.tp_role is not None and l.tp_role.split_blocker]
     if not whole:
         return "each block's matmuls"
     split = sum(1 for l in profile.layers if l.tp is not None and l.tp.required)
-    if not split:
-        return f"only the embeddings and the head (its {whole} blocks cannot run split: they run whole on every TP rank)"
-    return f"the matmuls of {split} of {split + whole} blocks (the other {whole} cannot run split: whole on every TP rank)"
+    what = f"the matmuls of {split} block(s)" if split else "only the embeddings and the head"
+    return f"{what} ({', '.join(whole[:3])}{', ...' if len(whole) > 3 else ''} cannot run split: whole on every TP rank)"
 
 
 def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int, profile: ModelProfile) -> list[str]:

@@ -94,6 +94,9 @@ CONFIGS = {
     # whose first cut the planner puts where the layers run in sequence, so that TP applies
     "pp_dp_tp_nanogpt": (8, Fixed(dp=2, tp=2, pp=2, zero=0, micro_batch=1, recompute="none", schedule="1f1b",
                                   sequence_parallel=True)),
+    # a GPT whose attention views with its own head count and whose blocks write the MLP's output in
+    # place (tests/own_heads_model.py, as OPT and Falcon do): each rank's head count divided, the output copied
+    "tp_own_heads": (2, Fixed(dp=1, tp=2, pp=1, zero=0, micro_batch=4, recompute="none", sequence_parallel=True)),
     # the same model taking its inputs as a dict (keyword arguments): stage 0 gets them positionally
     "pp_interleaved_dict": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none",
                                      schedule="interleaved", virtual_stages=2)),
@@ -101,6 +104,8 @@ CONFIGS = {
 DICT_CONFIGS = {"pp_interleaved_dict"}
 NANOGPT_CONFIGS = {"pp_dp_tp_nanogpt"}
 NANOGPT = Path(__file__).parents[1] / "nanogpt_model.py"
+OWN_HEADS_CONFIGS = {"tp_own_heads"}
+OWN_HEADS = Path(__file__).parents[1] / "own_heads_model.py"
 
 # MODEL with its inputs as {"input_ids": ...}: same weights and data, so the same reference
 DICT_MODEL = MODEL + """
@@ -146,6 +151,8 @@ def plans(workdir) -> dict[str, Path]:
             plan = make_plan(dict_handle, request, dict_profile)
         elif name in NANOGPT_CONFIGS:
             plan = make_plan(load_model_file(NANOGPT), request)
+        elif name in OWN_HEADS_CONFIGS:
+            plan = make_plan(load_model_file(OWN_HEADS), request)
         else:
             plan = make_plan(handle, request, profile)
         out[name] = workdir / f"{name}.json"
@@ -185,11 +192,18 @@ def nanogpt_reference(plans) -> tuple[list[float], dict[str, torch.Tensor]]:
     return single_process(plans["pp_dp_tp_nanogpt"], STEPS)
 
 
+@pytest.fixture(scope="module")
+def own_heads_reference(plans) -> tuple[list[float], dict[str, torch.Tensor]]:
+    return single_process(plans["tp_own_heads"], STEPS)
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_matches_single_process(name, runs, reference, request):
     report, params_path = runs[name]
     if name in NANOGPT_CONFIGS:
         reference = request.getfixturevalue("nanogpt_reference")
+    elif name in OWN_HEADS_CONFIGS:
+        reference = request.getfixturevalue("own_heads_reference")
     assert_matches(name, report.measured.losses, params_path, reference)
     assert report.measured.step_time_s > 0 and len(report.measured.peak_memory_bytes) == CONFIGS[name][0]
 

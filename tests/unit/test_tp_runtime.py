@@ -12,6 +12,9 @@ from planner.plan import plan_layers
 from planner.profile import profile_model
 from planner.search.explain import _tp_split
 from runtime.layout import SP_GATHER_WARNING, shard_lines, tp_layout
+from tests.conftest import EXAMPLES
+
+OWN_HEADS = EXAMPLES.parent / "tests" / "own_heads_model.py"
 
 GPT = """
 import torch
@@ -143,13 +146,47 @@ def build_model():
     assert tp["blocks.0"] is not None and tp["blocks.1"] is None
     blocker = profile.layers[[l.name for l in profile.layers].index("blocks.1")].tp_role.split_blocker
     assert blocker.startswith("layer blocks.1 cannot run with its Linears split over 2 ranks (RuntimeError: ")
-    assert f"tensor parallelism leaves 1 block(s) with Linear pairs whole on every rank: {blocker}" in profile.warnings
+    assert f"tensor parallelism leaves 1 layer(s) whole on every rank: {blocker}" in profile.warnings
     layout = tp_layout(plan_layers(profile), 2)
     assert [l.name for l in layout.blocks] == ["blocks.0"] and not layout.sequence_parallel
-    assert _tp_split(profile) == "the matmuls of 1 of 2 blocks (the other 1 cannot run split: whole on every TP rank)"
+    assert _tp_split(profile) == "the matmuls of 1 block(s) (blocks.1 cannot run split: whole on every TP rank)"
     plain = profile_model(load_model_file(model_file(GPT, "plain.py")), dtype="fp32", measure=False)
     assert all(l.tp is not None for l in plain.layers if l.name.startswith("blocks."))
     assert not any("whole on every rank" in w for w in plain.warnings)
+
+
+def test_embedding_that_looks_up_other_indices_stays_whole(model_file):
+    """Vocabulary parallelism hands an embedding's first input to the lookup: one whose forward looks
+    up indices it computes (OPT's learned positions, made from the attention mask) keeps no TP plan,
+    with a warning, instead of a run that dies in its first forward."""
+    profile = profile_model(load_model_file(model_file(GPT.replace("def build_model():\n    return GPT(CFG)", """
+class Reversed(torch.nn.Embedding):
+    def forward(self, pos):
+        return super().forward(pos.flip(0))
+
+
+def build_model():
+    model = GPT(CFG)
+    model.wpe = Reversed(CFG.seq_len, CFG.n_embd)
+    return model"""))), dtype="fp32", measure=False)
+    layers = {l.name: l for l in profile.layers}
+    assert layers["wte"].tp is not None and layers["wpe"].tp is None
+    why = layers["wpe"].tp_role.split_blocker
+    assert why == "embedding wpe (Reversed) looks up indices it computes, not its input, so it cannot be split over its vocabulary"
+    assert f"tensor parallelism leaves 1 layer(s) whole on every rank: {why}" in profile.warnings
+    assert [l.name for l in tp_layout(plan_layers(profile), 2).vocab] == ["wte", "lm_head"]
+
+
+def test_own_head_counts_divided_and_written_outputs_copied(model_file):
+    """A block whose views take its own head count (OPT's) runs on a shard all the same, silently
+    mixing positions: the profiler finds the count sizes its views (the ops' shapes change with it
+    divided) and the runtime divides it; an output the model writes in place (Falcon's) is copied.
+    tests/distributed/test_parity.py (tp_own_heads) trains it against one process."""
+    profile = profile_model(load_model_file(OWN_HEADS), dtype="fp32", measure=False)
+    role = {l.name: l.tp_role for l in profile.layers}["blocks.1"]
+    assert role.kind == "block" and role.local_heads == ("attn.n_head",) and role.cloned == ("mlp.down",)
+    plain = [l.role for l in _layers(model_file, GPT) if l.role is not None]  # views with -1: nothing to do
+    assert not any(r.local_heads or r.cloned for r in plain)
 
 
 def test_sequence_length_not_divisible(model_file):
