@@ -59,6 +59,18 @@ def breakdown(s: Scored) -> dict[str, float]:
     }
 
 
+def _recompute_line(s: Scored, label: str) -> str:
+    """What recompute costs the step: its time on the slowest rank, which is nothing where only the
+    other pipeline stages recompute (they wait for the slowest one anyway)."""
+    cost = breakdown(s)["recompute"]
+    if cost > 0:
+        return f"Recompute ({label}) trades {fmt_seconds(cost)} per step for activation memory."
+    ranks = [str(d.rank) for d in s.evaluation.devices if d.recompute_s > 0]
+    many = len(ranks) > 1
+    return (f"Recompute ({label}) runs on rank{'s' if many else ''} {', '.join(ranks)}, for {'their' if many else 'its'} "
+            "activation memory, and costs the step nothing: the slowest stage does not recompute.")
+
+
 def _optimizer_s(s: Scored) -> float:
     return max(s.optimizer_s())
 
@@ -251,7 +263,7 @@ def explanation(result: SearchResult, best: Scored, cluster: Cluster, limit: int
             lines.append(f"ZeRO-{c.zero} shards {what} over {over}.")
     rc = recompute_label(best.partition.choice)
     if rc != "none":
-        lines.append(f"Recompute ({rc}) trades {fmt_seconds(breakdown(best)['recompute'])} per step for activation memory.")
+        lines.append(_recompute_line(best, rc))
     lines.append(f"What binds: {binding_of(best, limit)}.")
     for alt in result.ranked[1:]:
         lines.append(f"Runner-up {parallel_of(alt).one_line()}: {fmt_seconds(alt.step_time_s)} ({_alternative(alt, best).note}).")
