@@ -100,8 +100,8 @@ class _Calls:
         return self.calls.get(name, [])
 
 
-def _storage(t: Any) -> Any:
-    return StorageWeakRef(t.untyped_storage()) if isinstance(t, torch.Tensor) else None
+def _storage(t: torch.Tensor) -> Any:
+    return StorageWeakRef(t.untyped_storage())
 
 
 class _Mutations(TorchDispatchMode):
@@ -114,8 +114,9 @@ class _Mutations(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for i, arg in enumerate(func._schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                self.storages.add(_storage(args[i] if i < len(args) else kwargs.get(arg.name)))
+            written = args[i] if i < len(args) else kwargs.get(arg.name)
+            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(written, torch.Tensor):
+                self.storages.add(_storage(written))
         return func(*args, **kwargs)
 
 
@@ -297,8 +298,8 @@ def tp_roles(
         for layer in layers:
             if layer.name in roles and layer.tp is not None and not roles[layer.name].split_blocker:
                 subs = (*layer.tp.colwise, *layer.tp.rowwise) if layer.tp.required else ("",)
-                written = tuple(n for n in subs if any(
-                    _storage(out) in mutated.storages for _, _, out in calls.get(_join(layer.name, n))))
+                written = tuple(n for n in subs if any(isinstance(out, torch.Tensor) and _storage(out) in mutated.storages
+                                                       for _, _, out in calls.get(_join(layer.name, n))))
                 roles[layer.name] = replace(roles[layer.name], cloned=written)
     except Exception as exc:  # noqa: BLE001
         return f"the trace on fake tensors failed ({type(exc).__name__}: {exc})"
