@@ -211,9 +211,11 @@ def shard_lines(
             elif l.role is not None and l.role.kind == "norm":
                 norms.append(_pattern(l.name))
         norms = list(dict.fromkeys(norms))
+        cut = next((l.role.shard_at for l in layers if l.role is not None and l.role.shard_at), "")
         lines.append(
             f"sequence parallel: positions {tp_index * per}-{(tp_index + 1) * per - 1} of {layout.seq_len} of the "
-            "hidden states outside the Linear pairs" + (f" ({', '.join(norms)} run on them)" if norms else "")
+            "hidden states outside the Linear pairs" + (f", from {cut}'s input on" if cut else "")
+            + (f" ({', '.join(norms)} run on them)" if norms else "")
         )
     if ep > 1:
         moe = [_join(_pattern(l.name), m) for l in layers if l.name in mine and l.tp is not None for m in l.tp.moe]

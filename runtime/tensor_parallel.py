@@ -16,7 +16,10 @@ from hard-coded names. ``runtime.layout.tp_layout`` decides (and gives the warni
 - embeddings: ``RowwiseParallel(input_layouts=Replicate())`` (vocabulary rows sharded), output
   reduce-scattered over the sequence (Shard(seq_dim)) with sequence parallelism, all-reduced
   otherwise; one that stays replicated (tied, or a vocabulary tp does not divide) still hands on its
-  sequence shard (``PrepareModuleOutput``, a local slice).
+  sequence shard (``PrepareModuleOutput``, a local slice). Where the model computes from the
+  embeddings' sequence length (Hugging Face's cache positions, masks and rotary tables: TPRole.shard_at)
+  they hand on their whole output (all-reduced) and the first block cuts its input to the shard
+  (`_CutInput`); the tensors the blocks take beside the hidden states stay whole.
 - a norm layer (the final norm): ``SequenceParallel``.
 - the head: ``ColwiseParallel`` (vocabulary rows sharded), its input gathered from the sequence
   shards; its logits stay a DTensor sharded over the vocabulary (Shard(-1)) when the loss is the
@@ -55,21 +58,49 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    ParallelStyle,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
+from planner.profile.tp_roles import hidden_input, is_sequence
 from runtime.layout import TPLayout, tp_layout
 from runtime.types import LayerSplit
 
 log = logging.getLogger(__name__)
 
 
-def _gather_input() -> PrepareModuleInput:
-    """This rank's sequence shard in, the whole sequence (a plain tensor) to the module."""
+def _gather_input(keyword: str = "") -> PrepareModuleInput:
+    """This rank's sequence shard in, the whole sequence (a plain tensor) to the module: its first
+    argument, or the keyword argument `keyword` (TPRole.gather_kwargs)."""
+    if keyword:
+        return PrepareModuleInput(input_kwarg_layouts={keyword: Shard(1)}, desired_input_kwarg_layouts={keyword: Replicate()},
+                                  use_local_output=True)
     return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
+
+
+class _CutInput(ParallelStyle):
+    """The block that takes this rank's sequence shard (TPRole.shard_at): its hidden states come in
+    whole (the embeddings hand on their whole output) and go on as this rank's shard (a local slice;
+    in backward the shards' gradients all-gathered into the whole one)."""
+
+    def __init__(self, seq_len: int) -> None:
+        super().__init__()
+        self.seq_len = seq_len
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def pre(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            keyword, x = hidden_input(args, kwargs, lambda t: is_sequence(t, self.seq_len))
+            if keyword is None:
+                return args, kwargs
+            shard = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+            shard = shard.redistribute(device_mesh, [Shard(1)]).to_local()
+            return ((shard, *args[1:]), kwargs) if not keyword else (args, {**kwargs, keyword: shard})
+
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+        return module
 
 
 def _whole_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -171,7 +202,8 @@ def _block_plan(layer: LayerSplit, sp: bool) -> dict[str, Any]:
     def gathered(sub: str) -> bool:
         return any(sub.startswith(g + ".") for g in gathers)
 
-    plan = {g: _gather_input() for g in gathers}
+    keywords = dict(layer.role.gather_kwargs)
+    plan = {g: _gather_input(keywords.get(g, "")) for g in gathers}
     for name in layer.tp.colwise:
         plan[name] = ColwiseParallel() if gathered(name) else ColwiseParallel(input_layouts=Shard(1))
     plan.update({name: RowwiseParallel(output_layouts=Shard(1)) for name in layer.tp.rowwise})
@@ -202,13 +234,16 @@ def apply_tp(
                 assert layer.role is not None
                 for norm in layer.role.norms:
                     _sequence_parallel(module.get_submodule(norm), tp_mesh)
+                if layer.role.shard_at == layer.name and layer.role.seq_len:
+                    _parallelize_layer(module, tp_mesh, _CutInput(layer.role.seq_len))
         elif kind == "embedding":
             assert layer.role is not None
             seq = Shard(layer.role.seq_dim if layer.role.seq_dim is not None else 1)
+            shards = sp and not layer.role.shard_at  # else the first block takes the shard
             if layer.name in vocab:
-                style: Any = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
+                style: Any = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if shards else Replicate())
                 _parallelize_layer(module, tp_mesh, style)
-            elif sp:
+            elif shards:
                 out = PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
                 _parallelize_layer(module, tp_mesh, out)
         elif kind == "norm" and sp:

@@ -348,6 +348,9 @@ def tp_collectives_s(layer: LayerProfile, tp: int, sequence_parallel: bool, link
 
     if not sequence_parallel:
         return calls(rows, comm.allreduce), calls(groups, comm.allreduce)
+    if role is not None and role.kind == "embedding" and role.shard_at:
+        # its whole output all-reduced; the block that cuts it (TPRole.shard_at) gathers its gradient
+        return calls(rows, comm.allreduce), calls(rows, comm.allgather)
     norms = 0 if role is None else (role.norm_params or len(role.norms))
     return (calls(rows, comm.reduce_scatter) + calls(groups, comm.allgather),
             calls(rows, comm.allgather) + calls(groups, comm.reduce_scatter) + norms * comm.allreduce(tp, link)(0.0))

@@ -113,6 +113,13 @@ def _with_roles(handle: ModelHandle, fake: _FakeModel | None, dtype: torch.dtype
     """`layers` with their TPRole (tp_roles.py) when any has a TPInfo; a warning when none could be found."""
     if not any(layer.tp is not None for layer in layers):
         return layers
+    if fake is None and dtype != torch.bfloat16:
+        # The roles read shapes and how tensors flow, not values: where the trace's dtype failed on
+        # fake tensors (torch's meta _grouped_mm takes bf16 only: a Hugging Face MoE in fp32), in bf16.
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        model = mat.build_meta(handle, torch.bfloat16)
+        balanced_dispatch(model)
+        fake, dtype = _FakeModel(mat.make_fake(model, fake_mode), fake_mode, ()), torch.bfloat16
     found = "the forward on fake tensors failed" if fake is None else tp_roles(
         handle, fake.model, fake.mode, dtype, tuple(layers), seq_len, fake.stacks)
     if isinstance(found, str):

@@ -24,9 +24,11 @@ second's role, as repeats.py does for the trace) and gives each layer a `TPRole`
 - ``other``: anything else (no sequence-parallel form).
 
 Sequence parallelism is all or nothing: every layer must take and give hidden states
-[batch, seq, hidden] (the sequence dim known, 1 in blocks), a block may hold parameters only in its
-Linear pair and in norm-like modules (LayerNorm, RMSNorm: per position over the last dim), and there
-is nothing else. The first reason it cannot run is copied into every layer's role
+[batch, seq, hidden] (the sequence dim known, 1 in blocks; a block may take other tensors beside
+them, Hugging Face's rotary tables and masks, which stay whole), a block may hold parameters only in its
+Linear pair and in norm-like modules (LayerNorm, RMSNorm: per position over the last dim), there
+is nothing else, and the model must run on fake tensors as a sequence-parallel rank runs it
+(`sp_check`: which also finds where the shard is taken, TPRole.shard_at). The first reason it cannot run is copied into every layer's role
 (`sp_blocker`), so every pipeline stage, which sees only its own layers, decides the same.
 Not checked: code outside the gathered submodules that mixes positions (``x[:, -1]``, a cumulative
 sum) runs on this rank's sequence shard.
@@ -120,6 +122,36 @@ class _Mutations(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def hidden_input(args: tuple, kwargs: dict, hidden: Any) -> tuple[str | None, torch.Tensor | None]:
+    """How a call takes its hidden states: ("", them) as its first positional argument, (keyword,
+    them) as the first keyword argument that is a [batch, seq, hidden] tensor when it has no
+    positional one (Hugging Face's ``self_attn(hidden_states=...)``), (None, None) otherwise."""
+    if args:
+        return ("", args[0]) if hidden(args[0]) else (None, None)
+    return next(((k, v) for k, v in kwargs.items() if hidden(v)), (None, None))
+
+
+def _first_tensor(out: Any) -> Any:
+    """A call's output tensor: itself, or the first of a tuple (older Hugging Face layers)."""
+    return out[0] if isinstance(out, (tuple, list)) and out else out
+
+
+def is_sequence(t: Any, seq_len: int) -> bool:
+    """A [batch, seq, hidden] tensor of the whole sequence."""
+    return isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] == seq_len
+
+
+def _in_any(sub: str, blocks: tuple[str, ...]) -> bool:
+    return any(b == "" or sub == b or sub.startswith(b + ".") for b in blocks)
+
+
+def _pair_outside_moe(module: nn.Module, tp: TPInfo) -> tuple[list[str], list[str]]:
+    """The block's column- and row-wise Linears outside its mixture-of-experts blocks (which run
+    whole on the sequence shard)."""
+    moe = tuple(b.name for b in find_moe(module))
+    return [c for c in tp.colwise if not _in_any(c, moe)], [r for r in tp.rowwise if not _in_any(r, moe)]
+
+
 def _join(prefix: str, sub: str) -> str:
     return f"{prefix}.{sub}" if sub else prefix
 
@@ -152,6 +184,23 @@ class _Analysis:
                 return f"{what} {name} does not return one tensor shaped like its input", None
         return "", calls[0][0][0]
 
+    def block_call(self, name: str) -> str:
+        """"" when the block `name` is called with [batch, seq, hidden] hidden states (its first
+        argument, or a keyword: `hidden_input`) and returns them in that shape (a tensor, or the
+        first of a tuple); why not otherwise. Other tensors beside them (masks, position ids,
+        rotary tables) stay whole on every rank: `sp_check` runs the model to see that they may."""
+        calls = self.calls.get(name)
+        if not calls:
+            return f"layer {name} is not called in forward"
+        for args, kwargs, out in calls:
+            _, x = hidden_input(args, kwargs, self.hidden)
+            if x is None:
+                return f"layer {name} is not called with [batch, seq, hidden] hidden states"
+            y = _first_tensor(out)
+            if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+                return f"layer {name} does not return its hidden states shaped like its input"
+        return ""
+
     def owner_of(self, param: nn.Parameter, exclude: str) -> str:
         """A parameter name outside module `exclude` that is `param` (a tied weight), or ""."""
         for n, p in self.model.named_parameters(remove_duplicate=False):
@@ -181,14 +230,13 @@ class _Analysis:
         moe = tuple(b.name for b in find_moe(module))
 
         def in_moe(sub: str) -> bool:
-            return any(b == "" or sub == b or sub.startswith(b + ".") for b in moe)
+            return _in_any(sub, moe)
 
-        colwise = [c for c in tp.colwise if not in_moe(c)]
-        rowwise = [r for r in tp.rowwise if not in_moe(r)]
+        colwise, rowwise = _pair_outside_moe(module, tp)
         linears = set(colwise) | set(rowwise)
         if self.S is None:
             return TPRole("block", None, sp_blocker="the model has no 2-D integer input (token ids), so no sequence dimension is known")
-        why, _ = self.one_hidden_call(name, "layer")
+        why = self.block_call(name)
         if why:
             return TPRole("block", self.S, sp_blocker=why)
         if moe and (not colwise or not rowwise):
@@ -198,9 +246,10 @@ class _Analysis:
             why_m, _ = self.one_hidden_call(_join(name, b), "mixture-of-experts block")
             if why_m:
                 return TPRole("block", self.S, sp_blocker=why_m)
-        # Submodules whose single input feeds every column-wise Linear under them: gathered once
-        # (never one holding a mixture-of-experts block, which runs on the shard).
+        # Submodules whose hidden-states input feeds every column-wise Linear under them: gathered
+        # once (never one holding a mixture-of-experts block, which runs on the shard).
         gathers: list[str] = []
+        by_keyword: list[tuple[str, str]] = []
         by_parent: dict[str, list[str]] = {}
         for c in colwise:
             by_parent.setdefault(_parent(c), []).append(c)
@@ -209,11 +258,13 @@ class _Analysis:
             if not parent or len(calls) != 1 or any(b == parent or b.startswith(parent + ".") for b in moe):
                 continue
             args, kwargs, _ = calls[0]
-            ts = _tensors(args, kwargs)
-            if len(ts) != 1 or not args or ts[0] is not args[0] or not self.hidden(args[0]):
+            keyword, x = hidden_input(args, kwargs, self.hidden)
+            if x is None:
                 continue
-            if all(any(a and a[0] is args[0] for a, _, _ in self.calls.get(_join(name, c)) or []) for c in cols):
+            if all(any(a and a[0] is x for a, _, _ in self.calls.get(_join(name, c)) or []) for c in cols):
                 gathers.append(parent)
+                if keyword:
+                    by_keyword.append((parent, keyword))
 
         def inside(sub: str) -> bool:
             return any(sub == g or sub.startswith(g + ".") for g in gathers)
@@ -243,7 +294,8 @@ class _Analysis:
             if not calls or not all(self.hidden(o) for _, _, o in calls):
                 return TPRole("block", self.S, sp_blocker=f"row-wise {_join(name, r)}'s output is not [batch, seq, hidden]")
         params = sum(1 for sub in norms for _ in module.get_submodule(sub).parameters())
-        return TPRole("block", self.S, norms=tuple(norms), gathers=tuple(gathers), norm_params=params)
+        return TPRole("block", self.S, norms=tuple(norms), gathers=tuple(gathers), norm_params=params,
+                      gather_kwargs=tuple(by_keyword))
 
     def head(self, name: str, module: nn.Linear, handle: ModelHandle, output: Any, targets: Any) -> TPRole:
         tied = self.owner_of(module.weight, name)
@@ -291,10 +343,23 @@ def tp_roles(
         inputs, targets = handle.sample_batch(TRACE_BATCH)
         inputs = mat.cast_floats(inputs, dtype)
         calls = _Calls(model)
+        batch = mat.fake_batch(inputs, fake_mode)
         with _without(model, skipped), fake_mode, torch.no_grad(), _Mutations() as mutated:
-            output = call_model(model, mat.fake_batch(inputs, fake_mode))
+            output = call_model(model, batch)
         calls.remove()  # the layers called again below are not part of the trace
         roles = _roles(handle, model, fake_mode, calls, layers, seq_len, skipped, output, targets)
+        # what runs before the first block may run whole on every rank, when the first block takes the shard
+        run = [l.name for l in layers if l.name in roles]
+        start = next((i for i, n in enumerate(run) if roles[n].kind == "block"), len(run))
+        before = next((roles[n].sp_blocker for n in run[:start] if roles[n].sp_blocker), "")
+        first = next((roles[n].sp_blocker for n in run[start:] if roles[n].sp_blocker), "")
+        shard_at = ""
+        if start == len(run):
+            first = first or before
+        elif not first and seq_len:
+            with _without(model, skipped):
+                first, shard_at = sp_check(model, batch, fake_mode, layers, roles, seq_len, output, at_block=bool(before))
+            first = first or ("" if shard_at else before)
         for layer in layers:
             if layer.name in roles and layer.tp is not None and not roles[layer.name].split_blocker:
                 subs = (*layer.tp.colwise, *layer.tp.rowwise) if layer.tp.required else ("",)
@@ -309,7 +374,6 @@ def tp_roles(
             calls.remove()
         for config in cached:
             config.use_cache = True
-    first = next((r.sp_blocker for r in roles.values() if r.sp_blocker), "")
     if not any(r.kind == "block" for r in roles.values()):
         first = NO_BLOCK  # only embeddings and the head split: nothing to run sequence-parallel
     dropout = _shard_dropout(model, calls, layers, roles, skipped)
@@ -318,7 +382,8 @@ def tp_roles(
         roles[name] = replace(r, shard_dropout=tuple(name + n[len(rep):] for n in dropout.get(rep, ())))
         dropout[name] = list(roles[name].shard_dropout)
     return tuple(
-        replace(roles[l.name], sp_blocker=first, shard_dropout=tuple(dropout.get(l.name, ()))) for l in layers
+        replace(roles[l.name], sp_blocker=first, shard_at="" if first else shard_at,
+                shard_dropout=tuple(dropout.get(l.name, ()))) for l in layers
     )
 
 
@@ -424,6 +489,111 @@ def split_check(module: nn.Module, calls: list[tuple[tuple, dict, Any]], tp: TPI
     return f"{what} (it returns tensors shaped {as_is} where whole it returns {whole})", ()
 
 
+def sp_check(model: nn.Module, batch: Any, fake_mode: Any, layers: tuple[Any, ...], roles: dict[str, TPRole],
+             seq_len: int, expected: Any, at_block: bool = False) -> tuple[str, str]:
+    """How sequence parallelism cuts the hidden states into each rank's sequence shard: ("",
+    TPRole.shard_at), or (why it cannot run, ""). The model's forward runs again on fake tensors
+    as one rank of the smallest degree that divides the sequence runs it: the hidden states between
+    blocks this rank's shard, each block's gathered submodules (and column-wise Linears outside them)
+    given the whole sequence, its row-wise Linears' outputs cut back to the shard, the head given the
+    whole sequence; it must run and give outputs of the trace's shapes (`expected`). First with the
+    embeddings handing on their shards; where that fails (the model computes cache positions, masks
+    or rotary tables from the embeddings' sequence length, as Hugging Face's models do) with the
+    embeddings whole and the first block cutting its input (only that with `at_block`: a layer
+    before the first block cannot hand on shards, an embedding that looks up indices it computes,
+    say, and runs whole). Tensors a block takes beside the hidden
+    states (a mask, rotary tables) stay whole: the run fails where they meet the shard. Not seen:
+    code that mixes positions without changing shapes (module docstring)."""
+    degree = next((d for d in range(2, seq_len + 1) if seq_len % d == 0), None)
+    run = [l for l in layers if l.name in roles]
+    first = next((l.name for l in run if roles[l.name].kind == "block"), None)
+    if degree is None or first is None:
+        return "", ""
+    if not at_block and not _sp_run(model, batch, fake_mode, run, roles, seq_len, degree, "", expected):
+        return "", ""
+    why = _sp_run(model, batch, fake_mode, run, roles, seq_len, degree, first, expected)
+    if not why:
+        return "", first
+    return f"the model does not run on sequence shards ({why})", ""
+
+
+def _sp_run(model: nn.Module, batch: Any, fake_mode: Any, layers: list[Any], roles: dict[str, TPRole],
+            seq_len: int, degree: int, shard_at: str, expected: Any) -> str:
+    """"" when the forward of `sp_check` runs with the shard taken at `shard_at` ("": the
+    embeddings); the first line of its error, or the shapes it gave, otherwise."""
+    shard = seq_len // degree
+
+    def cut(t: Any, dim: int = 1) -> Any:
+        return t.narrow(dim, 0, shard) if isinstance(t, torch.Tensor) and t.dim() > dim else t
+
+    def whole(t: Any) -> Any:
+        return torch.cat([t] * degree, 1) if isinstance(t, torch.Tensor) and t.dim() > 1 else t
+
+    def on_hidden(keyword: str, fn: Any) -> Any:
+        def pre(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if keyword:
+                return args, {**kwargs, keyword: fn(kwargs[keyword])} if keyword in kwargs else kwargs
+            return ((fn(args[0]), *args[1:]) if args else args), kwargs
+        return pre
+
+    def cut_input(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        keyword, x = hidden_input(args, kwargs, lambda t: is_sequence(t, seq_len))
+        if keyword is None:
+            return args, kwargs
+        return on_hidden(keyword, cut)(m, args, kwargs)
+
+    hooks = []
+
+    def pre_hook(module: nn.Module, fn: Any) -> None:
+        hooks.append(module.register_forward_pre_hook(fn, with_kwargs=True))
+
+    for layer in layers:
+        role, module = roles[layer.name], model.get_submodule(layer.name)
+        if role.kind == "embedding" and not shard_at and role.seq_dim is not None:
+            dim = role.seq_dim
+            hooks.append(module.register_forward_hook(lambda m, a, out, dim=dim: cut(out, dim)))
+        elif role.kind == "block":
+            if layer.name == shard_at:
+                pre_hook(module, cut_input)
+            keywords = dict(role.gather_kwargs)
+            for g in role.gathers:
+                pre_hook(module.get_submodule(g), on_hidden(keywords.get(g, ""), whole))
+            colwise, rowwise = _pair_outside_moe(module, layer.tp)
+            for c in colwise:
+                if not _in_any(c, role.gathers):
+                    pre_hook(module.get_submodule(c), on_hidden("", whole))
+            for r in rowwise:
+                hooks.append(module.get_submodule(r).register_forward_hook(lambda m, a, out: cut(out)))
+        elif role.kind == "head":
+            pre_hook(module, on_hidden("", whole))
+    names = {id(m): n for n, m in model.named_modules()}
+    inside: list[str] = []  # the modules running now, innermost last: where a failure happened
+    hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda m, a: inside.append(names.get(id(m), ""))))
+
+    def leave(m: nn.Module, args: Any, out: Any) -> None:
+        inside.pop()
+
+    hooks.append(torch.nn.modules.module.register_module_forward_hook(leave))
+    try:
+        with fake_mode, torch.no_grad():
+            got = _shapes(call_model(model, batch))
+    except Exception as exc:  # noqa: BLE001
+        where = next((n for n in reversed(inside) if n), "")
+        module = type(model.get_submodule(where)).__name__ if where else ""
+        return (f"in {where} ({module}): " if where else "") + _first_line(exc)
+    finally:
+        for h in hooks:
+            h.remove()
+    want = _shapes(expected)
+    return "" if got == want else f"it gives outputs shaped {got} where whole it gives {want}"
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
 def _shapes(out: Any) -> list[tuple[int, ...]]:
     return [tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
 
@@ -480,8 +650,7 @@ def _run_split(module: nn.Module, args: tuple, kwargs: dict, tp: TPInfo, degree:
             with ops:
                 out = _shapes(module(*args, **kwargs))
     except Exception as exc:  # noqa: BLE001
-        lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
-        out = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+        out = _first_line(exc)
     finally:
         for linear, params in saved:
             linear._parameters.update(params)

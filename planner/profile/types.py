@@ -283,6 +283,15 @@ class TPRole:
     all-reduced over the TP group in backward (0 in a profile from before the count: one per norm)."""
     gathers: tuple[str, ...] = ()
     """block: submodules whose one input feeds all their column-wise Linears: gathered once."""
+    gather_kwargs: tuple[tuple[str, str], ...] = ()
+    """block: (gathered submodule, the keyword it takes the hidden states by) for those of
+    `gathers` called with them as a keyword argument (Hugging Face's ``self_attn(hidden_states=...)``);
+    the others take them as their first positional argument."""
+    shard_at: str = ""
+    """The block whose input is cut to this rank's sequence shard under sequence parallelism ("":
+    the embeddings hand on their shards). Set where the model computes from the embeddings' sequence
+    length (Hugging Face's cache positions, masks and rotary tables): the embeddings hand on their
+    whole output and the first block takes its shard (tp_roles.sp_check). The same in every layer."""
     sp_blocker: str = ""
     """Why sequence parallelism cannot run in this model ("" when it can): the same in every layer,
     so every pipeline stage, which sees only its own layers, decides the same. Found with the

@@ -190,7 +190,7 @@ class GatedBlock(Block):
 
 
 class Gated(GPT):
-    # every block also takes a per-position gate: sequence parallelism would need it split too
+    # every block also takes a per-position gate of the whole sequence: it meets the shard
     def __init__(self, cfg):
         super().__init__(cfg)
         for block in self.blocks:
@@ -199,7 +199,7 @@ class Gated(GPT):
     def forward(self, idx):
         T = idx.shape[1]
         x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
-        gate = torch.sigmoid(x.mean(-1, keepdim=True))
+        gate = (idx % 2).unsqueeze(-1).to(x.dtype)  # from the whole sequence's tokens, not the shard's
         for block in self.blocks:
             x = block(x, gate)
         return self.lm_head(self.ln_f(x))
@@ -227,7 +227,8 @@ def test_sequence_parallelism_only_where_the_model_runs_it(capsys, model_file):
     assert all(r["sp_blocker"] == roles[0]["sp_blocker"] != "" for r in roles)
     assert main([*args, "--sequence-parallel", "on"]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: --sequence-parallel on: sequence parallelism cannot run on this model") and "\n" not in err, err
+    assert err.startswith("error: --sequence-parallel on: sequence parallelism cannot run on this model: the model "
+                          "does not run on sequence shards (in blocks.0 (GatedBlock): RuntimeError: ") and "\n" not in err, err
     gpt = _plan_json(capsys, GPT, "--gpus", "2", "--tp", "2", "--global-batch", "8", "--sequence-parallel", "on")
     assert gpt["parallel"]["sequence_parallel"] is True  # examples/gpt.py runs it
 

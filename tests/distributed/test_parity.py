@@ -97,6 +97,8 @@ CONFIGS = {
     # a GPT whose attention views with its own head count and whose blocks write the MLP's output in
     # place (tests/own_heads_model.py, as OPT and Falcon do): each rank's head count divided, the output copied
     "tp_own_heads": (2, Fixed(dp=1, tp=2, pp=1, zero=0, micro_batch=4, recompute="none", sequence_parallel=True)),
+    # a Hugging Face Llama (tests/hf_llama_model.py): the shard taken at its first layer, not at the embeddings
+    "tp_hf_llama": (2, Fixed(dp=1, tp=2, pp=1, zero=0, micro_batch=4, recompute="none", sequence_parallel=True)),
     # the same model taking its inputs as a dict (keyword arguments): stage 0 gets them positionally
     "pp_interleaved_dict": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none",
                                      schedule="interleaved", virtual_stages=2)),
@@ -106,6 +108,8 @@ NANOGPT_CONFIGS = {"pp_dp_tp_nanogpt"}
 NANOGPT = Path(__file__).parents[1] / "nanogpt_model.py"
 OWN_HEADS_CONFIGS = {"tp_own_heads"}
 OWN_HEADS = Path(__file__).parents[1] / "own_heads_model.py"
+HF_LLAMA_CONFIGS = {"tp_hf_llama"}
+HF_LLAMA = Path(__file__).parents[1] / "hf_llama_model.py"
 
 # MODEL with its inputs as {"input_ids": ...}: same weights and data, so the same reference
 DICT_MODEL = MODEL + """
@@ -153,6 +157,8 @@ def plans(workdir) -> dict[str, Path]:
             plan = make_plan(load_model_file(NANOGPT), request)
         elif name in OWN_HEADS_CONFIGS:
             plan = make_plan(load_model_file(OWN_HEADS), request)
+        elif name in HF_LLAMA_CONFIGS:
+            plan = make_plan(load_model_file(HF_LLAMA), request)
         else:
             plan = make_plan(handle, request, profile)
         out[name] = workdir / f"{name}.json"
@@ -197,6 +203,11 @@ def own_heads_reference(plans) -> tuple[list[float], dict[str, torch.Tensor]]:
     return single_process(plans["tp_own_heads"], STEPS)
 
 
+@pytest.fixture(scope="module")
+def hf_llama_reference(plans) -> tuple[list[float], dict[str, torch.Tensor]]:
+    return single_process(plans["tp_hf_llama"], STEPS)
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_matches_single_process(name, runs, reference, request):
     report, params_path = runs[name]
@@ -204,6 +215,8 @@ def test_matches_single_process(name, runs, reference, request):
         reference = request.getfixturevalue("nanogpt_reference")
     elif name in OWN_HEADS_CONFIGS:
         reference = request.getfixturevalue("own_heads_reference")
+    elif name in HF_LLAMA_CONFIGS:
+        reference = request.getfixturevalue("hf_llama_reference")
     assert_matches(name, report.measured.losses, params_path, reference)
     assert report.measured.step_time_s > 0 and len(report.measured.peak_memory_bytes) == CONFIGS[name][0]
 
@@ -273,6 +286,8 @@ def test_plan_shapes(plans):
     assert all(s.alternate_layers and not s.selective_layers for s in Plan.load(plans["pp_dp"]).stages)
     assert Plan.load(plans["zero1"]).parallel.zero == 1
     assert Plan.load(plans["hsdp"]).parallel.dp_replicate == 2
+    hf = Plan.load(plans["tp_hf_llama"])
+    assert hf.parallel.sequence_parallel and {l.role.shard_at for l in hf.model.layers} == {"model.layers.0"}
 
 
 @pytest.mark.parametrize("name", ["ddp_selective", "zero1", "pp_gpipe", "pp_dp", "pp_dp_zero1"])

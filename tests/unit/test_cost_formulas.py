@@ -556,6 +556,17 @@ def test_tp_collectives_are_one_call_per_linear_group_and_norm_parameter(gpt_bf1
     quarter = latency + nbytes / 2 / (bw * LINK_EFFICIENCY)  # 4 calls share the backward's bytes
     assert off == pytest.approx((2 * ar, 4 * quarter))
     assert on == pytest.approx((4 * half, 4 * half + 4 * latency))
+    # the vocabulary-parallel embedding: its output reduce-scattered to the sequence shards with
+    # SP (its gradient all-gathered in backward); where the first block takes the shard
+    # (TPRole.shard_at: Hugging Face's models) all-reduced whole, the block's cut gathering the gradient
+    from dataclasses import replace
+
+    wte = gpt_bf16.layers[0]
+    emb = wte.tp.allreduce_bytes * scale
+    rs = latency + emb / 2 / (bw * LINK_EFFICIENCY)
+    assert tp_collectives_s(wte, 2, True, link, scale) == pytest.approx((rs, rs))
+    cut = replace(wte, tp_role=replace(wte.tp_role, shard_at="blocks.0"))
+    assert tp_collectives_s(cut, 2, True, link, scale) == pytest.approx((latency + emb / (bw * LINK_EFFICIENCY), rs))
 
 
 def test_fp8_runs_the_linear_matmuls_at_the_fp8_peak(gpt_bf16):

@@ -414,16 +414,54 @@ def test_plan_runs_ep_with_tp_under_sequence_parallelism(tmp_path):
     assert layer["tp"]["moe"] == ["mlp"] and layer["role"]["sp_blocker"] == ""
 
 
-def test_hugging_face_ep_with_tp_is_refused_without_sequence_parallelism(tmp_path, capsys):
-    """A Hugging Face decoder layer takes more than its hidden states (position embeddings, mask):
-    no sequence parallelism, so no EP with TP (every tp rank would route the same tokens)."""
+def test_hugging_face_ep_with_tp_plans_sequence_parallelism(tmp_path):
+    """A Hugging Face decoder layer takes the rotary tables and the mask beside its hidden states,
+    computed from the embeddings' sequence length: sequence parallelism takes the shard at the first
+    layer (TPRole.shard_at), so EP with TP plans, each tp rank routing its own tokens. Profiled in
+    fp32 the model runs on real tensors (torch's meta _grouped_mm takes bf16 only); its TP roles are
+    still found on fake ones, in bf16 (it trained as one process does on dp 2 x tp 2 x ep 2 when this
+    was written)."""
     pytest.importorskip("transformers")
-    model = tmp_path / "hf_moe.py"
+    model, out = tmp_path / "hf_moe.py", tmp_path / "plan.json"
     model.write_text(TINY_MIXTRAL)
+    assert main([str(model), "--gpu", "cpu", "--gpus", "4", "--global-batch", "8", "--ep", "2", "--tp", "2",
+                 "-o", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["parallel"]["sequence_parallel"] and plan["parallel"]["ep"] == 2
+    assert {layer["role"]["shard_at"] for layer in plan["model"]["layers"]} == {"model.layers.0"}
+    assert any("profiled on real tensors" in w for w in plan["warnings"])
+
+
+def test_ep_with_tp_is_refused_where_sequence_parallelism_cannot_run(tmp_path, capsys):
+    """A block holding parameters outside its Linear pair and norms cannot run sequence-parallel,
+    so no EP with TP (every tp rank would route the same tokens): refused in one line, with why."""
+    model = tmp_path / "scaled_moe.py"
+    model.write_text(f"""
+import sys
+sys.path.insert(0, {str(EXAMPLES)!r})
+import torch
+from moe import CONFIG, build_moe, sample_batch
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.inner, self.scale = block, torch.nn.Parameter(torch.ones(CONFIG.dim))
+
+    def forward(self, x, *args):
+        return self.inner(x, *args) * self.scale
+
+
+def build_model():
+    model = build_moe(CONFIG)
+    model.layers = torch.nn.ModuleList(Scaled(b) for b in model.layers)
+    return model
+""")
     code = main([str(model), "--gpu", "cpu", "--gpus", "4", "--global-batch", "8", "--ep", "2", "--tp", "2"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "--ep 2 with --tp 2 needs sequence parallelism" in err and "which cannot run on this model" in err
+    assert "holds parameters and is neither a Linear of the column/row-wise pair nor a norm" in err
 
 
 GROUPED_MOE = """

@@ -7,6 +7,8 @@ that this trains exactly as one process does."""
 
 from __future__ import annotations
 
+import pytest
+
 from planner.model_file import load_model_file
 from planner.plan import plan_layers
 from planner.profile import profile_model
@@ -261,3 +263,62 @@ def test_mixture_of_experts_blocks_stay_whole_under_expert_parallelism(model_fil
     assert "mlp.experts.0.gate_proj" in alone.blocks[0].tp.colwise
     assert alone.warnings[0].startswith("tensor parallelism runs without sequence parallelism: the mixture-of-experts "
                                         "block layers.0.mlp runs on the sequence shards only with expert parallelism")
+
+
+HF_LLAMA = EXAMPLES.parent / "tests" / "hf_llama_model.py"
+
+
+def test_hugging_face_layers_take_the_shard_at_the_first_layer():
+    """A Hugging Face decoder layer takes the rotary tables, the mask and the positions beside the
+    hidden states, and the model computes them from the embeddings' sequence length: sequence
+    parallelism runs with the embeddings whole and the first layer cutting its input to the shard
+    (the attention gets its hidden states by keyword, gathered). tests/distributed/test_parity.py
+    (tp_hf_llama) trains it against one process."""
+    pytest.importorskip("transformers")
+    layers = plan_layers(profile_model(load_model_file(HF_LLAMA), dtype="fp32", measure=False))
+    roles = {l.name: l.role for l in layers}
+    assert {r.shard_at for r in roles.values()} == {"model.layers.0"}
+    block = roles["model.layers.1"]
+    assert block.gathers == ("self_attn", "mlp") and block.gather_kwargs == (("self_attn", "hidden_states"),)
+    layout = tp_layout(layers, 2)
+    assert layout.sequence_parallel and layout.warnings == (SP_GATHER_WARNING,)
+    (line,) = [x for x in shard_lines(layers, 2, 1) if x.startswith("sequence parallel")]
+    assert line.startswith("sequence parallel: positions 8-15 of 16 of the hidden states outside the Linear pairs, "
+                           "from model.layers.0's input on"), line
+
+
+def test_block_adding_a_whole_sequence_tensor_runs_without_sequence_parallelism(model_file):
+    """A block that adds a tensor of the whole sequence, taken beside the hidden states, to them
+    cannot run on a shard: found by running the model on fake tensors as a sequence-parallel rank,
+    so the plan runs TP without SP (with the reason) instead of dying after launch."""
+    layers = _layers(model_file, GPT.replace("def build_model():\n    return GPT(CFG)", """
+class Biased(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.inner = block
+
+    def forward(self, x, bias):
+        return self.inner(x + bias)
+
+
+class BiasedGPT(GPT):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.blocks = torch.nn.ModuleList(Biased(b) for b in self.blocks)
+
+    def forward(self, idx):
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device)))
+        bias = torch.ones(idx.shape[0], idx.shape[1], x.shape[-1])  # the whole sequence's
+        for block in self.blocks:
+            x = block(x, bias)
+        return self.lm_head(self.ln_f(x))
+
+
+def build_model():
+    return BiasedGPT(CFG)"""))
+    layout = tp_layout(layers, 2)
+    assert not layout.sequence_parallel
+    (warning,) = layout.warnings
+    assert warning.startswith("tensor parallelism runs without sequence parallelism: the model does not run on "
+                              "sequence shards (in blocks.0 (Biased): RuntimeError: "), warning
+
