@@ -58,6 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_leaves, tree_map
 
 from planner.plan import Plan
+from planner.profile.materialize import one_sequence_per_row, packed_rows
 from runtime.phases import CP_SCOPE, scope
 
 log = logging.getLogger(__name__)
@@ -378,9 +379,14 @@ class ContextParallel:
     @contextlib.contextmanager
     def sharded(self, inputs: Any, targets: Any) -> Iterator[tuple[Any, Any]]:
         """(inputs, targets) with this rank's share of each sequence; run forward and backward inside."""
+        if packed_rows(inputs):
+            raise RuntimeError("context parallelism: a row of this micro-batch packs several sequences (its position_ids "
+                               "restart), which needs a mask; the ring splits one causal sequence per row only")
         inputs, targets = _cloned(inputs), _cloned(targets)
         tensors = [t for t in _tensors((inputs, targets)) if t.dim() >= 2 and t.shape[1] == self.seq_len]
-        with sequence_sharded(self.mesh, tensors, [1] * len(tensors)):
+        # the whole rows are one sequence each: so are this rank's shards, whose positions jump
+        # where its two chunks meet (Hugging Face's mask builder would take them for packed ones)
+        with one_sequence_per_row(every_call=True), sequence_sharded(self.mesh, tensors, [1] * len(tensors)):
             yield inputs, targets
 
 

@@ -65,7 +65,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from planner.profile.tp_roles import hidden_input, is_sequence
+from planner.profile.tp_roles import hidden_input
 from runtime.layout import TPLayout, tp_layout
 from runtime.types import LayerSplit
 
@@ -86,13 +86,10 @@ class _CutInput(ParallelStyle):
     whole (the embeddings hand on their whole output) and go on as this rank's shard (a local slice;
     in backward the shards' gradients all-gathered into the whole one)."""
 
-    def __init__(self, seq_len: int) -> None:
-        super().__init__()
-        self.seq_len = seq_len
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def pre(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            keyword, x = hidden_input(args, kwargs, lambda t: is_sequence(t, self.seq_len))
+            # [batch, seq, hidden], seq the whole sequence or, under context parallelism, this rank's part
+            keyword, x = hidden_input(args, kwargs, lambda t: isinstance(t, torch.Tensor) and t.dim() == 3)
             if keyword is None:
                 return args, kwargs
             shard = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
@@ -234,8 +231,8 @@ def apply_tp(
                 assert layer.role is not None
                 for norm in layer.role.norms:
                     _sequence_parallel(module.get_submodule(norm), tp_mesh)
-                if layer.role.shard_at == layer.name and layer.role.seq_len:
-                    _parallelize_layer(module, tp_mesh, _CutInput(layer.role.seq_len))
+                if layer.role.shard_at == layer.name:
+                    _parallelize_layer(module, tp_mesh, _CutInput())
         elif kind == "embedding":
             assert layer.role is not None
             seq = Shard(layer.role.seq_dim if layer.role.seq_dim is not None else 1)

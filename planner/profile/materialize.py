@@ -125,17 +125,32 @@ def make_fake(model: torch.nn.Module, fake_mode: FakeTensorMode, leave_meta: tup
     return model
 
 
+def packed_rows(inputs: Any) -> bool:
+    """Whether a row of the (real) inputs' ``position_ids`` packs several sequences, their positions
+    restarting, as Hugging Face's mask builder finds them (find_packed_sequence_indices; False where
+    transformers is not loaded or there are no such position ids)."""
+    masking = sys.modules.get("transformers.masking_utils")
+    find = getattr(masking, "find_packed_sequence_indices", None)
+    pos = inputs.get("position_ids") if isinstance(inputs, dict) else None
+    if find is None or not isinstance(pos, torch.Tensor) or isinstance(pos, FakeTensor) or pos.dim() != 2:
+        return False
+    return find(pos) is not None
+
+
 def fake_batch(batch: Any, fake_mode: FakeTensorMode) -> Any:
     return tree_map(lambda t: fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
 
 
 @contextmanager
-def one_sequence_per_row() -> Iterator[None]:
+def one_sequence_per_row(every_call: bool = False) -> Iterator[None]:
     """Hugging Face's mask builder (transformers.masking_utils.find_packed_sequence_indices) cannot
     read fake position ids, so on fake tensors it takes the positions it made itself (0 .. seq - 1
     in every row) for packed sequences and hands SDPA an explicit mask, where the real run passes
     is_causal=True and no mask (a causal kernel, which context parallelism can split). Meanwhile,
-    fake position ids count as one sequence per row, as the sample batch's are."""
+    fake position ids count as one sequence per row, as the sample batch's are (`packed_rows`:
+    the profiler's cp_blocker). `every_call`: real ones too (a context-parallel rank's shard,
+    whose positions jump where its two chunks meet, once the whole micro-batch's were found one
+    sequence per row: runtime.context_parallel)."""
     masking = sys.modules.get("transformers.masking_utils")
     find = getattr(masking, "find_packed_sequence_indices", None)
     if find is None:
@@ -143,7 +158,9 @@ def one_sequence_per_row() -> Iterator[None]:
         return
 
     def unpacked_if_fake(position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return None if isinstance(position_ids, FakeTensor) else find(position_ids, *args, **kwargs)
+        if every_call or isinstance(position_ids, FakeTensor):
+            return None
+        return find(position_ids, *args, **kwargs)
 
     masking.find_packed_sequence_indices = unpacked_if_fake
     try:

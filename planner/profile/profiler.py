@@ -281,7 +281,7 @@ def profile_model(
         thread_speedup=thread_speedup,
         pipeline_split=split,
         pipeline_split_note=split_note,
-        cp_blocker=cp_blocker(trace, units, seq_len_of(inputs)),
+        cp_blocker=cp_blocker(trace, units, seq_len_of(inputs), mat.packed_rows(inputs)),
         output_bytes=trace.loss_memory[0] if trace.loss_memory else None,
         loss_working_bytes=trace.loss_memory[1] if trace.loss_memory else None,
         loss_saved_bytes=trace.loss_memory[2] if trace.loss_memory else None,
@@ -289,14 +289,18 @@ def profile_model(
     )
 
 
-def cp_blocker(trace: TraceResult, units: list[Unit], seq_len: int | None) -> str:
+def cp_blocker(trace: TraceResult, units: list[Unit], seq_len: int | None, packed: bool = False) -> str:
     """Why context parallelism cannot run on the traced model ("" when it can). It splits the
     sequence over ranks (in a load-balanced order, for causal attention) and turns every fused
     attention into a ring over their keys and values (torch's context_parallel): attention done
-    with plain matmuls, a mask that is not causal, or positions the forward makes over the whole
-    sequence would be wrong on a shard, so they block it."""
+    with plain matmuls, a mask that is not causal, positions the forward makes over the whole
+    sequence, or rows packing several sequences (`packed`: the sample batch's position ids restart
+    in a row, for which Hugging Face's models build a mask) would be wrong on a shard, so they block it."""
     if not seq_len:
         return "its inputs have no sequence dimension (a 2-D integer input)"
+    if packed:
+        return ("the sample batch packs several sequences in a row (its position_ids restart), which needs a mask "
+                "(a ring splits one causal sequence per row only)")
 
     def where(unit: int) -> str:
         return units[unit].name if unit >= 0 else "the forward, outside its submodules,"

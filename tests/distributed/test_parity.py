@@ -99,6 +99,9 @@ CONFIGS = {
     "tp_own_heads": (2, Fixed(dp=1, tp=2, pp=1, zero=0, micro_batch=4, recompute="none", sequence_parallel=True)),
     # a Hugging Face Llama (tests/hf_llama_model.py): the shard taken at its first layer, not at the embeddings
     "tp_hf_llama": (2, Fixed(dp=1, tp=2, pp=1, zero=0, micro_batch=4, recompute="none", sequence_parallel=True)),
+    # and with context parallelism: its position ids sharded with the tokens, one sequence per row
+    "tp_cp_hf_llama": (4, Fixed(dp=1, tp=2, pp=1, cp=2, zero=0, micro_batch=4, recompute="none",
+                                sequence_parallel=True)),
     # the same model taking its inputs as a dict (keyword arguments): stage 0 gets them positionally
     "pp_interleaved_dict": (2, Fixed(dp=1, tp=1, pp=2, zero=0, micro_batch=2, recompute="none",
                                      schedule="interleaved", virtual_stages=2)),
@@ -108,8 +111,14 @@ NANOGPT_CONFIGS = {"pp_dp_tp_nanogpt"}
 NANOGPT = Path(__file__).parents[1] / "nanogpt_model.py"
 OWN_HEADS_CONFIGS = {"tp_own_heads"}
 OWN_HEADS = Path(__file__).parents[1] / "own_heads_model.py"
-HF_LLAMA_CONFIGS = {"tp_hf_llama"}
+HF_LLAMA_CONFIGS = {"tp_hf_llama", "tp_cp_hf_llama"}
 HF_LLAMA = Path(__file__).parents[1] / "hf_llama_model.py"
+# the Hugging Face Llama given its position ids (context parallelism shards them with the tokens)
+HF_LLAMA_POSITIONS = f"""
+import sys
+sys.path.insert(0, {str(HF_LLAMA.parent)!r})
+from hf_llama_model import build_model, batch_with_positions as sample_batch  # noqa: F401
+"""
 
 # MODEL with its inputs as {"input_ids": ...}: same weights and data, so the same reference
 DICT_MODEL = MODEL + """
@@ -137,6 +146,7 @@ def workdir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("runtime")
     (path / "model.py").write_text(MODEL)
     (path / "dict_model.py").write_text(DICT_MODEL)
+    (path / "hf_positions.py").write_text(HF_LLAMA_POSITIONS)
     return path
 
 
@@ -158,7 +168,7 @@ def plans(workdir) -> dict[str, Path]:
         elif name in OWN_HEADS_CONFIGS:
             plan = make_plan(load_model_file(OWN_HEADS), request)
         elif name in HF_LLAMA_CONFIGS:
-            plan = make_plan(load_model_file(HF_LLAMA), request)
+            plan = make_plan(load_model_file(HF_LLAMA if name == "tp_hf_llama" else workdir / "hf_positions.py"), request)
         else:
             plan = make_plan(handle, request, profile)
         out[name] = workdir / f"{name}.json"
@@ -203,11 +213,6 @@ def own_heads_reference(plans) -> tuple[list[float], dict[str, torch.Tensor]]:
     return single_process(plans["tp_own_heads"], STEPS)
 
 
-@pytest.fixture(scope="module")
-def hf_llama_reference(plans) -> tuple[list[float], dict[str, torch.Tensor]]:
-    return single_process(plans["tp_hf_llama"], STEPS)
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_matches_single_process(name, runs, reference, request):
     report, params_path = runs[name]
@@ -216,7 +221,7 @@ def test_matches_single_process(name, runs, reference, request):
     elif name in OWN_HEADS_CONFIGS:
         reference = request.getfixturevalue("own_heads_reference")
     elif name in HF_LLAMA_CONFIGS:
-        reference = request.getfixturevalue("hf_llama_reference")
+        reference = single_process(request.getfixturevalue("plans")[name], STEPS)
     assert_matches(name, report.measured.losses, params_path, reference)
     assert report.measured.step_time_s > 0 and len(report.measured.peak_memory_bytes) == CONFIGS[name][0]
 
@@ -286,8 +291,11 @@ def test_plan_shapes(plans):
     assert all(s.alternate_layers and not s.selective_layers for s in Plan.load(plans["pp_dp"]).stages)
     assert Plan.load(plans["zero1"]).parallel.zero == 1
     assert Plan.load(plans["hsdp"]).parallel.dp_replicate == 2
-    hf = Plan.load(plans["tp_hf_llama"])
+    # without position ids the model makes them from the embeddings' length: the shard is taken at its
+    # first layer; given them, the embeddings hand on their shards (as context parallelism's ranks do)
+    hf, hf_cp = Plan.load(plans["tp_hf_llama"]), Plan.load(plans["tp_cp_hf_llama"])
     assert hf.parallel.sequence_parallel and {l.role.shard_at for l in hf.model.layers} == {"model.layers.0"}
+    assert hf_cp.parallel.sequence_parallel and hf_cp.parallel.cp == 2 and not hf_cp.model.cp_blocker
 
 
 @pytest.mark.parametrize("name", ["ddp_selective", "zero1", "pp_gpipe", "pp_dp", "pp_dp_zero1"])

@@ -246,3 +246,31 @@ def test_grouped_query_keys_and_values_are_counted_once_however_the_model_repeat
     attn = next(l for l in profile.layers if l.attention_kv_bytes)
     assert attn.attention_kv_bytes == 2 * (2 * 8 * 64 * 16 * 4)
     assert attn.attention_kv_unique_bytes == 2 * (2 * 2 * 64 * 16 * 4)
+
+
+
+HF_POSITIONS = """
+import sys
+sys.path.insert(0, {tests!r})
+import torch
+from hf_llama_model import SEQ, batch_with_positions, build_model
+
+
+def sample_batch(batch_size):
+    return batch_with_positions(batch_size{positions})
+"""
+
+
+def test_hugging_face_positions_one_sequence_per_row_or_packed(model_file):
+    """A Hugging Face Llama given its position ids (tests/hf_llama_model.py) can run context
+    parallelism: each rank's shard of them, in load-balanced order, jumps where its two chunks
+    meet, which the runtime tells Hugging Face's mask builder is not packing (the whole rows were
+    one sequence each: tests/distributed/test_parity.py, tp_cp_hf_llama). A sample batch whose rows
+    pack several sequences (positions restarting) needs a mask, which a ring cannot split."""
+    pytest.importorskip("transformers")
+    tests = str(EXAMPLES.parent / "tests")
+    rows = model_file(HF_POSITIONS.format(tests=tests, positions=""))
+    assert profile_model(load_model_file(rows), batch_size=2, measure=False).cp_blocker == ""
+    packed = model_file(HF_POSITIONS.format(tests=tests, positions=", torch.arange(SEQ).remainder(SEQ // 2)"))
+    blocker = profile_model(load_model_file(packed), batch_size=2, measure=False).cp_blocker
+    assert blocker.startswith("the sample batch packs several sequences in a row (its position_ids restart)"), blocker
