@@ -480,8 +480,9 @@ class _Recorder(TorchDispatchMode):
         elif not view:
             if func.overloadpacket is torch.ops.aten.arange and not self.seg.backward:
                 made = tensors_in(out)
-                if made and made[0].dim() == 1:
-                    costs.aranges[seg] = max(costs.aranges[seg], int(made[0].shape[0]))
+                if made and made[0].dim() == 1:  # glue's (outside every unit's forward) on its own
+                    where = seg if self.seg.stack else BEFORE_ANY
+                    costs.aranges[where] = max(costs.aranges[where], int(made[0].shape[0]))
             if not is_cheap(func):
                 self.uncounted[(seg, op_name(func))] += 1
             ins = [t for t in tensors_in((args, kwargs)) if storage_key(t) not in self.param_keys]
