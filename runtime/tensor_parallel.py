@@ -65,7 +65,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from planner.profile.tp_roles import hidden_input
+from planner.profile.tp_roles import hidden_input, with_hidden
 from runtime.layout import TPLayout, tp_layout
 from runtime.types import LayerSplit
 
@@ -93,8 +93,7 @@ class _CutInput(ParallelStyle):
             if keyword is None:
                 return args, kwargs
             shard = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
-            shard = shard.redistribute(device_mesh, [Shard(1)]).to_local()
-            return ((shard, *args[1:]), kwargs) if not keyword else (args, {**kwargs, keyword: shard})
+            return with_hidden(args, kwargs, keyword, shard.redistribute(device_mesh, [Shard(1)]).to_local())
 
         module.register_forward_pre_hook(pre, with_kwargs=True)
         return module

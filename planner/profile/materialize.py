@@ -125,12 +125,16 @@ def make_fake(model: torch.nn.Module, fake_mode: FakeTensorMode, leave_meta: tup
     return model
 
 
+def _find_packed() -> Any:
+    """Hugging Face's packed-sequence finder, None where transformers is not loaded."""
+    return getattr(sys.modules.get("transformers.masking_utils"), "find_packed_sequence_indices", None)
+
+
 def packed_rows(inputs: Any) -> bool:
     """Whether a row of the (real) inputs' ``position_ids`` packs several sequences, their positions
     restarting, as Hugging Face's mask builder finds them (find_packed_sequence_indices; False where
     transformers is not loaded or there are no such position ids)."""
-    masking = sys.modules.get("transformers.masking_utils")
-    find = getattr(masking, "find_packed_sequence_indices", None)
+    find = _find_packed()
     pos = inputs.get("position_ids") if isinstance(inputs, dict) else None
     if find is None or not isinstance(pos, torch.Tensor) or isinstance(pos, FakeTensor) or pos.dim() != 2:
         return False
@@ -151,11 +155,11 @@ def one_sequence_per_row(every_call: bool = False) -> Iterator[None]:
     the profiler's cp_blocker). `every_call`: real ones too (a context-parallel rank's shard,
     whose positions jump where its two chunks meet, once the whole micro-batch's were found one
     sequence per row: runtime.context_parallel)."""
-    masking = sys.modules.get("transformers.masking_utils")
-    find = getattr(masking, "find_packed_sequence_indices", None)
+    find = _find_packed()
     if find is None:
         yield
         return
+    masking = sys.modules["transformers.masking_utils"]
 
     def unpacked_if_fake(position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if every_call or isinstance(position_ids, FakeTensor):

@@ -131,12 +131,19 @@ def hidden_input(args: tuple, kwargs: dict, hidden: Any) -> tuple[str | None, to
     return next(((k, v) for k, v in kwargs.items() if hidden(v)), (None, None))
 
 
+def with_hidden(args: tuple, kwargs: dict, keyword: str, value: Any) -> tuple[tuple, dict]:
+    """(args, kwargs) with `value` in place of the hidden states, where `hidden_input` found them."""
+    if keyword:
+        return args, {**kwargs, keyword: value}
+    return (value, *args[1:]), kwargs
+
+
 def _first_tensor(out: Any) -> Any:
     """A call's output tensor: itself, or the first of a tuple (older Hugging Face layers)."""
     return out[0] if isinstance(out, (tuple, list)) and out else out
 
 
-def is_sequence(t: Any, seq_len: int) -> bool:
+def _is_sequence(t: Any, seq_len: int) -> bool:
     """A [batch, seq, hidden] tensor of the whole sequence."""
     return isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] == seq_len
 
@@ -145,10 +152,9 @@ def _in_any(sub: str, blocks: tuple[str, ...]) -> bool:
     return any(b == "" or sub == b or sub.startswith(b + ".") for b in blocks)
 
 
-def _pair_outside_moe(module: nn.Module, tp: TPInfo) -> tuple[list[str], list[str]]:
-    """The block's column- and row-wise Linears outside its mixture-of-experts blocks (which run
-    whole on the sequence shard)."""
-    moe = tuple(b.name for b in find_moe(module))
+def _pair_outside_moe(tp: TPInfo, moe: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """The block's column- and row-wise Linears outside its mixture-of-experts blocks `moe` (which
+    run whole on the sequence shard)."""
     return [c for c in tp.colwise if not _in_any(c, moe)], [r for r in tp.rowwise if not _in_any(r, moe)]
 
 
@@ -228,11 +234,7 @@ class _Analysis:
         # Mixture-of-experts blocks as expert parallelism with TP runs them: whole (their Linears
         # out of the pairs, their router replicated), on this rank's sequence shard, not gathered.
         moe = tuple(b.name for b in find_moe(module))
-
-        def in_moe(sub: str) -> bool:
-            return _in_any(sub, moe)
-
-        colwise, rowwise = _pair_outside_moe(module, tp)
+        colwise, rowwise = _pair_outside_moe(tp, moe)
         linears = set(colwise) | set(rowwise)
         if self.S is None:
             return TPRole("block", None, sp_blocker="the model has no 2-D integer input (token ids), so no sequence dimension is known")
@@ -271,7 +273,7 @@ class _Analysis:
 
         norms: list[str] = []
         for sub, m in module.named_modules():
-            if not any(True for _ in m.parameters(recurse=False)) or sub in linears or in_moe(sub):
+            if not any(True for _ in m.parameters(recurse=False)) or sub in linears or _in_any(sub, moe):
                 continue
             if not is_norm_like(m):
                 return TPRole("block", self.S, sp_blocker=(
@@ -354,9 +356,7 @@ def tp_roles(
         before = next((roles[n].sp_blocker for n in run[:start] if roles[n].sp_blocker), "")
         first = next((roles[n].sp_blocker for n in run[start:] if roles[n].sp_blocker), "")
         shard_at = ""
-        if start == len(run):
-            first = first or before
-        elif not first and seq_len:
+        if not first and seq_len and start < len(run):
             with _without(model, skipped):
                 first, shard_at = sp_check(model, batch, fake_mode, layers, roles, seq_len, output, at_block=bool(before))
             first = first or ("" if shard_at else before)
@@ -531,16 +531,13 @@ def _sp_run(model: nn.Module, batch: Any, fake_mode: Any, layers: list[Any], rol
 
     def on_hidden(keyword: str, fn: Any) -> Any:
         def pre(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            if keyword:
-                return args, {**kwargs, keyword: fn(kwargs[keyword])} if keyword in kwargs else kwargs
-            return ((fn(args[0]), *args[1:]) if args else args), kwargs
+            x = kwargs.get(keyword) if keyword else (args[0] if args else None)
+            return (args, kwargs) if x is None else with_hidden(args, kwargs, keyword, fn(x))
         return pre
 
     def cut_input(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        keyword, x = hidden_input(args, kwargs, lambda t: is_sequence(t, seq_len))
-        if keyword is None:
-            return args, kwargs
-        return on_hidden(keyword, cut)(m, args, kwargs)
+        keyword, x = hidden_input(args, kwargs, lambda t: _is_sequence(t, seq_len))
+        return (args, kwargs) if keyword is None else with_hidden(args, kwargs, keyword, cut(x))
 
     hooks = []
 
@@ -558,7 +555,7 @@ def _sp_run(model: nn.Module, batch: Any, fake_mode: Any, layers: list[Any], rol
             keywords = dict(role.gather_kwargs)
             for g in role.gathers:
                 pre_hook(module.get_submodule(g), on_hidden(keywords.get(g, ""), whole))
-            colwise, rowwise = _pair_outside_moe(module, layer.tp)
+            colwise, rowwise = _pair_outside_moe(layer.tp, tuple(b.name for b in find_moe(module)))
             for c in colwise:
                 if not _in_any(c, role.gathers):
                     pre_hook(module.get_submodule(c), on_hidden("", whole))
