@@ -788,12 +788,17 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     if gb is None:
         gb = gpus
         assumed.append(f"global batch {gb} (1 per GPU)")
+    trainer = _trainer(trainer_text)
+    schedule, v = _schedule(p, pp, notes, assumed, trainer)
     mb = e.get("micro_batch")
     if isinstance(mb, dict) and "local_batch_per_dp_rank" in mb:
         local = int(num(mb["local_batch_per_dp_rank"]))  # no gradient accumulation: one step per local batch
-        micro = local // pp if pp > 1 else local
+        # torchtitan's pipeline runs as many micro-batches as there are stages in all
+        # (build_pipeline_schedule: n_microbatches = pp x stages per rank when not set)
+        stages = pp * (v or 1)
+        micro = local // stages if pp > 1 else local
         if pp > 1:
-            assumed.append(f"{pp} pipeline micro-batches (torchtitan default)")
+            assumed.append(f"{stages} pipeline micro-batches (torchtitan's default: one per stage)")
     else:
         micro = num(mb)
         micro = int(micro) if micro is not None else None
@@ -817,7 +822,6 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     # EP overlap: Megatron-Core's combined 1F1B (--overlap-moe-expert-parallel-comm, Megatron-Bridge's
     # moe_a2a_overlap) and DeepSeek-V3's DualPipe, which overlaps its all-to-alls (the cost model's --ep-overlap)
     ep_overlap = ep > 1 and bool(re.search(r"moe[-_ ]a2a[-_ ]overlap|overlap[-_ ]moe[-_ ]expert|dualpipe", overlap_text))
-    trainer = _trainer(trainer_text)
     settings: dict[str, Any] = {"dp_overlap": dp_overlap}  # what the row says, over its trainer's
     if value(p.get("torch_compile")):
         settings["fused_kernels"] = True  # inductor's fused kernels (Training.fused_kernels)
@@ -866,7 +870,6 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
         zero = 2
         notes.append("FSDP2 no reshard under PP")
     recompute = _recompute(p, shape, notes, assumed)
-    schedule, v = _schedule(p, pp, notes, assumed, trainer)
     fixed = Fixed(
         tp=tp, pp=pp, dp=dp, cp=cp, ep=ep if shape.experts else None, micro_batch=micro, zero=zero if dp * cp > 1 else 0,
         schedule=schedule, virtual_stages=v, recompute=recompute,

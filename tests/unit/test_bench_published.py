@@ -335,6 +335,24 @@ def test_torchtitans_interleaved_schedule_runs_two_stages_per_rank_unless_said(t
         assert (row.fixed.schedule, row.fixed.virtual_stages) == ("interleaved", want), row.id
 
 
+
+def test_torchtitans_pipeline_runs_one_micro_batch_per_stage_of_the_whole_pipeline(tmp_path):
+    """torchtitan splits a rank's local batch into as many micro-batches as the pipeline has
+    stages in all (build_pipeline_schedule: pp x stages per rank when not set): Table 5's local
+    batch of 32 over 8 ranks is 8 micro-batches of 4 under 1F1B, and 16 of 2 under interleaved
+    1F1B's two stages per rank (which its measured memory, 10 GiB under 1F1B's, bears out)."""
+    import yaml
+
+    rows = yaml.safe_load(REFERENCE.read_text())["entries"]
+    t5 = next(e for e in rows if e["id"] == "torchtitan_T5_405B_512gpu_12")
+    for schedule, micro in (("1F1B", 4), ("Interleaved 1F1B", 2), ("Interleaved 1F1B, 4 stages per rank", 1)):
+        entry = {**t5, "parallel": {**t5["parallel"], "interleaving": schedule}}
+        path = tmp_path / "t5.yaml"
+        path.write_text(yaml.safe_dump({"entries": [entry]}))
+        (row,) = load_rows(path)
+        assert row.fixed.micro_batch == micro, schedule
+        assert f"{32 // micro} pipeline micro-batches" in " ".join(row.assumed), row.assumed
+
 def test_sources_come_from_the_source_fields(rows):
     by_source = {}
     for r in rows:
