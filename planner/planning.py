@@ -354,20 +354,29 @@ def _check_pipeline_cuts(profile: ModelProfile, request: PlanRequest) -> None:
 
 
 def feasible(profile: ModelProfile, request: PlanRequest) -> bool:
-    """Whether `plan` would find a plan for `request` (the same search, no Plan built)."""
+    """Whether `plan` would find a plan for `request` (the same search, no Plan built). Where all
+    the GPUs' memory cannot hold the training state (`state_bytes`: the least any plan holds, ZeRO-3
+    over every GPU), no: without a search."""
     try:
         cluster = cluster_for(request)
         _check(request, cluster)
     except BadInput:
         return False
+    training = _training(request, cluster, global_batch_of(profile, request, cluster)[0])
+    if state_bytes(profile, training) > training.memory_limit_bytes * cluster.num_gpus:
+        return False
     return search(profile, request, cluster)[0].best is not None
+
+
+def state_bytes(profile: ModelProfile, training: Training) -> float:
+    """Weights, gradients and optimizer state of the whole model (before any sharding)."""
+    return profile.num_params * sum(training.bytes_per_param())
 
 
 def _infeasible_message(profile, request: PlanRequest, cluster: Cluster, result: SearchResult, training: Training) -> str:
     limit = training.memory_limit_bytes
     need = result.min_need_bytes
-    w, g, o = training.bytes_per_param()
-    state = profile.num_params * (w + g + o)
+    state = state_bytes(profile, training)
     head = (
         f"nothing fits on {cluster.describe()} with {fmt_bytes(limit)} per GPU (weights, gradients and "
         f"optimizer state alone take {fmt_bytes(state)}, against {fmt_bytes(limit * cluster.num_gpus)} in all)"

@@ -81,7 +81,7 @@ def test_70b_on_8_gpus_does_not_fit(capsys):
     assert "needs" in err and "16 GPUs of this type" in err
 
 
-def test_175b_on_8_gpus_does_not_fit(capsys, model_file):
+def test_175b_on_8_gpus_does_not_fit(capsys, model_file, monkeypatch):
     path = model_file(
         """
         from gpt import GPTConfig, build_gpt, gpt_batch
@@ -92,10 +92,24 @@ def test_175b_on_8_gpus_does_not_fit(capsys, model_file):
             return gpt_batch(CFG, b)
         """
     )
+    import planner.planning as planning
+
+    searched = []
+    search = planning.search
+
+    def counting(profile, request, cluster):
+        searched.append((request.gpus, request.gpu, request.optimizer))
+        return search(profile, request, cluster)
+
+    monkeypatch.setattr(planning, "search", counting)
     code = main([str(path), "--gpus", "8"])
     err = capsys.readouterr().err
     assert code == EXIT_INFEASIBLE
-    assert "nothing fits" in err and "GPUs of this type" in err
+    assert "nothing fits" in err and "64 GPUs of this type" in err
+    # after the request's own search, the fixes are searched only where all the GPUs' memory can hold
+    # the training state (2.80 TB): not on 16 or 32 H100s, nor on 8 of any larger GPU (at most 288 GB
+    # each), nor with SGD's (2.10 TB)
+    assert searched == [(8, "h100-sxm-80gb", "adamw"), (64, "h100-sxm-80gb", "adamw")], searched
 
 
 def test_output_file_is_never_overwritten(capsys, tmp_path):
