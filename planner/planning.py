@@ -373,6 +373,14 @@ def state_bytes(profile: ModelProfile, training: Training) -> float:
     return profile.num_params * sum(training.bytes_per_param())
 
 
+def _flag(field: str, value: object) -> str:
+    """The command-line flag that fixes `field` of Fixed at `value`."""
+    flag = "--" + field.replace("_", "-")
+    if isinstance(value, bool):
+        return f"{flag} {'on' if value else 'off'}"
+    return f"{flag} {value}"
+
+
 def _infeasible_message(profile, request: PlanRequest, cluster: Cluster, result: SearchResult, training: Training) -> str:
     limit = training.memory_limit_bytes
     need = result.min_need_bytes
@@ -388,20 +396,27 @@ def _infeasible_message(profile, request: PlanRequest, cluster: Cluster, result:
             f"micro-batch {c.micro_batch}, full recompute) needs {fmt_bytes(need)} per GPU"
         )
     fixes = []
-    fixed_any = any(v is not None for v in vars(request.fixed).values())
-    if fixed_any and feasible(profile, replace(request, fixed=Fixed())):
-        fixes.append("drop the fixed --tp/--pp/--dp/--zero/--recompute/--micro-batch choices")
+    # what the user fixed, as the flags they gave (the overlaps are off unless asked for: off is no choice)
+    given = [_flag(k, v) for k, v in vars(request.fixed).items() if v is not None and not (k.endswith("_overlap") and v is False)]
+    free = bool(given) and feasible(profile, replace(request, fixed=Fixed()))
+    if free:
+        fixes.append(f"drop {' '.join(given)}")
+    # the other fixes leave the search every choice, unless the fixed choices alone keep it from fitting:
+    # then each is one that fits with them
+    keep = request.fixed if free else Fixed()
     n = request.gpus * 2
     while n <= 16384:
-        if feasible(profile, replace(request, gpus=n, fixed=Fixed())):
+        if feasible(profile, replace(request, gpus=n, fixed=keep)):
             fixes.append(f"{n} GPUs of this type")
             break
         n *= 2
-    bigger = [g for g in load_catalogue().values() if g.memory_bytes > cluster.gpu.memory_bytes and request.precision in g.peak_flops]
+    # a GPU with more memory, where the GPU's memory is what binds (not the user's --memory-limit)
+    bigger = [g for g in load_catalogue().values() if g.memory_bytes > cluster.gpu.memory_bytes and request.precision in g.peak_flops
+              and request.memory_limit_gib is None]
     for gpu in sorted(bigger, key=lambda g: g.memory_bytes):
-        if feasible(profile, replace(request, gpu=gpu.name, gpus_per_node=None, memory_limit_gib=None, fixed=Fixed())):
+        if feasible(profile, replace(request, gpu=gpu.name, gpus_per_node=None, memory_limit_gib=None, fixed=keep)):
             fixes.append(f"{request.gpus} x {gpu.name} ({gpu.memory_gb:.0f} GB)")
             break
-    if request.optimizer == "adamw" and feasible(profile, replace(request, optimizer="sgd", fixed=Fixed())):
+    if request.optimizer == "adamw" and feasible(profile, replace(request, optimizer="sgd", fixed=keep)):
         fixes.append("--optimizer sgd (8 bytes of optimizer state per parameter instead of 12)")
     return head + ". Smallest changes that fit: " + ("; ".join(fixes) if fixes else "none found up to 16,384 GPUs") + "."

@@ -112,6 +112,33 @@ def test_175b_on_8_gpus_does_not_fit(capsys, model_file, monkeypatch):
     assert searched == [(8, "h100-sxm-80gb", "adamw"), (64, "h100-sxm-80gb", "adamw")], searched
 
 
+def test_nothing_fits_with_the_users_choices_names_them_and_keeps_them_in_the_other_fixes(capsys, monkeypatch):
+    """Where the fixed choices alone keep a plan from fitting, the error names the flags the user
+    gave, and the GPU counts and optimizer it tries besides keep those flags (none fits here); a
+    GPU with more memory is not offered while the user's --memory-limit is what binds."""
+    import planner.planning as planning
+
+    args = [str(EXAMPLES / "gpt.py"), "--gpus", "8", "--memory-limit", "2"]
+    assert main(args) == 0  # the search fits it, at a micro-batch of its choosing
+    capsys.readouterr()
+    searched = []
+    search = planning.search
+
+    def counting(profile, request, cluster):
+        searched.append((request.gpus, request.gpu, request.optimizer, request.fixed.micro_batch))
+        return search(profile, request, cluster)
+
+    monkeypatch.setattr(planning, "search", counting)
+    code = main(args + ["--micro-batch", "256"])
+    err = capsys.readouterr().err.strip()
+    assert code == EXIT_INFEASIBLE and len(err.splitlines()) == 1
+    assert err.endswith("Smallest changes that fit: drop --micro-batch 256."), err
+    first, dropped, *others = searched
+    assert first[3] == 256 and dropped[3] is None and others
+    assert all(s[3] == 256 and s[1] == "h100-sxm-80gb" for s in others), others
+    assert {s[0] for s in others} > {16, 32} and ("sgd" in {s[2] for s in others})
+
+
 def test_output_file_is_never_overwritten(capsys, tmp_path):
     out = tmp_path / "plan.json"
     assert main([GPT, "--gpus", "2", "-o", str(out)]) == 0
