@@ -70,9 +70,9 @@ def _check(request: PlanRequest, cluster: Cluster) -> list[str]:
         raise BadInput(f"--tp/--pp/--dp/--cp: their product ({prod}) does not divide --gpus {n}")
     if len(degrees) == 4 and prod != n:
         raise BadInput(f"--tp {f.tp} x --pp {f.pp} x --dp {f.dp} x --cp {f.cp} = {prod}, not --gpus {n}")
-    if f.ep is not None and f.dp is not None and f.dp % f.ep:
-        raise BadInput(f"--ep {f.ep}: expert parallelism splits the experts over data-parallel ranks, and --dp {f.dp} "
-                       "is not a multiple of it")
+    if f.ep is not None and f.dp is not None and f.tp is not None and f.dp * f.tp % f.ep:
+        raise BadInput(f"--ep {f.ep}: expert parallelism splits the experts over consecutive data- and tensor-parallel "
+                       f"ranks, and --dp {f.dp} x --tp {f.tp} is not a multiple of it")
     if f.virtual_stages is not None and f.schedule not in (None, "interleaved"):
         raise BadInput(f"--virtual-stages needs --schedule interleaved, not {f.schedule}")
     if f.zero and f.dp == 1 and (f.cp or 1) == 1:

@@ -185,7 +185,7 @@ def apply_dp(
 
 def shard_experts(experts: ExpertParallel, reshard: bool, mp: MixedPrecisionPolicy) -> None:
     """ZeRO-2/3 with expert parallelism: each module holding this rank's experts is its own FSDP2
-    unit on the expert-replica mesh (the dp / ep ranks holding the same experts), before the layers
+    unit on the expert-replica mesh (the dp x tp / ep ranks holding the same experts), before the layers
     (which then leave its parameters to it), as torchtitan shards experts. Its reduce-scatter sums
     over the replicas and divides by dp: each replica's gradient is already the sum over its EP
     group's ranks (runtime.expert_parallel). With one replica there is nothing to reduce: FSDP2

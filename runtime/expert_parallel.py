@@ -2,19 +2,20 @@
 expert-parallel group, every token's rows sent to the ranks holding the experts it chose and the
 results sent back, both by all-to-all.
 
-Groups. With ``parallel.ep`` = ep, ep consecutive dp indices at the same tp (and cp) index form an
-EP group (ranks are ordered tp, cp, dp, pp: with tp = cp = 1 that is ep consecutive ranks of a dp
-group); rank j of a group holds experts [j E/ep, (j+1) E/ep) of every block (E: that block's number
-of experts). The dp / ep ranks at the same position j of their groups hold the same experts: the
+Groups. With ``parallel.ep`` = ep, ep consecutive ranks of a pipeline stage form an EP group (ranks
+are ordered tp, cp, dp, pp, and EP runs with cp = 1: the group spans ep / tp data-parallel indices
+and all their tp ranks when tp divides ep, part of one tp group when ep divides tp; Megatron-Core's
+MoE parallel folding, torchtitan's EP borrowing the tp ranks at expert-tensor-parallel degree 1);
+rank j of a group holds experts [j E/ep, (j+1) E/ep) of every block (E: that block's number of
+experts). The dp x tp / ep ranks at the same position j of their groups hold the same experts: the
 expert replicas, over which the experts' gradients are summed (and divided by dp, below).
-``expert_mesh``: the 2-D (ep_replicate, ep) mesh of this rank's dp axis.
+``expert_mesh``: the 2-D (ep_replicate, ep) mesh of this rank's stage.
 
-With tensor parallelism (tp > 1; torchtitan's EP with expert-tensor-parallel degree 1) every tp
-slice has its own EP groups: tensor parallelism leaves the mixture-of-experts blocks whole
-(runtime.tensor_parallel), so the tp ranks at one EP position hold the same experts and the same
-replicated router; with sequence parallelism (required: runtime.preflight) each of them feeds the
-block its own sequence shard [batch, seq/tp, hidden] and routes those tokens through its own EP
-group's all-to-alls.
+With tensor parallelism (tp > 1) tensor parallelism leaves the mixture-of-experts blocks whole
+(runtime.tensor_parallel): every tp rank holds the same replicated router; with sequence
+parallelism (required: runtime.preflight) each feeds the block its own sequence shard [batch,
+seq/tp, hidden] and routes those tokens through its EP group's all-to-alls, to experts that may
+sit on its own tp peers.
 
 Blocks come from ``planner.profile.moe.find_moe`` (the profiler finds the same ones), in two kinds:
 
@@ -48,15 +49,17 @@ their own ``ZeroRedundancyOptimizer`` over the replicas (``runtime.train.make_op
 ZeRO-2/3 (FSDP2): each module holding experts (a list's local expert, a stacked module) is
 ``fully_shard``-ed on the replica mesh before the layers (torchtitan's way), with the gradient
 divide factor dp (``runtime.data_parallel.apply_dp``). So an expert's weights, gradients and
-optimizer state are ZeRO-sharded over its dp / ep replicas exactly as the dense ones are over dp.
+optimizer state are ZeRO-sharded over its dp x tp / ep replicas as the dense ones are over dp.
 
-With tp > 1 each tp rank's gradients of a block's parameters (the experts', and the router's and
-any other parameter of the block, which data parallelism reduces with the dense ones) cover its
-own sequence shard only: partial sums, as the sequence-parallel norms' are. ``sync_grads`` sums
-them over the tp group once a step, after the data-parallel reduction (the sum and the mean over
-dp commute). Under ZeRO-1/2/3 the tp ranks at one EP position hold the same shard of each such
-gradient (the data-parallel and replica meshes shard alike on every tp slice), so the shards are
-summed as they are.
+With tp > 1 each tp rank's gradients of a block's replicated parameters (the router's and any
+other parameter of the block but the experts, which data parallelism reduces with the dense ones)
+cover its own sequence shard only: partial sums, as the sequence-parallel norms' are.
+``sync_grads`` sums them over the tp group once a step, after the data-parallel reduction (the sum
+and the mean over dp commute); under ZeRO-1/2/3 the tp ranks hold the same shard of each (the
+data-parallel mesh shards alike on every tp slice), so the shards are summed as they are. An
+expert's gradient needs no such sum: its owner receives the rows of every tp rank of its group,
+and the copies on replicas at other tp indices (ep < tp) are summed with the replicas, so the sum
+over replicas divided by dp is the global batch's mean.
 
 Recompute: a recomputed layer (full, or selective / alternate: their policies keep matmul outputs,
 not the all-to-alls') reruns its forward in backward, so the record, the all-to-alls and the
@@ -103,26 +106,30 @@ META_REFUSAL = (
 
 
 @functools.lru_cache(maxsize=None)
-def _expert_mesh(device_type: str, pp: int, replicas: int, ep: int, cp: int, tp: int) -> DeviceMesh:
-    # rank = (((pp * replicas + r) * ep + j) * cp + c) * tp + t: dp index = r * ep + j
-    return init_device_mesh(device_type, (pp, replicas, ep, cp, tp), mesh_dim_names=("pp", "ep_replicate", "ep", "cp", "tp"))
+def _expert_mesh(device_type: str, pp: int, replicas: int, ep: int) -> DeviceMesh:
+    # with cp = 1, rank = (pp_index * dp + dp_index) * tp + tp_index = (pp_index * replicas + r) * ep + j
+    return init_device_mesh(device_type, (pp, replicas, ep), mesh_dim_names=("pp", "ep_replicate", "ep"))
+
+
+@functools.lru_cache(maxsize=None)
+def _tp_mesh(device_type: str, pp: int, dp: int, tp: int) -> DeviceMesh:
+    return init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
 
 
 def expert_mesh(device_type: str, plan: Plan) -> DeviceMesh:
-    """This rank's (ep_replicate, ep) mesh: its EP group ("ep": ep consecutive dp indices) and the
-    expert replicas ("ep_replicate": the dp indices at the same position of their groups). Made
-    once per process (every rank creates the groups together)."""
+    """This rank's (ep_replicate, ep) mesh: its EP group ("ep": ep consecutive ranks of its stage)
+    and the expert replicas ("ep_replicate": the ranks at the same position of the stage's other
+    groups). Made once per process (every rank creates the groups together)."""
     p = plan.parallel
-    return _expert_mesh(device_type, p.pp, p.dp // p.ep, p.ep, p.cp, p.tp)["ep_replicate", "ep"]
+    return _expert_mesh(device_type, p.pp, p.dp * p.tp // p.ep, p.ep)["ep_replicate", "ep"]
 
 
 def _tp_group(device_type: str, plan: Plan) -> dist.ProcessGroup | None:
-    """This rank's tensor-parallel group (the ranks at its EP position, which hold the same
-    experts), None with tp 1."""
+    """This rank's tensor-parallel group (which holds the same router), None with tp 1."""
     p = plan.parallel
     if p.tp == 1:
         return None
-    return _expert_mesh(device_type, p.pp, p.dp // p.ep, p.ep, p.cp, p.tp)["tp"].get_group()
+    return _tp_mesh(device_type, p.pp, p.dp, p.tp)["tp"].get_group()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -476,8 +483,8 @@ class ExpertParallel:
     """The blocks' other parameters (the router's), by their names in `module`: replicated on
     every rank, reduced over dp with the dense ones."""
     tp_group: dist.ProcessGroup | None = None
-    """With tensor parallelism: this rank's tp group, over which every gradient of the blocks is a
-    partial sum (module docstring); None with tp 1."""
+    """With tensor parallelism: this rank's tp group, over which the gradients of the blocks'
+    replicated parameters are partial sums (module docstring); None with tp 1."""
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -498,7 +505,8 @@ class ExpertParallel:
     def sync_grads(self) -> None:
         """Once per step, after the last micro-batch: under ZeRO-0/1 the experts' gradients summed
         over the replicas and divided by dp (FSDP2 does that under ZeRO-2/3); with tensor
-        parallelism then every gradient of the blocks summed over tp (module docstring)."""
+        parallelism then the blocks' replicated gradients (the router's) summed over tp (module
+        docstring)."""
         if not self.fsdp and self.names:
             params = self.parameters()
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -515,12 +523,12 @@ class ExpertParallel:
             self._sum_over_tp()
 
     def _sum_over_tp(self) -> None:
-        """The blocks' gradients (this rank's experts, the router) summed over the tp group, in one
+        """The blocks' replicated gradients (the router's) summed over the tp group, in one
         all-reduce; sharded ones (FSDP2's DTensors) as their local shards."""
         from torch.distributed.tensor import DTensor
 
         local: list[torch.Tensor] = []
-        for name in (*self.names, *self.replicated):
+        for name in self.replicated:
             p = self.module.get_parameter(name)
             if p.grad is None:  # a parameter no token reached on this rank: a zero partial sum
                 p.grad = torch.zeros_like(p)
@@ -656,6 +664,6 @@ def apply_expert_parallel(module: nn.Module, plan: Plan, device_type: str) -> Ex
                  "expert gradients summed over %d replica(s), divided by dp %d%s",
                  len(blocks), "" if len(blocks) == 1 else "s", experts, p.ep, each, _patterns([b.experts for b in blocks]) or "none here",
                  mesh["ep_replicate"].size(), p.dp,
-                 f"; not split by tp {p.tp}: each tp rank routes its sequence shard, the blocks' gradients summed over tp"
+                 f"; not split by tp {p.tp}: each tp rank routes its sequence shard, the router's gradients summed over tp"
                  if p.tp > 1 else "")
     return ep

@@ -161,7 +161,7 @@ def check_context_parallel(plan: Plan, plan_path: Path) -> None:
 
 def check_expert_parallel(plan: Plan, plan_path: Path, handle: ModelHandle, layers: tuple[LayerSplit, ...]) -> None:
     """A plan with ep > 1 runs on a model with mixture-of-experts blocks (found as the profiler and
-    the runtime find them: planner.profile.moe), ep dividing dp and every block's experts, with
+    the runtime find them: planner.profile.moe), ep dividing dp x tp and every block's experts, with
     tensor parallelism only under sequence parallelism (each tp rank routes its own sequence shard;
     without it every tp rank would route the same tokens), without context or hybrid-sharded data
     parallelism (not yet), on a model built whole (not the meta-device build); BadInput otherwise."""
@@ -185,9 +185,9 @@ def check_expert_parallel(plan: Plan, plan_path: Path, handle: ModelHandle, laye
         if blocker:
             raise BadInput(f"{plan_path}: parallel.ep {p.ep} with tp {p.tp} needs sequence parallelism, which cannot run "
                            f"on this model ({blocker}): re-plan with --tp 1")
-    if p.dp % p.ep:
-        raise BadInput(f"{plan_path}: parallel.ep {p.ep} does not divide dp {p.dp} (an expert-parallel group is ep of "
-                       "the data-parallel ranks): re-plan")
+    if p.dp * p.tp % p.ep:
+        raise BadInput(f"{plan_path}: parallel.ep {p.ep} does not divide dp x tp {p.dp * p.tp} (an expert-parallel group is "
+                       "ep consecutive ranks of the data- and tensor-parallel ranks): re-plan")
     if p.dp_replicate > 1:
         raise BadInput(f"{plan_path}: parallel.ep {p.ep} with HSDP (parallel.dp_replicate {p.dp_replicate}) is not "
                        "supported yet: re-plan with --hsdp off")

@@ -338,13 +338,13 @@ class Candidate:
     dp_shard_cp mesh). The batch is split over dp only."""
     ep: int = 1
     """Expert parallelism (mixture-of-experts models): each MoE block's experts split over ep
-    consecutive dp ranks (ep divides dp; with cp = 1 and no HSDP, as the runtime runs it),
-    tokens sent to their experts and back with two all-to-alls per block in forward and two in
-    backward. An expert's weights are held by dp / ep ranks (`expert_replicas`), which average
-    its gradients and over which ZeRO shards its state. With tp > 1 (and sequence parallelism,
-    which it needs) tensor parallelism leaves the MoE blocks whole (TPInfo.under_ep): the tp
-    ranks at one EP position hold the same experts, each routing its own 1/tp of the tokens,
-    and their expert gradients are summed over tp once a step."""
+    consecutive ranks of a pipeline stage, tp ranks included (ep divides dp x tp; with cp = 1 and
+    no HSDP, as the runtime runs it: Megatron-Core's MoE parallel folding, torchtitan's EP
+    borrowing the tp ranks), tokens sent to their experts and back with two all-to-alls per block
+    in forward and two in backward. An expert's weights are held by dp x tp / ep ranks
+    (`expert_replicas`), which average its gradients and over which ZeRO shards its state. With
+    tp > 1 (and sequence parallelism, which it needs) tensor parallelism leaves the MoE blocks
+    whole (TPInfo.under_ep): each tp rank routes its own 1/tp of the tokens."""
 
     @property
     def grad_ranks(self) -> int:
@@ -358,8 +358,8 @@ class Candidate:
 
     @property
     def expert_replicas(self) -> int:
-        """The ranks that hold the same experts (ZeRO's group for their state): dp_shard / ep."""
-        return self.dp_shard // self.ep
+        """The ranks that hold the same experts (ZeRO's group for their state): dp_shard x tp / ep."""
+        return self.dp_shard * self.tp // self.ep
 
     @property
     def num_stages(self) -> int:

@@ -979,21 +979,16 @@ def stage_costs(
     optimizer_s *= cluster.gpu.factor("optimizer")
     experts = {}
     if cand.ep > 1:
-        # the experts' own group: the dp / ep ranks that hold the same experts
+        # the experts' own group: the dp x tp / ep ranks that hold the same experts (an owner's
+        # gradients already sum every tp rank's tokens of its group; the router's tp sum, a few
+        # parameters, is not counted)
         replicas = cand.expert_replicas
         expert_lk = replace(lk, dp=lk.expert_dp) if lk.expert_dp is not None else lk
         ex = _dp_traffic(cand, replicas, replicas, expert_lk, w, g, (comm_factor, zero_factor), hsdp=False, copy_s_per_byte=copy_s)
-        sync = ex.grad_sync.per_byte_s
-        if cand.tp > 1:
-            # each tp rank's expert gradients cover its own sequence shard: summed over tp once a
-            # step after the data-parallel reduction (runtime ExpertParallel.sync_grads), on what
-            # the rank holds then (ZeRO-2/3: its 1/replicas); the router's few parameters not counted
-            held = 1 / (replicas if zero >= 2 else 1)
-            sync += comm.allreduce(cand.tp, lk.tp).scaled(comm_factor).per_byte_s * held
         experts = dict(
             expert_state_bytes=_sharded_state(cand, replicas, w, g, o),
             expert_mb_comm_param_s=ex.per_param,
-            expert_grad_sync_per_byte_s=sync,
+            expert_grad_sync_per_byte_s=ex.grad_sync.per_byte_s,
             expert_after_step_param_s=ex.after_step_param_s + optimizer_s / (replicas if zero >= 1 else 1),
         )
     model_flops = atoms.memo("flops", lambda: sum(l.fwd_flops + l.bwd_flops for l in layers)) * training.global_batch / profile.batch_size

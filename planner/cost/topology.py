@@ -2,7 +2,8 @@
 
 Ranks are laid out tensor-parallel first, then context-parallel, then data-parallel, then
 pipeline (Megatron-LM's and torchtitan's order, tp fastest): a TP group is `tp` consecutive ranks,
-a CP group strides by `tp`, an EP group is `ep` consecutive dp ranks (inside a node first), the dp x cp ranks that hold the same weights (ZeRO's and the gradient
+a CP group strides by `tp`, an EP group is `ep` consecutive ranks, tp ranks included (inside a node
+first), the dp x cp ranks that hold the same weights (ZeRO's and the gradient
 average's group) are `tp`-strided too, pipeline neighbours are `tp * cp * dp` ranks apart. A group
 that cannot stay inside one node uses the inter-node network: each of its members in a node
 sends through its own port (one NIC per GPU), so the group's bandwidth is the per-GPU figure
@@ -36,11 +37,11 @@ class Links:
     """A context-parallel group (cp ranks strided by tp), None without CP."""
     cp_spans_nodes: bool = False
     ep: Link | None = None
-    """An expert-parallel group's all-to-all (ep dp ranks strided by tp x cp), None without EP."""
+    """An expert-parallel group's all-to-all (ep consecutive ranks), None without EP."""
     ep_spans_nodes: bool = False
     expert_dp: Link | None = None
-    """The ranks that hold the same experts (dp / ep of them, strided by tp x cp x ep: one in each
-    EP group), which average and shard the experts' gradients and state; None without EP."""
+    """The ranks that hold the same experts (dp x tp / ep of them, strided by ep: one in each EP
+    group), which average and shard the experts' gradients and state; None without EP."""
 
 
 def _link(cluster: Cluster, group_size: int, spans: bool, members_per_node: int = 1) -> Link:
@@ -85,8 +86,8 @@ def remote_nodes_per_token(experts: int, top_k: int, nodes: int, node_limit: int
 
 
 def ep_members_per_node(cluster: Cluster, cand: Candidate) -> int:
-    """Members of one expert-parallel group in a node (its ranks stride by tp x cp)."""
-    return min(cand.ep, max(1, cluster.gpus_per_node // (cand.tp * cand.cp)))
+    """Members of one expert-parallel group in a node (consecutive ranks, as a node's are)."""
+    return min(cand.ep, cluster.gpus_per_node)
 
 
 def deepep_all_to_all(cluster: Cluster, cand: Candidate, experts: int, top_k: int, node_limit: int | None,
@@ -120,7 +121,7 @@ def _links(cluster: Cluster, cand: Candidate) -> Links:
     tp_spans = cand.tp > per_node
     dp_spans = cand.tp * shard > per_node
     cp_spans = cand.cp > 1 and cand.tp * cand.cp > per_node
-    ep_spans = cand.ep > 1 and cand.tp * cand.cp * cand.ep > per_node
+    ep_spans = cand.ep > 1 and cand.ep > per_node
     pp_spans = cand.pp > 1 and cand.tp * cand.grad_ranks >= per_node
     # members of one group in a node, whose network ports it uses at once: a TP group fills its
     # nodes; a DP group strides by tp, so a node holds per_node / tp of it (at least one); an
@@ -128,9 +129,9 @@ def _links(cluster: Cluster, cand: Candidate) -> Links:
     # group's ranks on its own port; a CP group strides by tp, as a DP group
     tp_members = min(cand.tp, per_node)
     dp_members = min(shard, max(1, per_node // cand.tp))
-    # the experts' replicas stride by a whole EP group: an EP group that fills a node leaves one
-    # of them in each node, each on its own port
-    expert_stride, replicas = cand.tp * cand.cp * cand.ep, cand.expert_replicas
+    # the experts' replicas stride by a whole EP group (ep consecutive ranks): an EP group that fills
+    # a node leaves one of them in each node, each on its own port
+    expert_stride, replicas = cand.ep, cand.expert_replicas
     expert_dp = (_link(cluster, replicas, expert_stride * replicas > per_node, min(replicas, max(1, per_node // expert_stride)))
                  if cand.ep > 1 and replicas > 1 else None)
     return Links(

@@ -306,13 +306,13 @@ def _expert_parallel_line(best: Scored, profile: ModelProfile) -> str:
             f"and each token goes to {k} and back by two all-to-alls per layer in forward and two in backward, "
             + ("run beside another micro-batch's compute (EP overlap: what it does not hide), " if c.ep_overlap else "")
             + f"{fmt_seconds(breakdown(best)['ep_comm'])} per step. "
-            + (f"Each expert's gradients are averaged over the {c.expert_replicas} data-parallel GPUs that hold it"
+            + (f"Each expert's gradients are averaged over the {c.expert_replicas} GPUs that hold it"
                + (f", and ZeRO-{c.zero} shards its state over them" if c.zero else "") + "."
-               if c.expert_replicas > 1 else "No other data-parallel GPU holds the same experts (nothing to average)."))
+               if c.expert_replicas > 1 else "No other GPU holds the same experts (nothing to average)."))
     if c.tp > 1:
-        line += (f" Tensor parallelism leaves the experts whole (expert parallelism splits them): each of the {c.tp} "
-                 f"tensor-parallel GPUs of an expert's place routes its own 1/{c.tp} of the sequence (sequence "
-                 "parallelism) through its own all-to-alls, and their gradients are summed over the tensor-parallel GPUs.")
+        line += (f" Tensor parallelism leaves the experts whole (expert parallelism splits them, over the "
+                 f"tensor-parallel GPUs too: {c.ep} consecutive GPUs): each of the {c.tp} tensor-parallel GPUs routes "
+                 f"its own 1/{c.tp} of the sequence (sequence parallelism) through its group's all-to-alls.")
     return line
 
 

@@ -235,7 +235,7 @@ def check_fixed_ep(profile: ModelProfile, fixed: Fixed) -> None:
 def _expert_parallel(profile: ModelProfile, tp: int, cp: int, dp: int, pp: int, fixed: Fixed,
                      stats: SpaceStats) -> list[int]:
     """EP degrees: 1, and on a model with mixture-of-experts blocks each divisor of their experts
-    that divides dp, without CP (as the runtime runs it; with TP only under sequence parallelism:
+    that divides dp x tp, without CP (as the runtime runs it; with TP only under sequence parallelism:
     `_sequence_parallel`). On pipeline stages the pipelining tracer splits, only when --ep and --pp
     are both asked for (a published configuration, say): the runtime does not run that, and `plan
     run` says so before launching."""
@@ -243,9 +243,9 @@ def _expert_parallel(profile: ModelProfile, tp: int, cp: int, dp: int, pp: int, 
     wanted = [fixed.ep] if fixed.ep is not None else divisors(experts) if experts else [1]
     out = []
     for ep in wanted:
-        if ep > 1 and dp % ep:
+        if ep > 1 and dp * tp % ep:
             if fixed.ep is not None:
-                stats.reject(f"ep={ep} must divide dp={dp}")
+                stats.reject(f"ep={ep} must divide dp x tp={dp * tp}")
         elif ep > 1 and cp > 1:
             stats.reject("expert parallelism with context parallelism (the runtime does not run it)")
         elif ep > 1 and pp > 1 and profile.tracer_splits(tp) and (fixed.ep is None or fixed.pp is None):

@@ -1,9 +1,11 @@
 """Expert parallelism run against one process: each mixture-of-experts block's experts split over
-ep ranks of the dp axis, tokens dispatched to them and combined back by all-to-all (CPU/gloo, fp32,
+ep consecutive ranks, tokens dispatched to them and combined back by all-to-all (CPU/gloo, fp32,
 SGD), with DDP, ZeRO-1 and FSDP2 (ZeRO-2/3) over one and two expert replicas, full and selective
 recompute (the all-to-alls run again in backward), a pipeline, and tensor parallelism with
-sequence parallelism (dp2 x tp2, ep2: the experts whole on each tp rank, each routing its own
-sequence shard; ZeRO-1, and FSDP ZeRO-3 with full recompute).
+sequence parallelism (dp2 x tp2, each tp rank routing its own sequence shard through the experts,
+which tp leaves whole and EP splits over consecutive ranks, tp ranks included: ep2 over each tp
+pair, the experts replicated over dp, with ZeRO-1, and FSDP ZeRO-3 with full recompute; ep4 over
+all four ranks, on the Hugging Face model).
 
 Two models: examples/moe.py's decoder, small (a ModuleList of experts that the block's own loop
 calls: record / replay), and a tiny Hugging Face Mixtral built from a config (stacked expert
@@ -13,10 +15,9 @@ training on the whole global batch. One launch per world size, which also checkp
 steps (with a few AdamW configurations, whose optimizer state a resume must restore); a second
 launch per world size resumes some of them from step 2 to 5, which must match the uninterrupted
 run, and the checkpoints hold every expert once, in the whole model's layout. Also: a plan with ep
-on a model without experts, with ep not dividing the experts or dp, or with tp but without
+on a model without experts, with ep not dividing the experts or dp x tp, or with tp but without
 sequence parallelism is refused before launch, in one line (plan files edited: the planner does
-not make them); ``--dry-run`` shows the split. (The Hugging Face model runs no sequence
-parallelism, so the planner refuses it EP with TP: tests/unit/test_expert_parallel_cost.py.)
+not make them); ``--dry-run`` shows the split.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ MOE_CONFIGS = {
     "replicas_zero1": (4, Fixed(dp=4, tp=1, pp=1, zero=1, micro_batch=1, recompute="none", ep=2)),
     "replicas_fsdp": (4, Fixed(dp=4, tp=1, pp=1, zero=3, micro_batch=1, recompute="full", ep=2)),
     "pp": (4, Fixed(dp=2, tp=1, pp=2, zero=1, micro_batch=1, recompute="none", schedule="1f1b", ep=2)),
-    # EP x TP (experts whole on each tp rank, each routing its own sequence shard): ZeRO-1 over 2
+    # EP x TP (experts whole, each tp rank routing its own sequence shard; the EP group is consecutive
+    # ranks, tp ranks included: ep2 over each tp pair, each expert on both dp ranks): ZeRO-1 over 2
     # micro-batches; FSDP ZeRO-3 with full recompute (the all-to-alls and TP collectives rerun)
     "tp_zero1": (4, Fixed(dp=2, tp=2, pp=1, zero=1, micro_batch=1, recompute="none", ep=2, sequence_parallel=True)),
     "tp_fsdp": (4, Fixed(dp=2, tp=2, pp=1, zero=3, micro_batch=2, recompute="full", ep=2, sequence_parallel=True)),
@@ -123,7 +125,13 @@ HF_CONFIGS = {
     "hf_fsdp_recompute": (2, Fixed(dp=2, tp=1, pp=1, zero=3, micro_batch=1, recompute="full", ep=2)),
     "hf_replicas_zero2": (4, Fixed(dp=4, tp=1, pp=1, zero=2, micro_batch=1, recompute="none", ep=2)),
 }
-CONFIGS = {**MOE_CONFIGS, **HF_CONFIGS}
+# the same model with transformers' grouped-GEMM experts, whose fake-tensor run finds its sequence
+# parallelism: an EP group over both dp indices and both tp ranks, one of the 4 experts a rank, each
+# tp rank's sequence shard (taken at the first layer) routed to all four
+HF_GROUPED_CONFIGS = {
+    "hf_tp_ep4": (4, Fixed(dp=2, tp=2, pp=1, zero=1, micro_batch=1, recompute="none", ep=4, sequence_parallel=True)),
+}
+CONFIGS = {**MOE_CONFIGS, **HF_CONFIGS, **HF_GROUPED_CONFIGS}
 # AdamW (optimizer state that a resume must restore; no single-process reference): the dense
 # ZeRO-1 optimizer beside the experts' own; the stacked experts' ZeroRedundancyOptimizer over 2
 # replicas; FSDP2 shards of stacked experts over 2 replicas
@@ -134,8 +142,8 @@ ADAMW_CONFIGS = {
 }
 WORLD = {**{n: w for n, (w, _) in CONFIGS.items()}, **{n: w for n, (w, _, _) in ADAMW_CONFIGS.items()}}
 # resumed from their step-2 checkpoints, one launch per world size: list and stacked blocks, with
-# ZeRO-0/1/2/3, one and two expert replicas, a pipeline, and tensor parallelism (each expert held
-# by both tp ranks of its EP position, saved once)
+# ZeRO-0/1/2/3, one and two expert replicas, a pipeline, and tensor parallelism (ep2 over each tp
+# pair: each expert held by both dp ranks, saved once)
 RESUMED = {
     2: ("recompute", "fsdp", "hf_fsdp_recompute", "adamw_zero1"),
     4: ("replicas_zero1", "pp", "tp_zero1", "hf_replicas_zero2", "hf_adamw_replicas_zero1", "hf_adamw_replicas_fsdp"),
@@ -156,6 +164,7 @@ def workdir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("ep")
     (path / "moe_model.py").write_text(MOE_MODEL)
     (path / "hf_model.py").write_text(HF_MODEL)
+    (path / "hf_grouped_model.py").write_text(HF_MODEL.replace(', experts_implementation="eager"', ""))
     return path
 
 
@@ -180,6 +189,7 @@ def plans(workdir) -> dict[str, Path]:
     return {
         **make_plans(workdir / "moe_model.py", MOE_CONFIGS, workdir, GLOBAL_BATCH),
         **make_plans(workdir / "hf_model.py", HF_CONFIGS, workdir, GLOBAL_BATCH),
+        **make_plans(workdir / "hf_grouped_model.py", HF_GROUPED_CONFIGS, workdir, GLOBAL_BATCH),
         **_adamw_plans(workdir),
     }
 
@@ -206,10 +216,11 @@ def runs(plans, workdir) -> dict[str, tuple[object, Path]]:
 def test_matches_single_process(name, plans, runs):
     report, params_path = runs[name]
     assert_matches(name, report.measured.losses, params_path, single_process(plans[name], STEPS))
-    assert json.loads(plans[name].read_text())["parallel"]["ep"] == 2  # as planned (--ep 2)
+    ep = CONFIGS[name][1].ep
+    assert json.loads(plans[name].read_text())["parallel"]["ep"] == ep  # as planned (--ep)
     log = (params_path.parent.parent / "launch.log").read_text(errors="replace")
-    blocks, experts, each = ("1 block", 6, 3) if name == "pp" else ("2 blocks", *((4, 2) if name.startswith("hf") else (6, 3)))
-    assert f"expert parallel: {blocks}, {experts} experts over 2 ranks ({each} each), dispatch by all-to-all" in log
+    blocks, experts = ("1 block", 6) if name == "pp" else ("2 blocks", 4 if name.startswith("hf") else 6)
+    assert f"expert parallel: {blocks}, {experts} experts over {ep} ranks ({experts // ep} each), dispatch by all-to-all" in log
     phases = report.profiled.phases_s  # the profiled step (runtime.phases): the dispatch is EP's
     tp = json.loads(plans[name].read_text())["parallel"]["tp"]
     assert phases["ep_comm"] > 0 and phases["cp_comm"] == 0 and (phases["tp_comm"] > 0) == (tp > 1), phases
@@ -222,7 +233,9 @@ def test_dry_run_shows_the_expert_split(plans, capsys):
     assert "rank 3: dp 3/4, ep 1/2, tp 0/1" in out
     assert main(["run", str(plans["tp_zero1"]), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "rank 1: dp 0/2, ep 0/2, tp 1/2" in out and "rank 2: dp 1/2, ep 1/2, tp 0/2" in out
+    # the EP group is consecutive ranks: ep2 splits the experts over each tp pair
+    assert "rank 1: dp 0/2, ep 1/2, tp 1/2" in out and "rank 2: dp 1/2, ep 0/2, tp 0/2" in out
+    assert "2 replica(s) of each expert" in out
     assert "expert parallel x tensor parallel: the mixture-of-experts blocks are not split by tp" in out
     assert "tp shard 1/2 of layers.*.self_attn.q_proj, layers.*.self_attn.k_proj, layers.*.self_attn.v_proj (colwise)" in out
 
@@ -250,7 +263,7 @@ def test_ep_not_dividing_the_experts_or_dp_is_refused_before_launch(plans, workd
     assert err.endswith(f"parallel.ep 4 does not divide the {NUM_EXPERTS} experts of layers.0.mlp.experts: re-plan "
                         "with an ep that divides it")
     err = _refused(["run", str(with_ep(plans["ddp"], 4, workdir / "ep4_dp2.json"))], capsys)
-    assert "ep 4 does not divide dp 2" in err  # planner.schema refuses it on load
+    assert "ep 4 does not divide dp x tp 2" in err  # planner.schema refuses it on load
     assert not (workdir / "ep4.run.d").exists() and not (workdir / "ep4_dp2.run.d").exists()
 
 

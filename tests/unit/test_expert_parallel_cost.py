@@ -270,7 +270,9 @@ def test_plan_runs_ep_where_asked_and_explains_it(tmp_path):
     (["moe.py", "--tp", "2", "--dp", "2", "--ep", "1", "--sequence-parallel", "on"],
      "--sequence-parallel on: sequence parallelism cannot run on this model: the mixture-of-experts block "
      "layers.0.mlp runs on the sequence shards only with expert parallelism (ep > 1)"),
-    (["moe.py", "--ep", "4", "--dp", "2"], "--ep 4: expert parallelism splits the experts over data-parallel ranks"),
+    (["moe.py", "--ep", "4", "--dp", "2", "--tp", "1"],
+     "--ep 4: expert parallelism splits the experts over consecutive data- and tensor-parallel ranks, and --dp 2 x "
+     "--tp 1 is not a multiple of it"),
 ])
 def test_bad_ep_is_refused_in_one_line(args, message, capsys):
     name, *flags = args
@@ -388,18 +390,24 @@ def test_ep_with_tp_sends_each_rank_s_own_tokens(moe):
         assert atom.act_bytes == without.act_bytes
 
 
-def test_expert_gradients_are_summed_over_tp_once_a_step(moe):
-    """dp 2 x tp 2, ep 2: one replica of each expert (nothing to reduce over dp), but each tp rank's
-    expert gradients cover its own tokens: one all-reduce over the 2 tp ranks per gradient byte.
-    ZeRO-3 on dp 4: the same over the half each rank holds after FSDP's reduce-scatter."""
+def test_the_ep_group_spans_the_tp_ranks(moe):
+    """dp 2 x tp 2: an EP group is ep consecutive ranks, tp ranks included (Megatron-Core's MoE
+    parallel folding, torchtitan's EP borrowing tp). ep 2 is each tp pair: every expert on the 2 dp
+    ranks at its position, whose gradients are all-reduced (an owner's already sum both tp ranks'
+    tokens: no tp all-reduce); ep 4 is all four ranks: one copy of each expert, nothing to reduce,
+    and each GPU holds half the experts ep 2 leaves it. Both groups sit inside a node."""
     cluster = make_cluster("h100-sxm-80gb", 8)
     training = Training("bf16", "adamw", 16, 80 * GIB)
-    ddp = stage_costs(moe, cluster, training, Candidate(2, 1, 2, 2, 1, 0, "1f1b", sequence_parallel=True, ep=2))
-    assert ddp.expert_grad_sync_per_byte_s == pytest.approx(comm.allreduce(2, ddp.links.tp).per_byte_s)
-    fsdp = stage_costs(moe, cluster, training, Candidate(2, 1, 4, 2, 1, 3, "1f1b", sequence_parallel=True, ep=2))
-    assert fsdp.expert_grad_sync_per_byte_s == pytest.approx(comm.allreduce(2, fsdp.links.tp).per_byte_s / 2)
-    alone = stage_costs(moe, cluster, training, Candidate(1, 1, 4, 2, 1, 3, "1f1b", ep=2))
-    assert alone.expert_grad_sync_per_byte_s == 0.0  # tp 1: FSDP's reduce-scatter is all
+    two, four = (stage_costs(moe, cluster, training, Candidate(2, 1, 2, 2, 1, 0, "1f1b", sequence_parallel=True, ep=ep))
+                 for ep in (2, 4))
+    assert (two.cand.expert_replicas, four.cand.expert_replicas) == (2, 1)
+    assert two.expert_grad_sync_per_byte_s == pytest.approx(comm.allreduce(2, two.links.expert_dp).per_byte_s)
+    assert four.expert_grad_sync_per_byte_s == 0.0 and four.links.expert_dp is None
+    assert four.atoms.param_totals[1] == pytest.approx(two.atoms.param_totals[1] / 2)
+    assert not two.links.ep_spans_nodes and not four.links.ep_spans_nodes
+    # on nodes of 2 GPUs the 4-rank group crosses the network; the 2-rank one stays in its node
+    small = make_cluster("h100-sxm-80gb", 8, gpus_per_node=2)
+    assert [stage_costs(moe, small, training, c.cand).links.ep_spans_nodes for c in (two, four)] == [False, True]
 
 
 def test_plan_runs_ep_with_tp_under_sequence_parallelism(tmp_path):
