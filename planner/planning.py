@@ -70,9 +70,17 @@ def _check(request: PlanRequest, cluster: Cluster) -> list[str]:
         raise BadInput(f"--tp/--pp/--dp/--cp: their product ({prod}) does not divide --gpus {n}")
     if len(degrees) == 4 and prod != n:
         raise BadInput(f"--tp {f.tp} x --pp {f.pp} x --dp {f.dp} x --cp {f.cp} = {prod}, not --gpus {n}")
-    if f.ep is not None and f.dp is not None and f.tp is not None and f.dp * f.tp % f.ep:
-        raise BadInput(f"--ep {f.ep}: expert parallelism splits the experts over consecutive data- and tensor-parallel "
-                       f"ranks, and --dp {f.dp} x --tp {f.tp} is not a multiple of it")
+    if f.ep is not None and (f.dp is not None or f.tp is not None):
+        # an EP group is ep consecutive ranks of the dp x tp ranks of a stage: some dp x tp the
+        # degrees given leave must be a multiple of it
+        stage = n // ((f.pp or 1) * (f.cp or 1))
+        divs = [d for d in range(1, stage + 1) if stage % d == 0]
+        if not any(stage % (d * t) == 0 and d * t % f.ep == 0
+                   for d in ([f.dp] if f.dp is not None else divs) for t in ([f.tp] if f.tp is not None else divs)):
+            dp = f"--dp {f.dp}" if f.dp is not None else "any dp"
+            tp = f"--tp {f.tp}" if f.tp is not None else "any tp"
+            raise BadInput(f"--ep {f.ep}: expert parallelism splits the experts over consecutive data- and tensor-parallel "
+                           f"ranks, and {dp} x {tp} that --gpus {n} leaves is not a multiple of it")
     if f.virtual_stages is not None and f.schedule not in (None, "interleaved"):
         raise BadInput(f"--virtual-stages needs --schedule interleaved, not {f.schedule}")
     if f.zero and f.dp == 1 and (f.cp or 1) == 1:

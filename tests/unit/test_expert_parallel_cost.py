@@ -272,7 +272,10 @@ def test_plan_runs_ep_where_asked_and_explains_it(tmp_path):
      "layers.0.mlp runs on the sequence shards only with expert parallelism (ep > 1)"),
     (["moe.py", "--ep", "4", "--dp", "2", "--tp", "1"],
      "--ep 4: expert parallelism splits the experts over consecutive data- and tensor-parallel ranks, and --dp 2 x "
-     "--tp 1 is not a multiple of it"),
+     "--tp 1 that --gpus 4 leaves is not a multiple of it"),
+    (["moe.py", "--ep", "8", "--tp", "2"],
+     "--ep 8: expert parallelism splits the experts over consecutive data- and tensor-parallel ranks, and any dp x "
+     "--tp 2 that --gpus 4 leaves is not a multiple of it"),
 ])
 def test_bad_ep_is_refused_in_one_line(args, message, capsys):
     name, *flags = args
