@@ -22,7 +22,7 @@ from planner.profile import ModelProfile, profile_model
 from planner.report.units import fmt_bytes
 from planner.search.explain import build_plan
 from planner.search.search import SearchResult, busy_share, run_search
-from planner.search.space import Fixed, cp_blocker
+from planner.search.space import Fixed, cp_blocker, divisors
 
 DEFAULT_GPU = "h100-sxm-80gb"
 
@@ -74,7 +74,7 @@ def _check(request: PlanRequest, cluster: Cluster) -> list[str]:
         # an EP group is ep consecutive ranks of the dp x tp ranks of a stage: some dp x tp the
         # degrees given leave must be a multiple of it
         stage = n // ((f.pp or 1) * (f.cp or 1))
-        divs = [d for d in range(1, stage + 1) if stage % d == 0]
+        divs = divisors(stage)
         if not any(stage % (d * t) == 0 and d * t % f.ep == 0
                    for d in ([f.dp] if f.dp is not None else divs) for t in ([f.tp] if f.tp is not None else divs)):
             dp = f"--dp {f.dp}" if f.dp is not None else "any dp"
@@ -419,8 +419,8 @@ def _infeasible_message(profile, request: PlanRequest, cluster: Cluster, result:
             break
         n *= 2
     # a GPU with more memory, where the GPU's memory is what binds (not the user's --memory-limit)
-    bigger = [g for g in load_catalogue().values() if g.memory_bytes > cluster.gpu.memory_bytes and request.precision in g.peak_flops
-              and request.memory_limit_gib is None]
+    bigger = [] if request.memory_limit_gib is not None else [
+        g for g in load_catalogue().values() if g.memory_bytes > cluster.gpu.memory_bytes and request.precision in g.peak_flops]
     for gpu in sorted(bigger, key=lambda g: g.memory_bytes):
         if feasible(profile, replace(request, gpu=gpu.name, gpus_per_node=None, memory_limit_gib=None, fixed=keep)):
             fixes.append(f"{request.gpus} x {gpu.name} ({gpu.memory_gb:.0f} GB)")

@@ -111,25 +111,12 @@ def _expert_mesh(device_type: str, pp: int, replicas: int, ep: int) -> DeviceMes
     return init_device_mesh(device_type, (pp, replicas, ep), mesh_dim_names=("pp", "ep_replicate", "ep"))
 
 
-@functools.lru_cache(maxsize=None)
-def _tp_mesh(device_type: str, pp: int, dp: int, tp: int) -> DeviceMesh:
-    return init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-
-
 def expert_mesh(device_type: str, plan: Plan) -> DeviceMesh:
     """This rank's (ep_replicate, ep) mesh: its EP group ("ep": ep consecutive ranks of its stage)
     and the expert replicas ("ep_replicate": the ranks at the same position of the stage's other
     groups). Made once per process (every rank creates the groups together)."""
     p = plan.parallel
     return _expert_mesh(device_type, p.pp, p.dp * p.tp // p.ep, p.ep)["ep_replicate", "ep"]
-
-
-def _tp_group(device_type: str, plan: Plan) -> dist.ProcessGroup | None:
-    """This rank's tensor-parallel group (which holds the same router), None with tp 1."""
-    p = plan.parallel
-    if p.tp == 1:
-        return None
-    return _tp_mesh(device_type, p.pp, p.dp, p.tp)["tp"].get_group()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -626,10 +613,13 @@ def _patterns(names: list[str]) -> str:
     return ", ".join(dict.fromkeys(re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", n) or "(root)" for n in names))
 
 
-def apply_expert_parallel(module: nn.Module, plan: Plan, device_type: str) -> ExpertParallel | None:
+def apply_expert_parallel(module: nn.Module, plan: Plan, device_type: str,
+                          tp_group: dist.ProcessGroup | None = None) -> ExpertParallel | None:
     """Split the experts of every MoE block of `module` over this rank's EP group (plan.parallel.ep
     > 1); the ExpertParallel (also attached to `module`: ``expert_parallel_of``), None without EP.
-    Every rank calls it (the groups are made here), also on a pipeline stage without MoE blocks."""
+    Every rank calls it (the groups are made here), also on a pipeline stage without MoE blocks.
+    `tp_group`: this rank's tensor-parallel group with tp > 1 (over which the router's gradients are
+    summed: ExpertParallel.tp_group)."""
     p = plan.parallel
     if p.ep == 1:
         return None
@@ -653,7 +643,7 @@ def apply_expert_parallel(module: nn.Module, plan: Plan, device_type: str) -> Ex
         replicated += [prefix + n for n, _ in module.get_submodule(block.name).named_parameters()
                        if prefix + n not in held_names]
     ep = ExpertParallel(module, mesh, p.dp, blocks, tuple(units), tuple(names), stacked,
-                        replicated=tuple(replicated), tp_group=_tp_group(device_type, plan))
+                        replicated=tuple(replicated), tp_group=tp_group)
     module.__dict__["_expert_parallel"] = ep
     _LIVE.add(ep)
     if dist.get_rank() == 0:

@@ -50,7 +50,7 @@ def parallelize(
     if plan.training.precision == "fp8":  # torchao's Float8 Linears, before any sharding (runtime.float8)
         apply_float8(module)
     # Expert parallelism first: DP must see this rank's experts only (and the placeholders of the others).
-    experts = apply_expert_parallel(module, plan, device.type)
+    experts = apply_expert_parallel(module, plan, device.type, mesh["tp"].get_group() if p.tp > 1 else None)
     if p.tp > 1:
         apply_tp(module, layers, mesh["tp"], p.sequence_parallel, p.ep)
     apply_recompute_layers(module, recompute)
