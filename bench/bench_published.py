@@ -82,13 +82,17 @@ def main(argv: list[str] | None = None) -> None:
         rows = [r for r in rows if r.source in wanted or r.id in wanted]
     profiles = Profiles()
     profiles.prefetch(rows, workers=max(1, min(args.jobs, os.cpu_count() or 1)))
-    results = predict_all(rows, profiles, free=args.free)
+    unexpressed: list[tuple[str, str]] = []
+    results = predict_all(rows, profiles, free=args.free, unexpressed=unexpressed)
+    for row_id, why in unexpressed:
+        print(f"not expressed: {row_id}: {why}")
     print_table(results)
     print_summary(results)
     predict_s = sum(r.seconds for r in results)
     free_s = sum(r.free_s or 0.0 for r in results)
     print(
-        f"\n{len(rows)} rows" + (f" ({len(unread)} not read, named above)" if unread else "") + f"; {len(profiles.cache)} distinct models profiled in {profiles.seconds:.1f} s; "
+        f"\n{len(rows)} rows" + (f" ({len(unread)} not read, named above)" if unread else "")
+        + (f" ({len(unexpressed)} whose configuration the planner cannot express, named above)" if unexpressed else "") + f"; {len(profiles.cache)} distinct models profiled in {profiles.seconds:.1f} s; "
         f"published configurations predicted in {predict_s:.1f} s" + (f"; free searches {free_s:.1f} s" if args.free else "")
     )
     if args.fit or args.loso:

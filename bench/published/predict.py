@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from planner.cost.setup import tensor_dtype
+from planner.errors import BadInput
 from planner.model_file import load_model_file
 from planner.profile import profile_model
 from planner.search.search import run_search
@@ -124,5 +125,17 @@ def predict(row: Row, profile, free: bool = False) -> Result:
     return result
 
 
-def predict_all(rows: list[Row], profiles: Profiles, free: bool = False) -> list[Result]:
-    return [predict(row, profiles.get(row), free) for row in rows]
+def predict_all(rows: list[Row], profiles: Profiles, free: bool = False,
+                unexpressed: list[tuple[str, str]] | None = None) -> list[Result]:
+    """Each row's prediction; a row whose configuration the planner cannot express (a choice it
+    refuses with BadInput: an expert parallelism it does not run, say) goes to `unexpressed` as
+    (row id, why) instead, or raises where that list is not given."""
+    out = []
+    for row in rows:
+        try:
+            out.append(predict(row, profiles.get(row), free))
+        except BadInput as exc:
+            if unexpressed is None:
+                raise
+            unexpressed.append((row.id, str(exc)))
+    return out

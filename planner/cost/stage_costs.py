@@ -972,7 +972,7 @@ def stage_costs(
     comm_factor, zero_factor = cluster.gpu.factor("comm"), cluster.gpu.factor("zero_comm")
     copy_s = memory_bound_s(1.0, cluster.gpu)
     dense = _dp_traffic(cand, shard, ranks, lk, w, g, (comm_factor, zero_factor), hsdp=True, copy_s_per_byte=copy_s,
-                        hbm_Bps=cluster.gpu.hbm_bandwidth_Bps)
+                        hbm_Bps=cluster.gpu.hbm_bandwidth_Bps, zero1_rs=training.zero1_reduce_scatter)
     in_pipeline = pipelined_fsdp(cand)
     measured = cluster.gpu.optimizer_s_per_param(cluster.num_gpus, training.optimizer)  # plan calibrate's
     optimizer_s = measured if measured is not None else memory_bound_s(training.optimizer_traffic_per_param(), cluster.gpu)
@@ -984,7 +984,8 @@ def stage_costs(
         # parameters, is not counted)
         replicas = cand.expert_replicas
         expert_lk = replace(lk, dp=lk.expert_dp) if lk.expert_dp is not None else lk
-        ex = _dp_traffic(cand, replicas, replicas, expert_lk, w, g, (comm_factor, zero_factor), hsdp=False, copy_s_per_byte=copy_s)
+        ex = _dp_traffic(cand, replicas, replicas, expert_lk, w, g, (comm_factor, zero_factor), hsdp=False, copy_s_per_byte=copy_s,
+                         zero1_rs=training.zero1_reduce_scatter)
         experts = dict(
             expert_state_bytes=_sharded_state(cand, replicas, w, g, o),
             expert_mb_comm_param_s=ex.per_param,
@@ -1050,11 +1051,12 @@ class _DPTraffic:
 
 
 def _dp_traffic(cand: Candidate, shard: int, ranks: int, lk: Links, w: int, g: int, factors: tuple[float, float],
-                hsdp: bool, copy_s_per_byte: float = 0.0, hbm_Bps: float = 0.0) -> _DPTraffic:
+                hsdp: bool, copy_s_per_byte: float = 0.0, hbm_Bps: float = 0.0, zero1_rs: bool = False) -> _DPTraffic:
     """The data-parallel collectives (StageCosts: mb_comm_*, grad_sync, after_step_*) of
     parameters sharded by ZeRO over `shard` ranks of the `ranks` that average their gradients
     (HSDP: replicas of the shard groups, when `hsdp`). `factors`: the cluster's refit factors
     (GPUSpec.phase_factors) of its traffic ("comm") and of ZeRO-2/3's every micro-batch ("zero_comm").
+    `zero1_rs`: ZeRO-1 reduce-scatters the gradients (Training.zero1_reduce_scatter), else all-reduces them.
 
     ZeRO-2/3 (FSDP2) also copy what they gather and reduce, a memory-bound pass each
     (`copy_s_per_byte`: seconds per byte read or written): an all-gather copies the rank's shard
@@ -1082,7 +1084,7 @@ def _dp_traffic(cand: Candidate, shard: int, ranks: int, lk: Links, w: int, g: i
     comm_factor, zero_factor = factors
     bare_ag, bare_rs = ag, rs
     ag, rs = ag.scaled(comm_factor), rs.scaled(comm_factor)
-    rs_or_ar = comm.allreduce(ranks, lk.dp).scaled(comm_factor) if zero <= 1 else rs
+    rs_or_ar = comm.allreduce(ranks, lk.dp).scaled(comm_factor) if zero == 0 or zero == 1 and not zero1_rs else rs
     grad_sync = rs_or_ar if zero <= 1 and ranks > 1 else comm.NONE
     per_atom = per_param = 0.0
     in_pipeline = pipelined_fsdp(cand)

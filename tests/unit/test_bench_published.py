@@ -457,6 +457,44 @@ def test_held_out_runs_read_whole_and_an_unknown_gpu_is_named_not_fatal(tmp_path
         load_rows(mixed)
 
 
+def test_the_dgxc_runs_read_but_llama4s_interleaved_expert_layers_which_are_named():
+    """bench/reference/dgxc_runs.yaml (NVIDIA's DGX Cloud recipes: NeMo and Megatron-Bridge on H100
+    and GB200, none fitted on) reads in full but for Llama 4 Maverick's rows, whose expert layers
+    alternate with dense ones (the bench's model files put them after the dense ones only)."""
+    unread: list = []
+    rows = load_rows(REFERENCE.parent / "dgxc_runs.yaml", unread)
+    assert len(rows) > 250 and {r.gpu.name for r in rows} == {"h100-sxm-80gb", "gb200"}
+    assert unread and all("maverick" in u[0] and "every 2 layers" in u[1] for u in unread)
+    # the recipes' TP overlap where their configs set it (Llama 3.1 70B and 405B on H100), not elsewhere
+    tp8 = [r for r in rows if "llama31_405b_h100" in r.id]
+    assert tp8 and all(r.fixed.tp_overlap for r in tp8)
+    assert not any(r.fixed.tp_overlap for r in rows if r.gpu.name == "gb200")
+
+
+def test_a_configuration_the_planner_cannot_express_is_named_not_fatal(monkeypatch):
+    """A row whose published configuration the planner refuses (BadInput: a combination it does
+    not plan) is listed with the planner's reason and left out of the figures, not a crash of the
+    whole bench; asked without the list, the refusal is raised."""
+    from bench.published import predict as predict_module
+    from planner.errors import BadInput
+
+    rows = load_rows(REFERENCE)[:2]
+    real = predict_module.predict
+
+    def predict(row, profile, free=False):
+        if row is rows[0]:
+            raise BadInput("--ep 8 with --cp 2: not planned")
+        return real(row, profile, free)
+
+    monkeypatch.setattr(predict_module, "predict", predict)
+    unexpressed: list = []
+    results = predict_module.predict_all(rows, predict_module.Profiles(), unexpressed=unexpressed)
+    assert [r.row.id for r in results] == [rows[1].id] and results[0].step_s > 0
+    assert unexpressed == [(rows[0].id, "--ep 8 with --cp 2: not planned")]
+    with pytest.raises(BadInput):
+        predict_module.predict_all(rows[:1], predict_module.Profiles())
+
+
 def test_reference_that_is_not_a_file_of_runs_is_one_line_and_exit_2(tmp_path, capsys):
     from bench.bench_published import main
 

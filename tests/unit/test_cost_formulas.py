@@ -253,6 +253,32 @@ def test_zero1_all_reduces_then_gathers_layer_by_layer():
     assert costs.optimizer_s_per_param == pytest.approx(_costs(zero=0)[1].optimizer_s_per_param / 4)
 
 
+def test_megatron_distributed_optimizer_reduce_scatters_then_gathers():
+    """Megatron's distributed optimizer (Training.zero1_reduce_scatter) reduce-scatters the
+    gradients beside the last backward, half an all-reduce's bytes, then all-gathers the updated
+    weights layer by layer after the optimizer; the ILP states the same. This runtime's ZeRO-1
+    (DDP, then torch's ZeroRedundancyOptimizer) all-reduces."""
+    from planner.search.partition import solve_partition
+
+    profile = synthetic_profile(n_blocks=4, h=1024, s=512, heads=16, vocab=32768)
+    cluster = make_cluster("a100-80gb", 4, 1)  # nodes of one GPU: the network, 200 Gb/s
+    cand = Candidate(tp=1, pp=1, dp=4, micro_batch=1, num_microbatches=4, zero=1, schedule="1f1b")
+    link = comm.Link(25 * GB, 15e-6, comm.ring_step_s(4, 4))
+    rs, ag, ar = comm.reduce_scatter(4, link), comm.allgather(4, link), comm.allreduce(4, link)
+    costs = stage_costs(profile, cluster, Training.for_trainer("megatron", "bf16", "adamw", 16, 80 * 2**30), cand)
+    assert costs.grad_sync.per_byte_s == pytest.approx(rs.per_byte_s) == pytest.approx(ar.per_byte_s / 2, rel=0.02)
+    ev = evaluate(costs, [0, len(costs.atoms)], [NONE] * len(costs.atoms))
+    params, atoms = sum(a.params for a in costs.atoms), len(costs.atoms)
+    backward = sum(a.bwd_s for a in costs.atoms)
+    exposed = max(rs(min(DDP_BUCKET_BYTES, params * 2)), rs(params * 2) - backward)  # Megatron hides it: dp_overlap 1
+    assert exposed > 0  # the network: more than one backward's worth
+    gathers = ag.per_byte_s * 2 * params + ag.fixed_s * atoms
+    assert ev.devices[0].sync_s == pytest.approx(exposed + gathers + costs.optimizer_s_per_param * params)
+    assert solve_partition(costs, recompute="none").objective_s == pytest.approx(ev.step_time_s, rel=1e-4)
+    costs = stage_costs(profile, cluster, Training("bf16", "adamw", 16, 80 * 2**30), cand)
+    assert costs.grad_sync.per_byte_s == pytest.approx(ar.per_byte_s)
+
+
 def test_zero3_gathers_every_micro_batch_overlapped_except_latency():
     profile, costs = _costs(zero=3, gpus_per_node=1)  # 4 nodes of 1: every collective crosses the network
     link = comm.Link(25 * GB, 15e-6, comm.ring_step_s(4, 4))
