@@ -40,11 +40,11 @@ class Parallel:
     dp x cp. 1: none."""
     ep: int = 1
     """Expert parallelism (mixture-of-experts models): each MoE block's experts split over ep
-    consecutive ranks of a pipeline stage, tp ranks included (ep divides dp x tp), tokens sent to
-    the experts they chose and back with two all-to-alls; the experts' gradients are averaged over
-    the dp x tp / ep ranks that hold the same experts. With tp > 1 (and sequence parallelism, which
-    it needs) the MoE blocks are not split by TP: each tp rank routes its own sequence shard. 1:
-    none."""
+    consecutive ranks of a pipeline stage, cp and tp ranks included (ep divides dp x cp x tp),
+    tokens sent to the experts they chose and back with two all-to-alls; the experts' gradients are
+    averaged over the dp x cp x tp / ep ranks that hold the same experts. With tp > 1 (and sequence
+    parallelism, which it needs) the MoE blocks are not split by TP: each tp rank routes its own
+    sequence shard, as each cp rank routes its own. 1: none."""
 
     @property
     def world_size(self) -> int:

@@ -70,17 +70,18 @@ def _check(request: PlanRequest, cluster: Cluster) -> list[str]:
         raise BadInput(f"--tp/--pp/--dp/--cp: their product ({prod}) does not divide --gpus {n}")
     if len(degrees) == 4 and prod != n:
         raise BadInput(f"--tp {f.tp} x --pp {f.pp} x --dp {f.dp} x --cp {f.cp} = {prod}, not --gpus {n}")
-    if f.ep is not None and (f.dp is not None or f.tp is not None):
-        # an EP group is ep consecutive ranks of the dp x tp ranks of a stage: some dp x tp the
-        # degrees given leave must be a multiple of it
-        stage = n // ((f.pp or 1) * (f.cp or 1))
-        divs = divisors(stage)
-        if not any(stage % (d * t) == 0 and d * t % f.ep == 0
-                   for d in ([f.dp] if f.dp is not None else divs) for t in ([f.tp] if f.tp is not None else divs)):
-            dp = f"--dp {f.dp}" if f.dp is not None else "any dp"
-            tp = f"--tp {f.tp}" if f.tp is not None else "any tp"
-            raise BadInput(f"--ep {f.ep}: expert parallelism splits the experts over consecutive data- and tensor-parallel "
-                           f"ranks, and {dp} x {tp} that --gpus {n} leaves is not a multiple of it")
+    if f.ep is not None and f.ep > 1:
+        # an EP group is ep consecutive ranks of a pipeline stage (its dp x cp x tp ranks): some
+        # stage the degrees given leave must be a multiple of it
+        given = [(flag, d) for flag, d in (("--dp", f.dp), ("--cp", f.cp), ("--tp", f.tp)) if d is not None]
+        part = math.prod(d for _, d in given)
+        stages = [n // f.pp] if f.pp is not None else [part] if len(given) == 3 else divisors(n)
+        if (given or f.pp is not None) and not any(s % part == 0 and s % f.ep == 0 for s in stages):
+            said = " x ".join(f"{flag} {d}" for flag, d in given)
+            where = f"the {n // f.pp} ranks of a stage that --pp {f.pp} leaves" if f.pp is not None else (
+                f"{said}" if len(given) == 3 else f"any stage with {said} that --gpus {n} leaves")
+            raise BadInput(f"--ep {f.ep}: expert parallelism splits the experts over consecutive ranks of a pipeline stage "
+                           f"(its data-, context- and tensor-parallel ranks), and {where} is not a multiple of it")
     if f.virtual_stages is not None and f.schedule not in (None, "interleaved"):
         raise BadInput(f"--virtual-stages needs --schedule interleaved, not {f.schedule}")
     if f.zero and f.dp == 1 and (f.cp or 1) == 1:

@@ -185,9 +185,9 @@ def apply_dp(
 
 def shard_experts(experts: ExpertParallel, reshard: bool, mp: MixedPrecisionPolicy) -> None:
     """ZeRO-2/3 with expert parallelism: each module holding this rank's experts is its own FSDP2
-    unit on the expert-replica mesh (the dp x tp / ep ranks holding the same experts), before the layers
+    unit on the expert-replica mesh (the dp x cp x tp / ep ranks holding the same experts), before the layers
     (which then leave its parameters to it), as torchtitan shards experts. Its reduce-scatter sums
-    over the replicas and divides by dp: each replica's gradient is already the sum over its EP
+    over the replicas and divides by dp x cp: each replica's gradient is already the sum over its EP
     group's ranks (runtime.expert_parallel). With one replica there is nothing to reduce: FSDP2
     divides by the factor alone; with more, the sum is forced (gloo has no pre-multiplied sum) and
     divided after. The unit's inputs are not cast (a stacked module's routing weights stay as the
@@ -195,7 +195,7 @@ def shard_experts(experts: ExpertParallel, reshard: bool, mp: MixedPrecisionPoli
     mp = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype, cast_forward_inputs=False)
     for unit in experts.units:
         fully_shard(unit, mesh=experts.replica_mesh, reshard_after_forward=reshard, mp_policy=mp)
-        unit.set_gradient_divide_factor(float(experts.dp))
+        unit.set_gradient_divide_factor(float(experts.grad_ranks))
         if experts.replicas > 1:
             unit.set_force_sum_reduction_for_comms(True)
     experts.fsdp = True

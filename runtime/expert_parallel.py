@@ -3,12 +3,14 @@ expert-parallel group, every token's rows sent to the ranks holding the experts 
 results sent back, both by all-to-all.
 
 Groups. With ``parallel.ep`` = ep, ep consecutive ranks of a pipeline stage form an EP group (ranks
-are ordered tp, cp, dp, pp, and EP runs with cp = 1: the group spans ep / tp data-parallel indices
-and all their tp ranks when tp divides ep, part of one tp group when ep divides tp; Megatron-Core's
-MoE parallel folding, torchtitan's EP borrowing the tp ranks at expert-tensor-parallel degree 1);
-rank j of a group holds experts [j E/ep, (j+1) E/ep) of every block (E: that block's number of
-experts). The dp x tp / ep ranks at the same position j of their groups hold the same experts: the
-expert replicas, over which the experts' gradients are summed (and divided by dp, below).
+are ordered tp, cp, dp, pp: the group spans whole tp groups, then whole cp groups, when those
+divide ep, part of one when ep divides them; Megatron-Core's MoE parallel folding, torchtitan's EP
+borrowing the tp ranks at expert-tensor-parallel degree 1); rank j of a group holds experts
+[j E/ep, (j+1) E/ep) of every block (E: that block's number of experts). The dp x cp x tp / ep ranks
+at the same position j of their groups hold the same experts: the expert replicas, over which the
+experts' gradients are summed (and divided by dp x cp, below). Each cp rank routes the tokens of its
+own part of the sequence, as each dp rank routes its own samples: a mixture-of-experts block is
+token by token, so the sequence's split (torch's context_parallel, load-balanced) is nothing to it.
 ``expert_mesh``: the 2-D (ep_replicate, ep) mesh of this rank's stage.
 
 With tensor parallelism (tp > 1) tensor parallelism leaves the mixture-of-experts blocks whole
@@ -48,8 +50,11 @@ all-reduces them over the replicas once per step, after the last micro-batch; Ze
 their own ``ZeroRedundancyOptimizer`` over the replicas (``runtime.train.make_optimizer_for``).
 ZeRO-2/3 (FSDP2): each module holding experts (a list's local expert, a stacked module) is
 ``fully_shard``-ed on the replica mesh before the layers (torchtitan's way), with the gradient
-divide factor dp (``runtime.data_parallel.apply_dp``). So an expert's weights, gradients and
-optimizer state are ZeRO-sharded over its dp x tp / ep replicas as the dense ones are over dp.
+divide factor dp x cp (``runtime.data_parallel.apply_dp``). So an expert's weights, gradients and
+optimizer state are ZeRO-sharded over its dp x cp x tp / ep replicas as the dense ones are over dp x cp.
+With context parallelism each cp rank's loss is the mean over its part of the sequences, which the
+dense gradients' average over dp x cp turns into the global batch's mean: the experts' sum over
+their replicas is divided by dp x cp alike.
 
 With tp > 1 each tp rank's gradients of a block's replicated parameters (the router's and any
 other parameter of the block but the experts, which data parallelism reduces with the dense ones)
@@ -59,7 +64,7 @@ and the mean over dp commute); under ZeRO-1/2/3 the tp ranks hold the same shard
 data-parallel mesh shards alike on every tp slice), so the shards are summed as they are. An
 expert's gradient needs no such sum: its owner receives the rows of every tp rank of its group,
 and the copies on replicas at other tp indices (ep < tp) are summed with the replicas, so the sum
-over replicas divided by dp is the global batch's mean.
+over replicas divided by dp x cp is the global batch's mean.
 
 Recompute: a recomputed layer (full, or selective / alternate: their policies keep matmul outputs,
 not the all-to-alls') reruns its forward in backward, so the record, the all-to-alls and the
@@ -116,7 +121,7 @@ def expert_mesh(device_type: str, plan: Plan) -> DeviceMesh:
     and the expert replicas ("ep_replicate": the ranks at the same position of the stage's other
     groups). Made once per process (every rank creates the groups together)."""
     p = plan.parallel
-    return _expert_mesh(device_type, p.pp, p.dp * p.tp // p.ep, p.ep)["ep_replicate", "ep"]
+    return _expert_mesh(device_type, p.pp, p.dp * p.cp * p.tp // p.ep, p.ep)["ep_replicate", "ep"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -455,7 +460,9 @@ class ExpertParallel:
     module: nn.Module
     mesh: DeviceMesh
     """(ep_replicate, ep): see ``expert_mesh``."""
-    dp: int
+    grad_ranks: int
+    """dp x cp: the ranks whose losses the gradients average (an expert's sum over its replicas is
+    divided by it)."""
     blocks: tuple[MoEBlock, ...]
     units: tuple[nn.Module, ...]
     """The modules holding this rank's experts: a list block's local experts, a stacked module (ZeRO-2/3
@@ -491,7 +498,7 @@ class ExpertParallel:
 
     def sync_grads(self) -> None:
         """Once per step, after the last micro-batch: under ZeRO-0/1 the experts' gradients summed
-        over the replicas and divided by dp (FSDP2 does that under ZeRO-2/3); with tensor
+        over the replicas and divided by dp x cp (FSDP2 does that under ZeRO-2/3); with tensor
         parallelism then the blocks' replicated gradients (the router's) summed over tp (module
         docstring)."""
         if not self.fsdp and self.names:
@@ -500,7 +507,7 @@ class ExpertParallel:
             flat = torch._utils._flatten_dense_tensors(grads)
             if self.replicas > 1:
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.replica_mesh.get_group())
-            flat /= self.dp
+            flat /= self.grad_ranks
             for p, g in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
                 if p.grad is None:
                     p.grad = g.clone()
@@ -642,7 +649,7 @@ def apply_expert_parallel(module: nn.Module, plan: Plan, device_type: str,
         prefix = f"{block.name}." if block.name else ""
         replicated += [prefix + n for n, _ in module.get_submodule(block.name).named_parameters()
                        if prefix + n not in held_names]
-    ep = ExpertParallel(module, mesh, p.dp, blocks, tuple(units), tuple(names), stacked,
+    ep = ExpertParallel(module, mesh, p.dp * p.cp, blocks, tuple(units), tuple(names), stacked,
                         replicated=tuple(replicated), tp_group=tp_group)
     module.__dict__["_expert_parallel"] = ep
     _LIVE.add(ep)
@@ -651,9 +658,9 @@ def apply_expert_parallel(module: nn.Module, plan: Plan, device_type: str,
         experts = " or ".join(str(e) for e in sizes) or "0"
         each = " or ".join(str(e // p.ep) for e in sizes) or "0"
         log.info("expert parallel: %d block%s, %s experts over %d ranks (%s each), dispatch by all-to-all; %s; "
-                 "expert gradients summed over %d replica(s), divided by dp %d%s",
+                 "expert gradients summed over %d replica(s), divided by dp x cp %d%s",
                  len(blocks), "" if len(blocks) == 1 else "s", experts, p.ep, each, _patterns([b.experts for b in blocks]) or "none here",
-                 mesh["ep_replicate"].size(), p.dp,
+                 mesh["ep_replicate"].size(), p.dp * p.cp,
                  f"; not split by tp {p.tp}: each tp rank routes its sequence shard, the router's gradients summed over tp"
                  if p.tp > 1 else "")
     return ep

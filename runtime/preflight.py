@@ -161,9 +161,9 @@ def check_context_parallel(plan: Plan, plan_path: Path) -> None:
 
 def check_expert_parallel(plan: Plan, plan_path: Path, handle: ModelHandle, layers: tuple[LayerSplit, ...]) -> None:
     """A plan with ep > 1 runs on a model with mixture-of-experts blocks (found as the profiler and
-    the runtime find them: planner.profile.moe), ep dividing dp x tp and every block's experts, with
-    tensor parallelism only under sequence parallelism (each tp rank routes its own sequence shard;
-    without it every tp rank would route the same tokens), without context or hybrid-sharded data
+    the runtime find them: planner.profile.moe), ep dividing dp x cp x tp and every block's experts,
+    with tensor parallelism only under sequence parallelism (each tp rank routes its own sequence
+    shard; without it every tp rank would route the same tokens), without hybrid-sharded data
     parallelism (not yet), on a model built whole (not the meta-device build); BadInput otherwise."""
     import os
 
@@ -173,9 +173,6 @@ def check_expert_parallel(plan: Plan, plan_path: Path, handle: ModelHandle, laye
     from runtime.meta_init import ENV as META_ENV
 
     p = plan.parallel
-    if p.cp > 1:
-        raise BadInput(f"{plan_path}: parallel.ep {p.ep}: expert parallelism runs with cp 1 for now (this plan "
-                       f"has cp {p.cp}): re-plan with --cp 1")
     if p.tp > 1 and not p.sequence_parallel:
         raise BadInput(f"{plan_path}: parallel.ep {p.ep} with tp {p.tp} needs sequence parallelism (each tp rank routes "
                        "its own sequence shard through the experts; without it every tp rank would route the same "
@@ -185,9 +182,9 @@ def check_expert_parallel(plan: Plan, plan_path: Path, handle: ModelHandle, laye
         if blocker:
             raise BadInput(f"{plan_path}: parallel.ep {p.ep} with tp {p.tp} needs sequence parallelism, which cannot run "
                            f"on this model ({blocker}): re-plan with --tp 1")
-    if p.dp * p.tp % p.ep:
-        raise BadInput(f"{plan_path}: parallel.ep {p.ep} does not divide dp x tp {p.dp * p.tp} (an expert-parallel group is "
-                       "ep consecutive ranks of the data- and tensor-parallel ranks): re-plan")
+    if p.dp * p.cp * p.tp % p.ep:
+        raise BadInput(f"{plan_path}: parallel.ep {p.ep} does not divide dp x cp x tp {p.dp * p.cp * p.tp} (an "
+                       "expert-parallel group is ep consecutive ranks of a pipeline stage): re-plan")
     if p.dp_replicate > 1:
         raise BadInput(f"{plan_path}: parallel.ep {p.ep} with HSDP (parallel.dp_replicate {p.dp_replicate}) is not "
                        "supported yet: re-plan with --hsdp off")

@@ -759,15 +759,15 @@ def make_row(e: dict, source: str, catalogue: dict[str, GPUSpec], trainer_text: 
     if precision in LOW_PRECISIONS and precision not in gpu.peak_flops:
         raise ValueError(f"{e['id']}: precision {precision_text!r} on {gpu.name}, which has no {precision} peak in the catalogue")
     assert tp * pp * dp * cp == gpus, f"{e['id']}: tp*pp*dp*cp != {gpus}"
-    # expert parallelism: the experts split over `ep` consecutive data- and tensor-parallel ranks
+    # expert parallelism: the experts split over `ep` consecutive ranks of a stage (dp x cp x tp)
     # (Megatron-LM's --expert-model-parallel-size, which carves EP out of TP x CP x DP with expert TP
     # 1: Megatron-Core's MoE parallel folding)
     ep = int(_first(p, ("ep", "expert_parallel", "expert_model_parallel", "ep_size")) or 1)
     assert ep == 1 or shape.experts, f"{e['id']}: ep {ep} for a dense model"
-    if dp * tp % ep:
-        # an EP that spans the CP ranks too: the planner's EP runs with cp 1, over dp x tp
-        folded, ep = ep, math.gcd(ep, dp * tp)
-        notes.append(f"EP {folded} folded over CP as EP {ep} over DP x TP")
+    if dp * cp * tp % ep:
+        # an EP that spans pipeline stages, which no trainer runs: the largest that a stage holds
+        folded, ep = ep, math.gcd(ep, dp * cp * tp)
+        notes.append(f"EP {folded} as EP {ep} over a stage's DP x CP x TP")
     etp = _first(p, ("etp", "expert_tensor_parallel", "expert_tp"))
     planned_etp = 1 if ep > 1 else tp  # with EP the planner keeps experts whole (stage_costs), without it TP splits them
     if shape.experts and etp is not None and int(etp) != planned_etp:

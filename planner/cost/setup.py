@@ -354,13 +354,14 @@ class Candidate:
     dp_shard_cp mesh). The batch is split over dp only."""
     ep: int = 1
     """Expert parallelism (mixture-of-experts models): each MoE block's experts split over ep
-    consecutive ranks of a pipeline stage, tp ranks included (ep divides dp x tp; with cp = 1 and
-    no HSDP, as the runtime runs it: Megatron-Core's MoE parallel folding, torchtitan's EP
-    borrowing the tp ranks), tokens sent to their experts and back with two all-to-alls per block
-    in forward and two in backward. An expert's weights are held by dp x tp / ep ranks
-    (`expert_replicas`), which average its gradients and over which ZeRO shards its state. With
-    tp > 1 (and sequence parallelism, which it needs) tensor parallelism leaves the MoE blocks
-    whole (TPInfo.under_ep): each tp rank routes its own 1/tp of the tokens."""
+    consecutive ranks of a pipeline stage, cp and tp ranks included (ep divides dp x cp x tp; no
+    HSDP, as the runtime runs it: Megatron-Core's MoE parallel folding, torchtitan's EP borrowing
+    the tp ranks), tokens sent to their experts and back with two all-to-alls per block in forward
+    and two in backward. An expert's weights are held by dp x cp x tp / ep ranks
+    (`expert_replicas`), which average its gradients and over which ZeRO shards its state. Each cp
+    rank routes its own sequence shard (a block of tokens as a dp rank's are); with tp > 1 (and
+    sequence parallelism, which it needs) tensor parallelism leaves the MoE blocks whole
+    (TPInfo.under_ep): each tp rank routes its own 1/tp of the tokens."""
 
     @property
     def grad_ranks(self) -> int:
@@ -374,7 +375,7 @@ class Candidate:
 
     @property
     def expert_replicas(self) -> int:
-        """The ranks that hold the same experts (ZeRO's group for their state): dp_shard x tp / ep."""
+        """The ranks that hold the same experts (ZeRO's group for their state): dp_shard (dp x cp) x tp / ep."""
         return self.dp_shard * self.tp // self.ep
 
     @property

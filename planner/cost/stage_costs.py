@@ -979,7 +979,7 @@ def stage_costs(
     optimizer_s *= cluster.gpu.factor("optimizer")
     experts = {}
     if cand.ep > 1:
-        # the experts' own group: the dp x tp / ep ranks that hold the same experts (an owner's
+        # the experts' own group: the dp x cp x tp / ep ranks that hold the same experts (an owner's
         # gradients already sum every tp rank's tokens of its group; the router's tp sum, a few
         # parameters, is not counted)
         replicas = cand.expert_replicas

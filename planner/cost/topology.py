@@ -40,7 +40,7 @@ class Links:
     """An expert-parallel group's all-to-all (ep consecutive ranks), None without EP."""
     ep_spans_nodes: bool = False
     expert_dp: Link | None = None
-    """The ranks that hold the same experts (dp x tp / ep of them, strided by ep: one in each EP
+    """The ranks that hold the same experts (dp x cp x tp / ep of them, strided by ep: one in each EP
     group), which average and shard the experts' gradients and state; None without EP."""
 
 

@@ -313,6 +313,9 @@ def _expert_parallel_line(best: Scored, profile: ModelProfile) -> str:
         line += (f" Tensor parallelism leaves the experts whole (expert parallelism splits them, over the "
                  f"tensor-parallel GPUs too: {c.ep} consecutive GPUs): each of the {c.tp} tensor-parallel GPUs routes "
                  f"its own 1/{c.tp} of the sequence (sequence parallelism) through its group's all-to-alls.")
+    if c.cp > 1:
+        line += (f" Each of the {c.cp} context-parallel GPUs of a sequence routes its own part of it through its "
+                 "group's all-to-alls, as a data-parallel GPU routes its own samples.")
     return line
 
 

@@ -218,9 +218,6 @@ def check_fixed_ep(profile: ModelProfile, fixed: Fixed) -> None:
     if experts % fixed.ep:
         raise BadInput(f"--ep {fixed.ep}: the {experts} experts of each mixture-of-experts block do not split evenly "
                        f"over {fixed.ep} ranks")
-    if fixed.cp is not None and fixed.cp > 1:
-        raise BadInput(f"--ep {fixed.ep} with --cp {fixed.cp}: expert parallelism runs with data, tensor and pipeline "
-                       "parallelism only (cp = 1)")
     if fixed.tp is not None and fixed.tp > 1:
         if fixed.sequence_parallel is False:
             raise BadInput(f"--ep {fixed.ep} with --tp {fixed.tp} needs sequence parallelism (each tensor-parallel rank "
@@ -235,7 +232,7 @@ def check_fixed_ep(profile: ModelProfile, fixed: Fixed) -> None:
 def _expert_parallel(profile: ModelProfile, tp: int, cp: int, dp: int, pp: int, fixed: Fixed,
                      stats: SpaceStats) -> list[int]:
     """EP degrees: 1, and on a model with mixture-of-experts blocks each divisor of their experts
-    that divides dp x tp, without CP (as the runtime runs it; with TP only under sequence parallelism:
+    that divides a stage's dp x cp x tp ranks (with TP only under sequence parallelism:
     `_sequence_parallel`). On pipeline stages the pipelining tracer splits, only when --ep and --pp
     are both asked for (a published configuration, say): the runtime does not run that, and `plan
     run` says so before launching."""
@@ -243,11 +240,9 @@ def _expert_parallel(profile: ModelProfile, tp: int, cp: int, dp: int, pp: int, 
     wanted = [fixed.ep] if fixed.ep is not None else divisors(experts) if experts else [1]
     out = []
     for ep in wanted:
-        if ep > 1 and dp * tp % ep:
+        if ep > 1 and dp * cp * tp % ep:
             if fixed.ep is not None:
-                stats.reject(f"ep={ep} must divide dp x tp={dp * tp}")
-        elif ep > 1 and cp > 1:
-            stats.reject("expert parallelism with context parallelism (the runtime does not run it)")
+                stats.reject(f"ep={ep} must divide dp x cp x tp={dp * cp * tp}")
         elif ep > 1 and pp > 1 and profile.tracer_splits(tp) and (fixed.ep is None or fixed.pp is None):
             stats.reject("expert parallelism on pipeline stages split by the tracer (the runtime does not run it; "
                          "fix --ep and --pp to plan it anyway)")

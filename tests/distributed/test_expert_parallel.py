@@ -5,7 +5,9 @@ recompute (the all-to-alls run again in backward), a pipeline, and tensor parall
 sequence parallelism (dp2 x tp2, each tp rank routing its own sequence shard through the experts,
 which tp leaves whole and EP splits over consecutive ranks, tp ranks included: ep2 over each tp
 pair, the experts replicated over dp, with ZeRO-1, and FSDP ZeRO-3 with full recompute; ep4 over
-all four ranks, on the Hugging Face model).
+all four ranks, on the Hugging Face model), and context parallelism (each cp rank routing the
+tokens of its part of the sequence: ep2 over the cp pair; over each cp pair of dp2 x cp2 with
+ZeRO-1 and selective recompute, and with FSDP ZeRO-3 and full recompute).
 
 Two models: examples/moe.py's decoder, small (a ModuleList of experts that the block's own loop
 calls: record / replay), and a tiny Hugging Face Mixtral built from a config (stacked expert
@@ -119,6 +121,12 @@ MOE_CONFIGS = {
     # micro-batches; FSDP ZeRO-3 with full recompute (the all-to-alls and TP collectives rerun)
     "tp_zero1": (4, Fixed(dp=2, tp=2, pp=1, zero=1, micro_batch=1, recompute="none", ep=2, sequence_parallel=True)),
     "tp_fsdp": (4, Fixed(dp=2, tp=2, pp=1, zero=3, micro_batch=2, recompute="full", ep=2, sequence_parallel=True)),
+    # EP x CP (each cp rank routing the tokens of its part of the sequence): ep2 over the cp pair, one
+    # replica; ep2 over each cp pair with the experts replicated over dp, ZeRO-1 and FSDP ZeRO-3 with full
+    # recompute (their gradients divided by dp x cp)
+    "cp": (2, Fixed(dp=1, tp=1, pp=1, cp=2, zero=0, micro_batch=2, recompute="none", ep=2)),
+    "dp_cp_zero1": (4, Fixed(dp=2, tp=1, pp=1, cp=2, zero=1, micro_batch=1, recompute="selective", ep=2)),
+    "dp_cp_fsdp": (4, Fixed(dp=2, tp=1, pp=1, cp=2, zero=3, micro_batch=2, recompute="full", ep=2)),
 }
 HF_CONFIGS = {
     "hf_ddp_selective": (2, Fixed(dp=2, tp=1, pp=1, zero=0, micro_batch=1, recompute="selective", ep=2)),
@@ -222,8 +230,9 @@ def test_matches_single_process(name, plans, runs):
     blocks, experts = ("1 block", 6) if name == "pp" else ("2 blocks", 4 if name.startswith("hf") else 6)
     assert f"expert parallel: {blocks}, {experts} experts over {ep} ranks ({experts // ep} each), dispatch by all-to-all" in log
     phases = report.profiled.phases_s  # the profiled step (runtime.phases): the dispatch is EP's
-    tp = json.loads(plans[name].read_text())["parallel"]["tp"]
-    assert phases["ep_comm"] > 0 and phases["cp_comm"] == 0 and (phases["tp_comm"] > 0) == (tp > 1), phases
+    parallel = json.loads(plans[name].read_text())["parallel"]
+    assert phases["ep_comm"] > 0 and (phases["cp_comm"] > 0) == (parallel["cp"] > 1), phases
+    assert (phases["tp_comm"] > 0) == (parallel["tp"] > 1), phases
 
 
 def test_dry_run_shows_the_expert_split(plans, capsys):
@@ -238,6 +247,11 @@ def test_dry_run_shows_the_expert_split(plans, capsys):
     assert "2 replica(s) of each expert" in out
     assert "expert parallel x tensor parallel: the mixture-of-experts blocks are not split by tp" in out
     assert "tp shard 1/2 of layers.*.self_attn.q_proj, layers.*.self_attn.k_proj, layers.*.self_attn.v_proj (colwise)" in out
+    assert main(["run", str(plans["dp_cp_zero1"]), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    # with CP too: ep2 over each cp pair (consecutive ranks), the experts replicated over dp
+    assert "rank 1: dp 0/2, cp 1/2, ep 1/2, tp 0/1" in out and "rank 2: dp 1/2, cp 0/2, ep 0/2, tp 0/1" in out
+    assert "2 replica(s) of each expert, their gradients summed and divided by dp x cp" in out
 
 
 def _refused(argv: list[str], capsys) -> str:
@@ -263,7 +277,7 @@ def test_ep_not_dividing_the_experts_or_dp_is_refused_before_launch(plans, workd
     assert err.endswith(f"parallel.ep 4 does not divide the {NUM_EXPERTS} experts of layers.0.mlp.experts: re-plan "
                         "with an ep that divides it")
     err = _refused(["run", str(with_ep(plans["ddp"], 4, workdir / "ep4_dp2.json"))], capsys)
-    assert "ep 4 does not divide dp x tp 2" in err  # planner.schema refuses it on load
+    assert "ep 4 does not divide dp x cp x tp 2" in err  # planner.schema refuses it on load
     assert not (workdir / "ep4.run.d").exists() and not (workdir / "ep4_dp2.run.d").exists()
 
 

@@ -625,7 +625,8 @@ def test_a_mixture_of_experts_row_reads_its_experts_and_runs_them_as_grouped_gem
     assert (qwen.shape.experts, qwen.shape.top_k, qwen.shape.ffn, qwen.shape.head_dim, qwen.fixed.ep) == (128, 8, 768, 128, 8)
     assert rows["megatron_bridge_2511_llama3_8b_h100_8gpu"].shape.experts == 0
     # Megatron-Core's MoE parallel folding: EP 32 over TP 2 x DP 16, as the planner's EP spans the
-    # tp ranks too (no approximation); one over CP as well is read over DP x TP, and said so
+    # tp and cp ranks too (no approximation); one larger than a pipeline stage is read as the stage's
+    # dp x cp x tp, and said so
     folded = rows["megatron_bridge_2511_qwen3_235b_h100_256gpu_fp8cs"]
     assert (folded.fixed.tp, folded.fixed.dp, folded.fixed.ep) == (2, 16, 32) and not folded.notes
     import yaml
@@ -633,11 +634,13 @@ def test_a_mixture_of_experts_row_reads_its_experts_and_runs_them_as_grouped_gem
     entry = next(e for e in yaml.safe_load((REFERENCE.parent / "held_out_runs.yaml").read_text())["entries"]
                  if e["id"] == "megatron_bridge_2511_qwen3_235b_h100_256gpu_fp8cs")
     over_cp = {**entry, "id": "over_cp", "parallel": {**entry["parallel"], "tp": 1, "cp": 2, "ep": 32}}
+    over_pp = {**entry, "id": "over_pp", "parallel": {**entry["parallel"], "tp": 1, "pp": 16, "dp": 16, "ep": 32}}
     path = tmp_path / "over_cp.yaml"
-    path.write_text(yaml.safe_dump({"entries": [over_cp]}))
-    (row,) = load_rows(path)
-    assert (row.fixed.tp, row.fixed.cp, row.fixed.dp, row.fixed.ep) == (1, 2, 16, 16)
-    assert "EP 32 folded over CP as EP 16 over DP x TP" in row.notes
+    path.write_text(yaml.safe_dump({"entries": [over_cp, over_pp]}))
+    row, beyond = load_rows(path)
+    assert (row.fixed.tp, row.fixed.cp, row.fixed.dp, row.fixed.ep) == (1, 2, 16, 32) and not row.notes
+    assert (beyond.fixed.pp, beyond.fixed.dp, beyond.fixed.ep) == (16, 16, 16)
+    assert "EP 32 as EP 16 over a stage's DP x CP x TP" in beyond.notes
 
     small = replace(qwen.shape, layers=1, hidden=64, heads=4, kv_heads=2, head_dim=32, ffn=48, experts=8, top_k=2,
                     vocab=128, seq_len=16)

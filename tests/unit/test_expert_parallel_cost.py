@@ -261,8 +261,6 @@ def test_plan_runs_ep_where_asked_and_explains_it(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["llama.py", "--ep", "2"], "--ep 2: expert parallelism needs mixture-of-experts blocks and this model has none"),
     (["moe.py", "--ep", "3"], "--ep 3: the 8 experts of each mixture-of-experts block do not split evenly over 3 ranks"),
-    (["moe.py", "--ep", "2", "--cp", "2"], "--ep 2 with --cp 2: expert parallelism runs with data, tensor and pipeline "
-                                          "parallelism only (cp = 1)"),
     (["moe.py", "--ep", "2", "--tp", "2", "--sequence-parallel", "off"],
      "--ep 2 with --tp 2 needs sequence parallelism (each tensor-parallel rank routes its own sequence shard through "
      "the experts): drop --sequence-parallel off"),
@@ -270,18 +268,39 @@ def test_plan_runs_ep_where_asked_and_explains_it(tmp_path):
     (["moe.py", "--tp", "2", "--dp", "2", "--ep", "1", "--sequence-parallel", "on"],
      "--sequence-parallel on: sequence parallelism cannot run on this model: the mixture-of-experts block "
      "layers.0.mlp runs on the sequence shards only with expert parallelism (ep > 1)"),
-    (["moe.py", "--ep", "4", "--dp", "2", "--tp", "1"],
-     "--ep 4: expert parallelism splits the experts over consecutive data- and tensor-parallel ranks, and --dp 2 x "
-     "--tp 1 that --gpus 4 leaves is not a multiple of it"),
+    (["moe.py", "--ep", "4", "--dp", "2", "--tp", "1", "--cp", "1"],
+     "--ep 4: expert parallelism splits the experts over consecutive ranks of a pipeline stage (its data-, context- "
+     "and tensor-parallel ranks), and --dp 2 x --cp 1 x --tp 1 is not a multiple of it"),
     (["moe.py", "--ep", "8", "--tp", "2"],
-     "--ep 8: expert parallelism splits the experts over consecutive data- and tensor-parallel ranks, and any dp x "
-     "--tp 2 that --gpus 4 leaves is not a multiple of it"),
+     "--ep 8: expert parallelism splits the experts over consecutive ranks of a pipeline stage (its data-, context- "
+     "and tensor-parallel ranks), and any stage with --tp 2 that --gpus 4 leaves is not a multiple of it"),
+    (["moe.py", "--ep", "4", "--pp", "2"],
+     "--ep 4: expert parallelism splits the experts over consecutive ranks of a pipeline stage (its data-, context- "
+     "and tensor-parallel ranks), and the 2 ranks of a stage that --pp 2 leaves is not a multiple of it"),
 ])
 def test_bad_ep_is_refused_in_one_line(args, message, capsys):
     name, *flags = args
     code = main([str(EXAMPLES / name), "--gpu", "cpu", "--gpus", "4", "--global-batch", "8", *flags])
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_ep_spans_the_context_parallel_ranks_too(tmp_path):
+    """EP with CP: an EP group is ep consecutive ranks of a stage, cp ranks included (each routes the
+    tokens of its part of the sequence): ep 4 over dp 2 x cp 2 holds each expert once; ep 2 over each
+    cp pair, twice (over dp), its gradients averaged over those replicas; the plan says so."""
+    from planner.cost.setup import Candidate
+
+    assert Candidate(tp=1, pp=1, dp=2, micro_batch=1, num_microbatches=4, zero=1, schedule="1f1b", cp=2, ep=4).expert_replicas == 1
+    assert Candidate(tp=2, pp=1, dp=2, micro_batch=1, num_microbatches=4, zero=1, schedule="1f1b", cp=2, ep=2).expert_replicas == 4
+    out = tmp_path / "plan.json"
+    assert main([str(EXAMPLES / "moe.py"), "--gpu", "cpu", "--gpus", "4", "--global-batch", "8", "--ep", "4",
+                 "--cp", "2", "-o", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert (plan["parallel"]["cp"], plan["parallel"]["ep"], plan["parallel"]["dp"]) == (2, 4, 2)
+    assert plan["predicted"]["breakdown_s"]["ep_comm"] > 0 and plan["predicted"]["breakdown_s"]["cp_comm"] > 0
+    line = next(l for l in plan["explanation"] if l.startswith("Expert parallelism over 4 GPUs"))
+    assert "No other GPU holds the same experts" in line and "context-parallel GPUs of a sequence routes its own part" in line
 
 
 def test_search_picks_ep_for_a_large_moe_model(model_file, tmp_path):
