@@ -15,7 +15,8 @@
   equal share of the tokens x top-k rows, as the published MoE benchmarks force-balance their
   routing (Megatron-Bridge's performance summary), with the permutation into expert order and
   back; shared experts as one SwiGLU of their width beside the routed ones; dense first layers
-  (DeepSeek-V3's 3); multi-head latent attention (DeepSeek-V2/V3: low-rank queries, keys and
+  (DeepSeek-V3's 3), and dense layers between the expert ones where a model interleaves them
+  (Llama 4 Maverick: every 2nd layer an expert layer); multi-head latent attention (DeepSeek-V2/V3: low-rank queries, keys and
   values from one latent, values padded to the key width for one fused kernel). Not built:
   DeepSeek-V3's multi-token prediction module, sliding-window attention (as full attention,
   noted).
@@ -228,7 +229,7 @@ class BalancedMoE(nn.Module):
         return torch.zeros_like(h).index_add(0, token, y).reshape(x.shape)
 
 
-SHARED_FFN, DENSE_LAYERS, DENSE_FFN, MLA_DIMS = {shared_ffn}, {dense_layers}, {dense_ffn}, {mla}
+SHARED_FFN, DENSE_LAYERS, DENSE_FFN, MOE_EVERY, MLA_DIMS = {shared_ffn}, {dense_layers}, {dense_ffn}, {moe_every}, {mla}
 
 
 class SharedAndRouted(BalancedMoE):
@@ -283,7 +284,9 @@ class LatentAttention(nn.Module):
 def build_model():
     model = Llama(CFG, mlp=SharedAndRouted if SHARED_FFN else BalancedMoE)
     for i, layer in enumerate(model.layers):
-        if i < DENSE_LAYERS:  # dense layers before the first expert layer (DeepSeek-V3's first 3)
+        # dense layers before the first expert layer (DeepSeek-V3's first 3), and between expert
+        # layers where they come every MOE_EVERY layers (Llama 4 Maverick's every 2nd: layers 1, 3, ...)
+        if i < DENSE_LAYERS or (i - DENSE_LAYERS) % MOE_EVERY != MOE_EVERY - 1:
             layer.mlp = FeedForward(replace(CFG, ffn_dim=DENSE_FFN))
         if MLA_DIMS:
             layer.self_attn = LatentAttention(CFG)
@@ -298,7 +301,7 @@ def model_source(shape: Shape) -> str:
     s = shape
     fields = dict(vocab=s.vocab, seq=s.seq_len, layers=s.layers, heads=s.heads, hidden=s.hidden, kv_heads=s.kv_heads, ffn=s.ffn,
                   head_dim=s.head_dim, experts=s.experts, top_k=s.top_k, shared_ffn=s.shared_ffn, dense_layers=s.dense_layers,
-                  dense_ffn=s.dense_ffn, mla=s.mla)
+                  dense_ffn=s.dense_ffn, moe_every=s.moe_every, mla=s.mla)
     head = _HEADER.format(examples=str(ROOT / "examples"))
     if s.experts or s.mla:
         assert s.experts, f"{s}: latent attention is built in the mixture-of-experts model file only"

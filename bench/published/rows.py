@@ -83,6 +83,9 @@ class Shape:
     dense_layers: int = 0
     """Layers before the first expert layer, with a dense MLP of `dense_ffn` (DeepSeek-V3: 3)."""
     dense_ffn: int = 0
+    moe_every: int = 1
+    """After the dense layers, an expert layer every this many (the others dense, of `dense_ffn`):
+    Llama 4 Maverick's interleave_moe_layer_step 2 makes layers 1, 3, 5, ... its expert layers."""
     mla: tuple[int, ...] = ()
     """Multi-head latent attention: (q_lora_rank (0: none), kv_lora_rank, qk_nope_head_dim,
     qk_rope_head_dim, v_head_dim); () for grouped-query attention."""
@@ -194,8 +197,9 @@ def _mla(m: dict, arch_text: str) -> tuple[int, ...]:
     return tuple(int(v) if v is not None else d for v, d in zip(given, MLA_DEEPSEEK_V3))
 
 
-def _layout(m: dict, arch_text: str, expert_ffn: int) -> tuple[int, int]:
-    """(shared experts' width, dense layers before the first expert layer) of an expert model."""
+def _layout(m: dict, arch_text: str, expert_ffn: int) -> tuple[int, int, int]:
+    """(shared experts' width, dense layers before the first expert layer, an expert layer every how
+    many layers after them) of an expert model."""
     width = _first(m, SHARED_WIDTH)
     count = _first(m, SHARED_COUNT)
     if count is None:
@@ -208,9 +212,8 @@ def _layout(m: dict, arch_text: str, expert_ffn: int) -> tuple[int, int]:
         lead = re.match(r"\W*\[0\]\s*\*\s*(\d+)\s*\+\s*\[1\]\s*\*\s*\d+\W*$", freq)
         assert lead, f"expert layers in the pattern {freq!r}: the model file here has them after the dense ones only"
         dense = int(lead.group(1))
-    elif freq is not None and int(freq) != 1:
-        raise ValueError(f"an expert layer every {freq} layers: the model file here has them after the dense ones only")
-    return shared, int(dense or 0)
+    every = int(freq) if freq is not None and not isinstance(freq, str) else 1
+    return shared, int(dense or 0), every
 
 
 def _experts(m: dict, arch_text: str) -> tuple[int, int, int | None]:
@@ -258,7 +261,7 @@ def _shape(e: dict) -> Shape:
     arch_text = str(value(m.get("arch", "")))
     experts, top_k, expert_ffn = _experts(m, arch_text)
     dense_ffn = num(m.get("ffn_hidden")) or 4 * num(m["hidden"])
-    shared, dense_layers = _layout(m, arch_text, expert_ffn or dense_ffn) if experts else (0, 0)
+    shared, dense_layers, every = _layout(m, arch_text, expert_ffn or dense_ffn) if experts else (0, 0, 1)
     mla = _mla(m, arch_text)
     if "MPT" in arch_text:
         arch = "mpt"
@@ -288,7 +291,8 @@ def _shape(e: dict) -> Shape:
         top_k=top_k,
         shared_ffn=shared,
         dense_layers=dense_layers,
-        dense_ffn=dense_ffn if dense_layers else 0,
+        dense_ffn=dense_ffn if dense_layers or every > 1 else 0,
+        moe_every=every,
         mla=mla,
     )
 
@@ -420,7 +424,8 @@ def active_params_b(shape: Shape) -> float:
         attention = h * (2 * width + 2 * shape.kv_heads * (shape.head_dim or h // a))
     moe = h * shape.experts + 3 * h * (shape.top_k * shape.ffn + shape.shared_ffn)
     dense = 3 * h * shape.dense_ffn
-    layers = shape.layers * attention + shape.dense_layers * dense + (shape.layers - shape.dense_layers) * moe
+    experts = (shape.layers - shape.dense_layers) // shape.moe_every
+    layers = shape.layers * attention + (shape.layers - experts) * dense + experts * moe
     return (layers + shape.vocab * h) / 1e9
 
 

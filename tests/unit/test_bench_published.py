@@ -457,14 +457,13 @@ def test_held_out_runs_read_whole_and_an_unknown_gpu_is_named_not_fatal(tmp_path
         load_rows(mixed)
 
 
-def test_the_dgxc_runs_read_but_llama4s_interleaved_expert_layers_which_are_named():
+def test_the_dgxc_runs_read_whole():
     """bench/reference/dgxc_runs.yaml (NVIDIA's DGX Cloud recipes: NeMo and Megatron-Bridge on H100
-    and GB200, none fitted on) reads in full but for Llama 4 Maverick's rows, whose expert layers
-    alternate with dense ones (the bench's model files put them after the dense ones only)."""
+    and GB200, none fitted on) reads in full, Llama 4 Maverick's expert layers every 2nd layer."""
     unread: list = []
     rows = load_rows(REFERENCE.parent / "dgxc_runs.yaml", unread)
-    assert len(rows) > 250 and {r.gpu.name for r in rows} == {"h100-sxm-80gb", "gb200"}
-    assert unread and all("maverick" in u[0] and "every 2 layers" in u[1] for u in unread)
+    assert len(rows) == 273 and {r.gpu.name for r in rows} == {"h100-sxm-80gb", "gb200"} and unread == []
+    assert all(r.shape.moe_every == 2 for r in rows if "maverick" in r.id)
     # the recipes' TP overlap where their configs set it (Llama 3.1 70B and 405B on H100), not elsewhere
     tp8 = [r for r in rows if "llama31_405b_h100" in r.id]
     assert tp8 and all(r.fixed.tp_overlap for r in tp8)
@@ -675,9 +674,9 @@ def test_a_mixture_of_experts_row_reads_its_experts_and_runs_them_as_grouped_gem
 def test_an_expert_model_is_never_read_as_a_dense_one(tmp_path):
     """Mixtral's name says 8 experts, top-2; DeepSeek-V3's fields (in a nested `moe` mapping or not)
     give its shared expert, its 3 dense first layers and its latent attention (DeepSeek-V3's ranks
-    where a row names MLA without them, noted); a model whose expert layers alternate with dense
-    ones, experts without their top-k, and expert parallelism on a dense model are left out and
-    named."""
+    where a row names MLA without them, noted); expert layers every 2nd layer (Llama 4's
+    interleave_moe_layer_step), the others dense of the row's ffn; experts without their top-k and
+    expert parallelism on a dense model are left out and named."""
     import yaml
 
     entry = yaml.safe_load((REFERENCE.parent / "held_out_runs.yaml").read_text())["entries"][0]  # Llama 3 8B, dp 8
@@ -694,14 +693,24 @@ def test_an_expert_model_is_never_read_as_a_dense_one(tmp_path):
     path = tmp_path / "moe.yaml"
     path.write_text(yaml.safe_dump({"entries": entries}))
     unread: list = []
-    mixtral, deepseek = load_rows(path, unread)
+    mixtral, deepseek, interleaved = load_rows(path, unread)
     assert (mixtral.shape.experts, mixtral.shape.top_k, mixtral.fixed.ep) == (8, 2, 8)
     s = deepseek.shape
     assert (s.experts, s.top_k, s.ffn, s.shared_ffn, s.dense_layers, s.dense_ffn) == (64, 6, 1408, 2 * 1408, 1, 14336)
     assert s.mla == (1536, 512, 128, 64, 128) and "latent attention's ranks and widths as DeepSeek-V3's" in deepseek.notes
+    s = interleaved.shape
+    assert (s.experts, s.top_k, s.moe_every, s.dense_layers, s.dense_ffn) == (16, 1, 2, 0, 14336)
     why = dict(unread)
-    assert list(why) == ["interleaved", "no_top_k", "dense_ep"]
-    assert "every 2 layers" in why["interleaved"] and "experts per token" in why["no_top_k"] and "dense model" in why["dense_ep"]
+    assert list(why) == ["no_top_k", "dense_ep"]
+    assert "experts per token" in why["no_top_k"] and "dense model" in why["dense_ep"]
+    # built as Llama 4 builds it: layers 1 and 3 of 4 hold the experts, 0 and 2 a dense MLP of ffn 14336 (here 96)
+    from dataclasses import replace
+
+    small = replace(s, layers=4, hidden=64, heads=4, kv_heads=4, ffn=32, dense_ffn=96, seq_len=16, vocab=128, head_dim=0)
+    namespace: dict = {}
+    exec(compile(model_source(small), "interleaved", "exec"), namespace)
+    mlps = [type(layer.mlp).__name__ for layer in namespace["build_model"]().layers]
+    assert mlps == ["FeedForward", "BalancedMoE", "FeedForward", "BalancedMoE"]
 
 
 def test_deepseeks_layers_are_built_as_it_names_them():
