@@ -72,6 +72,8 @@ def _simpler(r: Result, found) -> str:
     must save (search.margin), and the published configuration's margin is the larger."""
     if found.step_time_s <= r.step_s:
         return ""
+    if r.tight:  # the search keeps the allocator's fragmentation: the published plan is not a candidate
+        return "  (the published configuration fits only without the allocator's fragmentation)"
     if found.score > r.scored.score:  # otherwise its margin is the smaller: slower, yet ranked first
         return "  <- the search missed a faster plan"
     more = margin(r.scored.cand) - margin(found.cand)

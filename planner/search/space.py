@@ -61,8 +61,17 @@ class Fixed:
 
 
 # Model chunks per rank tried for interleaved 1F1B: the published Megatron-LM runs use 2-3
-# (published_runs.yaml: 3-5 layers per virtual stage); more multiplies the pipeline sends.
+# (published_runs.yaml: 3-5 layers per virtual stage); more multiplies the pipeline sends. Beyond
+# these, the chunk counts that split a rank's layers evenly (`interleave_options`): NeMo's
+# Nemotron-4 340B runs 12 chunks of one layer on each of 8 ranks, its Llama 3.1 405B 7 of two
+# (bench/reference/dgxc_runs.yaml), which a search of 2-4 alone could not find.
 INTERLEAVE = (2, 3, 4)
+
+
+def interleave_options(num_atoms: int, pp: int) -> list[int]:
+    """Model chunks per rank the search tries with `pp` ranks: INTERLEAVE, and each divisor of the
+    atoms a rank holds (num_atoms // pp) above them, while every stage keeps an atom."""
+    return sorted({v for v in (*INTERLEAVE, *divisors(max(1, num_atoms // pp))) if v > 1 and pp * v <= num_atoms})
 
 
 def divisors(n: int) -> list[int]:
@@ -348,7 +357,7 @@ def _schedules(tp, pp, dp, b, m, num_atoms, fixed: Fixed, stats: SpaceStats, cp:
             if m < pp and not torch_schedules:  # Megatron-LM's interleaved schedule needs a round
                 stats.reject("interleaving needs at least pp micro-batches (Megatron-LM)")
                 continue
-            for v in [fixed.virtual_stages] if fixed.virtual_stages else INTERLEAVE:
+            for v in [fixed.virtual_stages] if fixed.virtual_stages else interleave_options(num_atoms, pp):
                 if pp * v <= num_atoms:
                     stats.enumerated += 1
                     yield Candidate(tp, pp, dp, b, m, zero, schedule, v, cp=cp)

@@ -780,7 +780,8 @@ def test_numbers_written_as_text_are_read_as_numbers(tmp_path):
 def test_a_free_plan_slower_than_the_published_one_says_why():
     """The free search ranks by step time plus each plan's margin (search.margin): a plan 1% slower
     without ZeRO-1 and with two chunks fewer beats one that must save 2% more (the bench says so);
-    one that also scores worse would be a search that missed the faster plan."""
+    one that also scores worse would be a search that missed the faster plan, unless the published
+    plan fits only without the allocator's fragmentation (which the search keeps)."""
     from dataclasses import dataclass
 
     from bench.published.predict import Result
@@ -807,6 +808,9 @@ def test_a_free_plan_slower_than_the_published_one_says_why():
     assert "missed a faster plan" in _simpler(r, r.free)
     r = Result(row, published, None, 0.0, free=Plan(simpler.cand, 49.0), free_s=1.0)
     assert _simpler(r, r.free) == ""
+    # a published plan that fits only without the allocator's fragmentation is no candidate of the search
+    r = Result(row, published, None, 0.0, free=Plan(simpler.cand, 52.0), free_s=1.0, tight=True)
+    assert "fits only without the allocator's fragmentation" in _simpler(r, r.free)
 
 
 def test_the_lean_table_gives_each_gpu_and_trainer_its_signed_median(capsys):

@@ -189,3 +189,15 @@ def test_generous_limit_finds_plans(name):
     assert result.ranked and result.status == "optimal"
     assert len({s.shape for s in result.ranked}) == len(result.ranked) >= 3
     check_ranking(result.ranked)
+
+
+def test_the_search_tries_every_chunk_count_that_splits_a_ranks_layers_evenly():
+    """Interleaved 1F1B's chunks per rank: 2-4, and the divisors of the atoms a rank holds above them
+    (NeMo's Nemotron-4 340B runs 12 one-layer chunks on each of 8 ranks: 96 blocks and 3 other atoms;
+    its Llama 3.1 405B 7 chunks of two on 9), while every stage keeps an atom."""
+    from planner.search.space import interleave_options
+
+    assert interleave_options(99, 8) == [2, 3, 4, 6, 12]
+    assert interleave_options(129, 9) == [2, 3, 4, 7, 14]
+    assert interleave_options(10, 4) == [2]  # 3 chunks of 4 ranks would need 12 atoms
+    assert interleave_options(4, 4) == []
