@@ -24,8 +24,8 @@ apply to every GPU type through its own catalogue figures (a roofline).
 # out, median 6.9%, worst 29% (7.0% once Megatron's ZeRO-1 reduce-scatters, Training.zero1_reduce_scatter,
 # where the grid still picks these three). Checked on runs nothing was fitted on:
 # bench/reference/held_out_runs.yaml, 107 runs of Megatron-Bridge, NeMo, Nemotron-4, Llama 3,
-# MT-NLG, BLOOM, torchtitan, IBM's fms-fsdp and mixture-of-experts models: median 9.2%, its 64
-# dense runs 5.3% / worst 25%; bench/reference/llm_foundry_sweep.yaml, 98 MPT runs from 125M to
+# MT-NLG, BLOOM, torchtitan, IBM's fms-fsdp and mixture-of-experts models: median 8.7%, its 64
+# dense runs 5.6% / worst 25%; bench/reference/llm_foundry_sweep.yaml, 98 MPT runs from 125M to
 # 70B: median 4.0%, worst 20.5%; bench/reference/dgxc_runs.yaml, 214 dense runs of NVIDIA's DGX
 # Cloud recipes (NeMo on H100 and GB200): median 3.1%, worst 16.8%. (0.78 while memory was held at a copy's 0.90; 0.90 before fused
 # kernels were costed, when eager traffic on Megatron-LM's rows stood in for slower matmuls.)

@@ -128,7 +128,8 @@ class Training:
     forward, a bucket ahead of the layer that needs it), the Megatron runs of
     bench/reference came out faster than they ran: Megatron-LM's H100 weak-scaling rows median 12.2%
     (worst 21%) against 8.9% (12%) without it, the 214 NeMo runs of dgxc_runs.yaml 4.0% against 3.1%,
-    Megatron-Bridge's 25 dense ones 4.3% against 4.0%."""
+    Megatron-Bridge's 25 dense ones 4.3% against 4.0% (with the search's 2-4 interleaved chunks of
+    2026-12-07)."""
     recompute_collectives: str = "all"
     """The forward TP collectives selective and alternate recompute run again: those whose outputs
     backward reads (a column-wise Linear's gathered input, the residual after a row-wise one),
