@@ -51,6 +51,11 @@ class Parallel:
         """The ranks the plan runs on: dp x tp x pp x cp."""
         return self.dp * self.tp * self.pp * self.cp
 
+    @property
+    def stage_ranks(self) -> int:
+        """The consecutive ranks of one pipeline stage: dp x cp x tp (an EP group is ep of them)."""
+        return self.dp * self.cp * self.tp
+
     def one_line(self) -> str:
         sched = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": f"interleaved 1F1B x{self.virtual_stages}"}
         parts = [

@@ -171,8 +171,8 @@ def check_plan(plan: Any) -> None:
             "parallel",
             f"dp {p.dp} x tp {p.tp} x pp {p.pp}{cp} = {p.world_size}, not cluster.num_gpus {cluster.num_gpus}",
         )
-    if p.dp * p.cp * p.tp % p.ep:
-        raise _Malformed("parallel", f"ep {p.ep} does not divide dp x cp x tp {p.dp * p.cp * p.tp}")
+    if p.stage_ranks % p.ep:
+        raise _Malformed("parallel", f"ep {p.ep} does not divide dp x cp x tp {p.stage_ranks}")
     if p.dp % p.dp_replicate:
         raise _Malformed("parallel", f"dp_replicate {p.dp_replicate} does not divide dp {p.dp}")
     if p.micro_batch * p.num_microbatches * p.dp != training.global_batch:

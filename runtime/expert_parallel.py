@@ -112,7 +112,8 @@ META_REFUSAL = (
 
 @functools.lru_cache(maxsize=None)
 def _expert_mesh(device_type: str, pp: int, replicas: int, ep: int) -> DeviceMesh:
-    # with cp = 1, rank = (pp_index * dp + dp_index) * tp + tp_index = (pp_index * replicas + r) * ep + j
+    # rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index = (pp_index * replicas + r) * ep + j:
+    # a stage's dp x cp x tp ranks are consecutive, its EP groups ep of them
     return init_device_mesh(device_type, (pp, replicas, ep), mesh_dim_names=("pp", "ep_replicate", "ep"))
 
 
@@ -121,7 +122,7 @@ def expert_mesh(device_type: str, plan: Plan) -> DeviceMesh:
     and the expert replicas ("ep_replicate": the ranks at the same position of the stage's other
     groups). Made once per process (every rank creates the groups together)."""
     p = plan.parallel
-    return _expert_mesh(device_type, p.pp, p.dp * p.cp * p.tp // p.ep, p.ep)["ep_replicate", "ep"]
+    return _expert_mesh(device_type, p.pp, p.stage_ranks // p.ep, p.ep)["ep_replicate", "ep"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -475,7 +476,7 @@ class ExpertParallel:
     """Set by ``apply_dp`` when FSDP2 reduces the experts' gradients (ZeRO-2/3)."""
     replicated: tuple[str, ...] = ()
     """The blocks' other parameters (the router's), by their names in `module`: replicated on
-    every rank, reduced over dp with the dense ones."""
+    every rank, reduced over dp x cp with the dense ones."""
     tp_group: dist.ProcessGroup | None = None
     """With tensor parallelism: this rank's tp group, over which the gradients of the blocks'
     replicated parameters are partial sums (module docstring); None with tp 1."""

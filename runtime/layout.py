@@ -262,7 +262,7 @@ def describe(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
     if p.ep > 1:
         out.append(f"expert parallel: each mixture-of-experts block's experts split over {p.ep} ranks ({p.ep} consecutive "
                    f"ranks of a pipeline stage, cp and tp ranks included; ep rank j holds the j-th 1/{p.ep} of them), "
-                   f"tokens dispatched and combined by all-to-all; {p.dp * p.cp * p.tp // p.ep} replica(s) of each "
+                   f"tokens dispatched and combined by all-to-all; {p.stage_ranks // p.ep} replica(s) of each "
                    "expert, their gradients summed and divided by dp x cp")
         if p.tp > 1:
             out.append(f"expert parallel x tensor parallel: the mixture-of-experts blocks are not split by tp (experts whole, "
@@ -270,7 +270,7 @@ def describe(plan: Plan, layers: tuple[LayerSplit, ...]) -> list[str]:
                        f"EP group, and the router's gradients are summed over the {p.tp} tp ranks")
     for rank in range(p.world_size):
         c = coords(rank, p.dp, p.tp, p.pp, p.cp)
-        ep = f", ep {((c.dp_index * p.cp + c.cp_index) * p.tp + c.tp_index) % p.ep}/{p.ep}" if p.ep > 1 else ""
+        ep = f", ep {rank % p.ep}/{p.ep}" if p.ep > 1 else ""  # a stage's ranks are consecutive, its EP groups too
         if p.pp > 1:
             stage = plan.stages[c.pp_index]
             mine = tuple(l for l in layers if l.name in set(stage.layers))

@@ -182,8 +182,8 @@ def check_expert_parallel(plan: Plan, plan_path: Path, handle: ModelHandle, laye
         if blocker:
             raise BadInput(f"{plan_path}: parallel.ep {p.ep} with tp {p.tp} needs sequence parallelism, which cannot run "
                            f"on this model ({blocker}): re-plan with --tp 1")
-    if p.dp * p.cp * p.tp % p.ep:
-        raise BadInput(f"{plan_path}: parallel.ep {p.ep} does not divide dp x cp x tp {p.dp * p.cp * p.tp} (an "
+    if p.stage_ranks % p.ep:
+        raise BadInput(f"{plan_path}: parallel.ep {p.ep} does not divide dp x cp x tp {p.stage_ranks} (an "
                        "expert-parallel group is ep consecutive ranks of a pipeline stage): re-plan")
     if p.dp_replicate > 1:
         raise BadInput(f"{plan_path}: parallel.ep {p.ep} with HSDP (parallel.dp_replicate {p.dp_replicate}) is not "
